@@ -1,0 +1,29 @@
+# Two commands for a newcomer: `make run` (set up + main job), `make test` (set up + tests).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch is pinned exactly: a looser pin pulls a multi-GB CUDA build.
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml)
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]" $(foreach b,$(wildcard backends/*/pyproject.toml),-e $(dir $(b)))
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/kvabi backends
+	$(BIN)/kvabi plan examples/configs/*.json
+	$(BIN)/kvabi conformance --all --quick
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

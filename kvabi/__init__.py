@@ -1,0 +1,32 @@
+"""kvabi: a hardware-agnostic ABI for the KV cache of LLM inference engines."""
+from .abi import ABI_VERSION, Backend, Capabilities, UnsupportedError, hookimpl
+from .errors import KVABIError
+from .metadata import CommonAttentionMetadata
+from .spec import KVGroup, KVSpec, LayerKV, ModelKV
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Layout": ("kvabi.layout", "Layout"),
+    "get_backend": ("kvabi.registry", "get_backend"),
+    "backend_names": ("kvabi.registry", "backend_names"),
+    "merge_attention": ("kvabi.merge", "merge_attention"),
+    "transforms": ("kvabi.transforms", None),
+}
+
+
+def __getattr__(name):
+    # Lazy so that `import kvabi` stays cheap and modules under construction don't break it.
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        m = importlib.import_module(mod)
+        return m if attr is None else getattr(m, attr)
+    raise AttributeError(f"module 'kvabi' has no attribute {name!r}")
+
+
+__all__ = ["ABI_VERSION", "Backend", "Capabilities", "CommonAttentionMetadata", "KVABIError",
+           "KVGroup", "KVSpec", "LayerKV", "Layout", "ModelKV", "UnsupportedError",
+           "backend_names", "get_backend", "hookimpl", "merge_attention", "transforms",
+           "__version__"]

@@ -1,0 +1,212 @@
+"""What each layer's KV cache is: :class:`KVSpec`, :class:`LayerKV`, :class:`ModelKV`."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import attrs
+
+from .dtypes import check_dtype, itemsize
+from .errors import KVABIError, require
+
+KINDS = ("full", "sliding_window", "chunked_local", "mla")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _positive(field):
+    def check(inst, attr, value):
+        require(isinstance(value, int) and value > 0, field, "must be a positive int", value)
+
+    return check
+
+
+@attrs.frozen
+class KVSpec:
+    """The KV cache of one layer.
+
+    ``kind`` is ``full``, ``sliding_window`` (needs ``window`` W: a query at p sees keys
+    p-W < j <= p), ``chunked_local`` (needs ``chunk`` C: keys in the query's own chunk of C
+    positions) or ``mla`` (one latent plane per token of width ``head_dim`` =
+    kv_lora_rank + rope dim; ``head_dim_v`` = kv_lora_rank, the part attention returns;
+    ``num_kv_heads`` must be 1).  ``page_align`` pads each page (block of one layer) to a
+    multiple of that many bytes, as some backends require.
+    """
+
+    kind: str = attrs.field()
+    block_size: int = attrs.field(validator=_positive("block_size"))
+    num_kv_heads: int = attrs.field(validator=_positive("num_kv_heads"))
+    head_dim: int = attrs.field(validator=_positive("head_dim"))
+    dtype: str = attrs.field(default="bfloat16")
+    head_dim_v: int | None = attrs.field(default=None)
+    window: int | None = attrs.field(default=None)
+    chunk: int | None = attrs.field(default=None)
+    page_align: int = attrs.field(default=1, validator=_positive("page_align"))
+
+    @kind.validator
+    def _check_kind(self, attr, value):
+        require(value in KINDS, "kind", f"must be one of {', '.join(KINDS)}", value)
+
+    def __attrs_post_init__(self):
+        check_dtype(self.dtype)
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        require(isinstance(self.head_dim_v, int) and 0 < self.head_dim_v, "head_dim_v",
+                "must be a positive int", self.head_dim_v)
+        if self.kind == "sliding_window":
+            require(isinstance(self.window, int) and self.window > 0, "window",
+                    "sliding_window needs a positive window", self.window)
+        else:
+            require(self.window is None, "window", f"only for sliding_window, not {self.kind}",
+                    self.window)
+        if self.kind == "chunked_local":
+            require(isinstance(self.chunk, int) and self.chunk > 0, "chunk",
+                    "chunked_local needs a positive chunk", self.chunk)
+        else:
+            require(self.chunk is None, "chunk", f"only for chunked_local, not {self.kind}",
+                    self.chunk)
+        if self.kind == "mla":
+            require(self.num_kv_heads == 1, "num_kv_heads", "MLA has one latent head",
+                    self.num_kv_heads)
+            require(self.head_dim_v <= self.head_dim, "head_dim_v",
+                    f"MLA value width must be <= latent width {self.head_dim}", self.head_dim_v)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kind == "mla"
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token of context costs in this layer (unpadded)."""
+        if self.is_mla:
+            return self.head_dim * self.itemsize
+        return self.num_kv_heads * (self.head_dim + self.head_dim_v) * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer, padded to ``page_align``."""
+        return cdiv(self.block_size * self.bytes_per_token, self.page_align) * self.page_align
+
+    @property
+    def span(self) -> int | None:
+        """Keys one query can see at most (window or chunk), None for unbounded."""
+        return self.window if self.kind == "sliding_window" else self.chunk
+
+    def blocks_per_request(self, max_len: int, max_query_len: int = 1) -> int:
+        """Blocks a request of up to ``max_len`` tokens must hold at once.
+
+        A sliding window or chunk needs only the blocks covering the last
+        ``span - 1 + max_query_len`` positions (plus one for misalignment).
+        """
+        require(isinstance(max_len, int) and max_len > 0, "max_len", "must be a positive int",
+                max_len)
+        full = cdiv(max_len, self.block_size)
+        if self.span is None:
+            return full
+        return min(full, cdiv(self.span - 1 + max_query_len, self.block_size) + 1)
+
+
+@attrs.frozen
+class LayerKV:
+    """One attention layer: its name, its spec, and the layer whose cache it reads, if any."""
+
+    name: str
+    spec: KVSpec
+    shares: str | None = None
+
+
+@attrs.frozen
+class KVGroup:
+    """Layers that own caches of one spec and so can share one block table."""
+
+    spec: KVSpec
+    layers: tuple[str, ...]
+
+
+@attrs.frozen
+class ModelKV:
+    """The KV caches of a model: ordered layers, their groups, and KV sharing."""
+
+    layers: tuple[LayerKV, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self):
+        require(len(self.layers) > 0, "layers", "a model needs at least one layer")
+        index: dict[str, int] = {}
+        for i, layer in enumerate(self.layers):
+            require(isinstance(layer, LayerKV), f"layers[{i}]", "must be a LayerKV", layer)
+            require(layer.name not in index, f"layers[{i}].name", "duplicate layer name",
+                    layer.name)
+            if layer.shares is not None:
+                j = index.get(layer.shares)
+                if j is None:
+                    raise KVABIError(f"layers[{i}].shares: {layer.name!r} shares "
+                                     f"{layer.shares!r}, which is not an earlier layer")
+                if self.layers[j].spec != layer.spec:
+                    raise KVABIError(f"layers[{i}].spec: {layer.name!r} shares "
+                                     f"{layer.shares!r} but their specs differ")
+            index[layer.name] = i
+
+    def __len__(self):
+        return len(self.layers)
+
+    def layer(self, name: str) -> LayerKV:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KVABIError(f"layer: no layer named {name!r}")
+
+    def owner(self, name: str) -> str:
+        """The layer whose cache ``name`` reads (itself when it owns one); chains resolve."""
+        layer = self.layer(name)
+        while layer.shares is not None:
+            layer = self.layer(layer.shares)
+        return layer.name
+
+    @property
+    def shared_layers(self) -> dict[str, str]:
+        """layer name -> owner name, for every layer that reads another layer's cache."""
+        return {l.name: self.owner(l.name) for l in self.layers if l.shares is not None}
+
+    @property
+    def owners(self) -> tuple[LayerKV, ...]:
+        return tuple(l for l in self.layers if l.shares is None)
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """Owner layers grouped by identical spec, in order of first appearance."""
+        by_spec: dict[KVSpec, list[str]] = {}
+        for l in self.owners:
+            by_spec.setdefault(l.spec, []).append(l.name)
+        return tuple(KVGroup(spec, tuple(names)) for spec, names in by_spec.items())
+
+    @property
+    def prefill_skip_layers(self) -> tuple[str, ...]:
+        """The maximal suffix of layers that all read another layer's cache.
+
+        Prefill of these layers can be skipped (only consumed tokens run through them);
+        empty when the last layer owns its cache.
+        """
+        out = []
+        for l in reversed(self.layers):
+            if l.shares is None:
+                break
+            out.append(l.name)
+        return tuple(reversed(out))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token of context costs across all layers that own a cache."""
+        return sum(l.spec.bytes_per_token for l in self.owners)
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping | str, block_size: int = 16,
+                       kv_dtype: str | None = None) -> "ModelKV":
+        """Build from a Hugging Face ``config.json`` (a dict or a path); see kvabi.hf_config."""
+        from .hf_config import model_from_hf_config
+
+        return model_from_hf_config(config, block_size=block_size, kv_dtype=kv_dtype)
