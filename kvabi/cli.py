@@ -1,0 +1,43 @@
+"""The ``kvabi`` command.  Each subcommand lives in ``kvabi.commands.<name>`` and provides
+``configure(parser)`` and ``run(args) -> int``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import KVABIError
+
+SUBCOMMANDS = {
+    "backends": "list attention backends, their availability and capabilities",
+    "plan": "plan KV cache memory for model configs",
+    "conformance": "run the conformance kit against a backend",
+    "bench": "run a benchmark suite (transforms, tpu, cuda, ...)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvabi", description=__doc__.split("\n")[0].strip(
+        '`" ') or "kvabi")
+    p.description = "kvabi: the KV cache ABI. Specs, layouts, metadata, backends."
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, help_ in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        mod = importlib.import_module(f"kvabi.commands.{name}")
+        mod.configure(sp)
+        sp.set_defaults(_run=mod.run)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KVABIError as e:
+        print(f"kvabi: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
