@@ -1,0 +1,104 @@
+"""Named layouts of the anchor systems, byte-exact (see ``specs/layout.md``).
+
+Each preset is a function of (spec, num_blocks, num_layers).  Layouts with L in the memory
+order hold all layers of a group in one allocation; with B outermost those are cross-layer
+blocks (one byte range per block).
+"""
+from __future__ import annotations
+
+from .dtypes import tpu_packing
+from .errors import KVABIError
+from .layout import Layout
+from .spec import KVSpec
+
+# name -> (memory order, plane axes, folds); "C" in vLLM's names is (KV, D) folded.
+_VLLM = {
+    "vllm.LBHNC": ("L", "B", "H", "N", "KV", "D"),
+    "vllm.LBNHC": ("L", "B", "N", "H", "KV", "D"),
+    "vllm.LHBNC": ("L", "H", "B", "N", "KV", "D"),
+    "vllm.BLHNC": ("B", "L", "H", "N", "KV", "D"),
+    "vllm.BLNHC": ("B", "L", "N", "H", "KV", "D"),
+    "vllm.BHLNC": ("B", "H", "L", "N", "KV", "D"),
+}
+_OTHER = {
+    # flash-attn / vLLM FLASH_ATTN: K and V planes, [B, N, H, D] per layer.
+    "flash_attn": (("B", "N", "H", "D"), ("L", "KV"), ()),
+    # FlashInfer: one tensor per layer, [B, 2, N, H, D] (NHD) or [B, 2, H, N, D] (HND).
+    "flashinfer.NHD": (("B", "KV", "N", "H", "D"), ("L",), ()),
+    "flashinfer.HND": (("B", "KV", "H", "N", "D"), ("L",), ()),
+    # TPU Pallas: [B, N, 2H (k0, v0, k1, v1, ...), D padded to 128], split by packing.
+    "tpu.combined": (("B", "N", "H", "KV", "D"), ("L",), (("H", "KV"),)),
+    # TPU hidden states: K and V planes, [B, N, H*D].
+    "tpu.hidden": (("B", "N", "H", "D"), ("L", "KV"), (("H", "D"),)),
+    # Dynamo KVBM FullyContiguous: [B, L, outer=KV, page, inner=H*D].
+    "kvbm.fully_contiguous": (("B", "L", "KV", "N", "H", "D"), (), (("H", "D"),)),
+    # Dynamo KVBM LayerSeparate (block-contiguous): per layer [B, outer=KV, page, H*D].
+    "kvbm.layer_separate": (("B", "KV", "N", "H", "D"), ("L",), (("H", "D"),)),
+}
+_NO_MLA = {"flash_attn", "flashinfer.NHD", "flashinfer.HND", "tpu.combined", "tpu.hidden"}
+
+PRESETS = tuple(_VLLM) + tuple(_OTHER)
+
+
+def preset_names(spec: KVSpec) -> tuple[str, ...]:
+    """The presets that can hold ``spec``."""
+    return tuple(n for n in PRESETS if not (spec.is_mla and n in _NO_MLA))
+
+
+def make_preset(name: str, spec: KVSpec, num_blocks: int, num_layers: int = 1) -> Layout:
+    if name not in PRESETS:
+        raise KVABIError(f"name: unknown layout preset {name!r}; presets are {', '.join(PRESETS)}")
+    if not isinstance(spec, KVSpec):
+        raise KVABIError(f"spec: must be a KVSpec, got {type(spec).__name__}")
+    for field, v in (("num_blocks", num_blocks), ("num_layers", num_layers)):
+        if not isinstance(v, int) or v <= 0:
+            raise KVABIError(f"{field}: must be a positive int, got {v!r}")
+    if name in _VLLM:
+        order, planes, folds = _VLLM[name], (), (("KV", "D"),)
+    else:
+        order, planes, folds = _OTHER[name]
+    if spec.is_mla:
+        if name in _NO_MLA:
+            raise KVABIError(f"name: preset {name!r} has no MLA form (it needs K and V)")
+        order = tuple(a for a in order if a != "KV")
+        folds = tuple(f for f in folds if "KV" not in f)
+    elif spec.head_dim_v != spec.head_dim:
+        raise KVABIError(f"spec.head_dim_v: preset {name!r} needs head_dim_v == head_dim "
+                         f"({spec.head_dim}), got {spec.head_dim_v}")
+    sizes = {"L": num_layers, "B": num_blocks, "N": spec.block_size,
+             "H": spec.num_kv_heads, "D": spec.head_dim}
+    if not spec.is_mla:
+        sizes["KV"] = 2
+    extents, packing = None, 1
+    if name == "tpu.combined":
+        extents = {"D": -(-spec.head_dim // 128) * 128}
+        packing = tpu_packing(spec.dtype)
+        if (2 * spec.num_kv_heads) % packing:
+            raise KVABIError(f"spec.num_kv_heads: tpu.combined packs {packing} {spec.dtype} "
+                             f"values per word; 2 * num_kv_heads = {2 * spec.num_kv_heads} is "
+                             f"not a multiple (no hidden head padding)")
+    base = Layout(order=order, sizes=sizes, dtype=spec.dtype, planes=planes, extents=extents,
+                  folds=folds, packing=packing, name=name)
+    return _pad_pages(base, spec)
+
+
+def _pad_pages(layout: Layout, spec: KVSpec) -> Layout:
+    """Apply ``spec.page_align``: widen the B stride where one layer's block is contiguous."""
+    natural = spec.block_size * spec.bytes_per_token
+    if spec.page_bytes == natural:
+        return layout
+    inner = layout.order[layout.order.index("B") + 1:]
+    if set(inner) != {"N", "H", "D"} | ({"KV"} if layout.has_kv else set()):
+        raise KVABIError(f"spec.page_align: preset {layout.name!r} splits a layer's page "
+                         f"across {layout.order}; page padding is not expressible there")
+    strides = {a: layout.stride(a) for a in layout.order}
+    grow = spec.page_bytes
+    strides["B"] = grow
+    outer = layout.order[:layout.order.index("B")]
+    s = grow * layout.size("B")
+    for a in reversed(outer):
+        strides[a] = s
+        s *= layout.extent(a)
+    import attrs
+
+    return attrs.evolve(layout, strides=strides)
