@@ -1,0 +1,255 @@
+"""The ``reference`` backend: the numpy float64 oracle of ``specs/semantics.md``.
+
+Caches are held in the layout's own dtype (numpy, or ``ml_dtypes`` for bfloat16 and
+float8), written and read through :meth:`kvabi.Layout.kv_view` strided views, so the
+oracle works on every preset layout byte for byte.  Attention upcasts to float64 and is
+computed densely: each real token's keys are gathered by block table into a padded
+``[tokens, max_seq_len, H, D]`` array (in bounded chunks of tokens), masked from
+positions, and reduced with a written-out softmax.  Slow by design, obvious by design.
+"""
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+from .abi import Backend, Capabilities
+from .dtypes import DTYPES, numpy_dtype
+from .errors import KVABIError, require
+from .metadata import CommonAttentionMetadata
+from .spec import KINDS, KVSpec
+
+#: float64 elements one attention chunk may hold (keys + values + logits), about 64 MiB
+CHUNK_ELEMENTS = 1 << 23
+
+
+def _f64_or_none(x, field):
+    if x is None:
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        raise KVABIError(f"{field}: must be a number or None, got {x!r}") from None
+    require(math.isfinite(v) and v > 0, field, "must be a positive finite number", x)
+    return v
+
+
+@attrs.frozen(eq=False)
+class ReferencePlan:
+    """The reference backend's per-step plan: the metadata plus the attention options.
+
+    ``scale`` multiplies q.k (default ``1/sqrt(spec.head_dim)``); ``softcap`` (or None)
+    caps the scaled logits as ``cap * tanh(x / cap)``; ``sinks`` (or None) holds one
+    float64 logit per query head.  The derived arrays locate every key of every request.
+    """
+
+    meta: CommonAttentionMetadata
+    spec: KVSpec
+    layout: object
+    scale: float
+    softcap: float | None = None
+    sinks: np.ndarray | None = None
+    #: request of each real token [A]
+    token_request: np.ndarray = attrs.field(init=False)
+    #: block id holding key position j of request r, 0 where j >= seq_len [R, S]
+    key_block: np.ndarray = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        m = self.meta
+        s = m.max_seq_len
+        j = np.arange(s, dtype=np.int64)
+        cols = j // m.block_size
+        if s:
+            blk = m.block_table[:, cols].astype(np.int64)
+            blk = np.where(j[None, :] < m.seq_lens[:, None], blk, 0)
+        else:
+            blk = np.zeros((m.num_reqs, 0), np.int64)
+        object.__setattr__(self, "token_request", m.token_request.astype(np.int64))
+        object.__setattr__(self, "key_block", blk)
+
+
+class ReferenceBackend(Backend):
+    """numpy float64 attention over caches in their native dtype; every spec, every layout."""
+
+    name = "reference"
+
+    def available(self) -> tuple[bool, str]:
+        return True, "numpy float64"
+
+    def capabilities(self, spec=None) -> Capabilities:
+        return Capabilities(kinds=KINDS, dtypes=DTYPES, head_dims=None, block_sizes=None,
+                            softcap=True, sinks=True,
+                            layouts=self.preferred_layouts(spec) if spec is not None else (),
+                            notes="numpy float64 oracle; any head dim, block size, layout")
+
+    def preferred_layouts(self, spec) -> tuple[str, ...]:
+        """Every preset layout that can hold ``spec`` (MLA: those without a KV axis)."""
+        from .layout import Layout
+        from .presets import PRESETS
+
+        out = []
+        for name in PRESETS:
+            try:  # a preset may still refuse the spec (packing, page alignment, Dv != D)
+                Layout.preset(name, spec, num_blocks=1)
+            except KVABIError:
+                continue
+            out.append(name)
+        return tuple(out)
+
+    # -- arrays ----------------------------------------------------------------------
+    def asarray(self, x):
+        return np.asarray(x)
+
+    def to_numpy(self, x):
+        return np.asarray(x)
+
+    def allocate(self, layout) -> list:
+        return layout.allocate_numpy(0)
+
+    # -- plan --------------------------------------------------------------------------
+    def plan(self, meta, spec, layout, *, scale=None, softcap=None, sinks=None):
+        require(isinstance(meta, CommonAttentionMetadata), "meta",
+                "must be a CommonAttentionMetadata", type(meta).__name__)
+        require(isinstance(spec, KVSpec), "spec", "must be a KVSpec", type(spec).__name__)
+        require(meta.block_size == spec.block_size, "meta.block_size",
+                f"must equal spec.block_size {spec.block_size}", meta.block_size)
+        require(layout.dtype == spec.dtype, "layout.dtype", f"must equal spec.dtype "
+                f"{spec.dtype!r}", layout.dtype)
+        n = layout.num_blocks
+        used = np.arange(meta.block_table.shape[1])[None, :] < \
+            -(-meta.seq_lens.astype(np.int64)[:, None] // spec.block_size)
+        vals = meta.block_table[used]
+        if vals.size and (int(vals.min()) < 0 or int(vals.max()) >= n):
+            raise KVABIError(f"block_table: entries must lie in [0, {n}) (the layout's "
+                             f"num_blocks), got {int(vals.min())}..{int(vals.max())}")
+        scale = (1.0 / math.sqrt(spec.head_dim)) if scale is None else \
+            _f64_or_none(scale, "scale")
+        softcap = _f64_or_none(softcap, "softcap")
+        if sinks is not None:
+            sinks = np.asarray(sinks, dtype=np.float64)
+            require(sinks.ndim == 1, "sinks", "must be 1-D, one logit per query head",
+                    sinks.shape)
+            require(not np.isnan(sinks).any(), "sinks", "must not be NaN")
+        return ReferencePlan(meta, spec, layout, scale, softcap, sinks)
+
+    # -- cache views -------------------------------------------------------------------
+    def _views(self, cache, layout, spec, layer):
+        """(key view, value view) of ``layer``: [B, N, H, D] and [B, N, H, Dv] numpy views."""
+        if spec.is_mla:
+            lat = layout.kv_view(cache, layer, 0)
+            self._check_view(lat, spec, spec.head_dim, "latent")
+            return lat[..., :spec.head_dim], lat[..., :spec.head_dim_v]
+        k = layout.kv_view(cache, layer, 0)
+        v = layout.kv_view(cache, layer, 1)
+        self._check_view(k, spec, spec.head_dim, "key")
+        self._check_view(v, spec, spec.head_dim_v, "value")
+        return k[..., :spec.head_dim], v[..., :spec.head_dim_v]
+
+    @staticmethod
+    def _check_view(view, spec, d, what):
+        want = (spec.block_size, spec.num_kv_heads)
+        if view.ndim != 4 or tuple(view.shape[1:3]) != want or view.shape[3] < d:
+            raise KVABIError(f"layout: {what} view has shape {tuple(view.shape)}, expected "
+                             f"[B, {want[0]}, {want[1]}, >= {d}] for this spec")
+
+    # -- write -------------------------------------------------------------------------
+    def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
+        spec, meta = plan.spec, plan.meta
+        t = meta.num_tokens
+        key = np.asarray(key)
+        h = spec.num_kv_heads
+        require(key.shape == (t, h, spec.head_dim), "key",
+                f"must be [{t}, {h}, {spec.head_dim}]", key.shape)
+        if spec.is_mla:
+            require(value is None, "value", "must be None for MLA (the latent is the key)",
+                    type(value).__name__)
+        else:
+            value = np.asarray(value)
+            require(value.shape == (t, h, spec.head_dim_v), "value",
+                    f"must be [{t}, {h}, {spec.head_dim_v}]", value.shape)
+        kview, vview = self._views(cache, layout, spec, layer)
+        slots = meta.slot_mapping
+        real = np.nonzero(slots >= 0)[0]
+        blk = slots[real] // spec.block_size
+        off = slots[real] % spec.block_size
+        dt = numpy_dtype(spec.dtype)
+        kview[blk, off] = to_cache_dtype(key[real], dt)
+        if not spec.is_mla:
+            vview[blk, off] = to_cache_dtype(value[real], dt)
+        return cache
+
+    # -- attention ---------------------------------------------------------------------
+    def attention(self, query, cache, layout, plan, *, layer: int = 0, return_lse=False):
+        spec, meta = plan.spec, plan.meta
+        query = np.asarray(query)
+        t, h = meta.num_tokens, spec.num_kv_heads
+        require(query.ndim == 3 and query.shape[0] == t and query.shape[2] == spec.head_dim,
+                "query", f"must be [{t}, Hq, {spec.head_dim}]", query.shape)
+        hq = query.shape[1]
+        require(hq > 0 and hq % h == 0, "query", f"query heads must be a positive multiple "
+                f"of the {h} KV heads", hq)
+        g = hq // h
+        if plan.sinks is not None:
+            require(plan.sinks.shape == (hq,), "sinks", f"must have one logit per query "
+                    f"head ({hq})", plan.sinks.shape)
+            sink = plan.sinks.reshape(1, h, g)
+        else:
+            sink = np.full((1, h, g), -np.inf)
+        kview, vview = self._views(cache, layout, spec, layer)
+        dv = spec.head_dim_v
+        out = np.zeros((t, hq, dv), np.float64)
+        lse = np.full((t, hq), -np.inf, np.float64)
+        n_real = meta.num_actual_tokens
+        s = meta.max_seq_len
+        per_token = max(1, s * (h * (spec.head_dim + dv) + 2 * hq))
+        step = max(1, CHUNK_ELEMENTS // per_token)
+        off = np.arange(s, dtype=np.int64) % spec.block_size
+        for a in range(0, n_real, step):
+            b = min(n_real, a + step)
+            o, l = _attend(query[a:b], kview, vview, plan, a, b, off, sink)
+            out[a:b] = o.reshape(b - a, hq, dv)
+            lse[a:b] = l.reshape(b - a, hq)
+        return (out, lse) if return_lse else out
+
+
+def to_cache_dtype(x: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """``x`` converted to cache dtype ``dt``: floats round to nearest even; int8 rounds to
+    nearest even and saturates to [-128, 127]."""
+    if dt == np.int8 and not np.issubdtype(np.asarray(x).dtype, np.integer):
+        return np.clip(np.rint(np.asarray(x, np.float64)), -128, 127).astype(np.int8)
+    if dt == np.int8:
+        return np.clip(x, -128, 127).astype(np.int8)
+    return np.asarray(x).astype(dt)
+
+
+def _attend(q, kview, vview, plan, a, b, off, sink):
+    """Attention of real tokens a..b: (out [t, H, g, Dv], lse [t, H, g]) in float64."""
+    meta, spec = plan.meta, plan.spec
+    r = plan.token_request[a:b]
+    p = meta.positions[a:b]
+    blk = plan.key_block[r]  # [t, S]
+    keys = kview[blk, off[None, :]].astype(np.float64)  # [t, S, H, D]
+    vals = vview[blk, off[None, :]].astype(np.float64)  # [t, S, H, Dv]
+    t, h = b - a, spec.num_kv_heads
+    qf = q.astype(np.float64).reshape(t, h, -1, spec.head_dim)  # [t, H, g, D]
+    logits = np.matmul(qf, keys.transpose(0, 2, 3, 1)) * plan.scale  # [t, H, g, S]
+    if plan.softcap is not None:
+        logits = plan.softcap * np.tanh(logits / plan.softcap)
+    j = np.arange(keys.shape[1], dtype=np.int64)[None, :]
+    pc = p[:, None]
+    mask = (j <= pc) & (j < meta.seq_lens[r][:, None])
+    if spec.kind == "sliding_window":
+        mask &= j > pc - spec.window
+    elif spec.kind == "chunked_local":
+        mask &= (j // spec.chunk) == (pc // spec.chunk)
+    logits = np.where(mask[:, None, None, :], logits, -np.inf)
+    m = np.maximum(logits.max(axis=-1, initial=-np.inf), sink)  # [t, H, g]
+    m = np.where(np.isfinite(m), m, 0.0)  # nothing visible: keep exp() finite
+    e = np.exp(logits - m[..., None])
+    den = e.sum(axis=-1) + np.exp(sink - m)
+    num = np.matmul(e, vals.transpose(0, 2, 1, 3))  # [t, H, g, Dv]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(den[..., None] > 0, num / den[..., None], 0.0)
+        lse = np.where(den > 0, m + np.log(den), -np.inf)
+    return out, lse
