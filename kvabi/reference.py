@@ -244,6 +244,9 @@ def _attend(q, kview, vview, plan, a, b, off, sink):
     elif spec.kind == "chunked_local":
         mask &= (j // spec.chunk) == (pc // spec.chunk)
     logits = np.where(mask[:, None, None, :], logits, -np.inf)
+    # Slots a query may not see can hold anything (NaN garbage of unwritten memory): zero
+    # them so that 0 * NaN cannot leak into the output.
+    vals = np.where(mask[:, :, None, None], vals, 0.0)
     m = np.maximum(logits.max(axis=-1, initial=-np.inf), sink)  # [t, H, g]
     m = np.where(np.isfinite(m), m, 0.0)  # nothing visible: keep exp() finite
     e = np.exp(logits - m[..., None])
