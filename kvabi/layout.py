@@ -45,7 +45,7 @@ class Layout:
     plane_bytes: int | None = attrs.field(default=None)
     folds: tuple[tuple[str, ...], ...] = attrs.field(
         default=(), converter=lambda f: tuple(tuple(x) for x in f))
-    packing: int = attrs.field(default=1)
+    packing: int | None = attrs.field(default=None)
     name: str | None = attrs.field(default=None)
 
     # -- validation --------------------------------------------------------------------
@@ -95,9 +95,9 @@ class Layout:
                     "plane_bytes", f"must be an int >= {natural} (the bytes the strides reach)",
                     self.plane_bytes)
         self._check_folds()
-        require(isinstance(self.packing, int) and self.packing >= 1, "packing",
-                "must be a positive int", self.packing)
-        if self.packing > 1:
+        require(self.packing is None or (isinstance(self.packing, int) and self.packing >= 1),
+                "packing", "must be a positive int or null", self.packing)
+        if self.packing is not None:
             hdim = self._view_groups()[self._h_group()]
             e = int(np.prod([self.extent(a) for a in hdim]))
             require(e % self.packing == 0, "packing",
@@ -197,7 +197,7 @@ class Layout:
         out = []
         for i, g in enumerate(self._view_groups()):
             out.append(g)
-            if self.packing > 1 and i == self._h_group():
+            if self.packing is not None and i == self._h_group():
                 out.append(("p",))
         return tuple(out)
 
@@ -207,7 +207,7 @@ class Layout:
         shape = []
         for i, g in enumerate(self._view_groups()):
             e = int(np.prod([self.extent(a) for a in g]))
-            if self.packing > 1 and i == self._h_group():
+            if self.packing is not None and i == self._h_group():
                 shape += [e // self.packing, self.packing]
             else:
                 shape.append(e)
@@ -219,7 +219,7 @@ class Layout:
         out = []
         for i, g in enumerate(self._view_groups()):
             s = self.stride(g[-1]) // self.itemsize
-            if self.packing > 1 and i == self._h_group():
+            if self.packing is not None and i == self._h_group():
                 out += [s * self.packing, s]
             else:
                 out.append(s)
@@ -332,27 +332,30 @@ class Layout:
             raise KVABIError(f"layers: out of range [0, {self.num_layers})")
         if not blocks.size or not lay.size:
             return []
-        bpos = self.order.index("B")
-        outer = self.order[:bpos]
-        inner = self.order[bpos + 1:]
+        # Enumerate plane axes and memory axes down to the innermost one we select on
+        # (B, or L when only some layers are wanted and L lies inside B).
+        cut = self.order.index("B")
+        if layers is not None and "L" in self.order and len(lay) < self.num_layers:
+            cut = max(cut, self.order.index("L"))
+        outer = self.order[:cut + 1]
+        inner = self.order[cut + 1:]
         span = sum((self.extent(a) - 1) * self.stride(a) for a in inner) + self.itemsize
-        sb = self.stride("B")
-        # Every combination of (plane axes, axes outside B, block).
-        ranges = {"L": lay, "KV": np.arange(self.size("KV"))}
-        dims = [a for a in self.planes] + list(outer)
-        grids = np.meshgrid(*[ranges.get(a, None) if a in ranges else np.arange(self.size(a))
-                              for a in dims], blocks, indexing="ij")
-        g = {a: x.ravel() for a, x in zip(dims, grids[:-1])}
-        b = grids[-1].ravel()
-        plane = self.plane_index(g.get("L", 0), g.get("KV", 0))
-        plane = np.broadcast_to(np.asarray(plane, dtype=np.int64), b.shape)
-        off = b * sb + sum((g[a] * self.stride(a) for a in outer), np.zeros_like(b))
+        step = self.stride(self.order[cut])
+        ranges = {"L": lay, "B": blocks}
+        dims = list(self.planes) + list(outer)
+        grids = np.meshgrid(*[ranges.get(a, np.arange(self.size(a))) for a in dims],
+                            indexing="ij")
+        g = {a: x.ravel() for a, x in zip(dims, grids)}
+        n = g["B"].size
+        plane = np.broadcast_to(np.asarray(self.plane_index(g.get("L", 0), g.get("KV", 0)),
+                                           dtype=np.int64), (n,))
+        off = sum((g[a] * self.stride(a) for a in outer), np.zeros(n, np.int64))
         order = np.lexsort((off, plane))
         plane, off = plane[order], off[order]
         end = off + span
         # A new region starts where the plane changes or the gap is more than block padding.
         new = np.ones(len(off), bool)
-        new[1:] = (plane[1:] != plane[:-1]) | (off[1:] - end[:-1] > sb - span)
+        new[1:] = (plane[1:] != plane[:-1]) | (off[1:] - end[:-1] > step - span)
         starts = np.nonzero(new)[0]
         last = np.r_[starts[1:], len(off)] - 1
         return [(int(p), int(o), int(e - o)) for p, o, e in

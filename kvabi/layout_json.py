@@ -65,7 +65,7 @@ def layout_from_json(cls, text, *, max_bytes=None):
         strides=_int_map(d.get("strides"), "strides", allow_none=True),
         plane_bytes=None if pb is None else _int(pb, "plane_bytes"),
         folds=tuple(_str_list(f, f"folds[{i}]") for i, f in enumerate(folds)),
-        packing=_int(d.get("packing", 1), "packing"),
+        packing=None if d.get("packing") is None else _int(d["packing"], "packing"),
         name=name,
     )
     if max_bytes is not None and layout.plane_nbytes > max_bytes:

@@ -69,7 +69,7 @@ def make_preset(name: str, spec: KVSpec, num_blocks: int, num_layers: int = 1) -
              "H": spec.num_kv_heads, "D": spec.head_dim}
     if not spec.is_mla:
         sizes["KV"] = 2
-    extents, packing = None, 1
+    extents, packing = None, None
     if name == "tpu.combined":
         extents = {"D": -(-spec.head_dim // 128) * 128}
         packing = tpu_packing(spec.dtype)
