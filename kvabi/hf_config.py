@@ -1,0 +1,253 @@
+"""Build a :class:`~kvabi.spec.ModelKV` from a Hugging Face ``config.json``.
+
+Which layer gets which kind of KV cache, following the conventions of the Hugging Face
+configuration classes (the semantics, not their code):
+
+- ``layer_types`` (newer configs: Gemma 3/3n, GPT-OSS, Llama 4, ...) wins when present:
+  ``full_attention``, ``sliding_attention`` (window ``sliding_window``) and
+  ``chunked_attention`` (chunk ``attention_chunk_size``).
+- Gemma 2 (``model_type`` ``gemma2``): sliding on even-indexed layers (i % 2 == 0).
+- Gemma 3 (``sliding_window_pattern`` P, default 6 for ``gemma3_text``): layer i is full
+  when (i + 1) % P == 0, sliding otherwise (five sliding, then one full).
+- Llama 4 (``attention_chunk_size``): ``no_rope_layers[i]`` is 1 where layer i uses RoPE
+  and 0 where it is a NoPE layer; RoPE layers attend within their chunk
+  (``chunked_local``), NoPE layers attend to everything (``full``). An empty or absent
+  list means every ``no_rope_layer_interval``-th layer (default 4) is NoPE.
+- Otherwise a non-null ``sliding_window`` makes every layer sliding (Mistral), unless
+  ``use_sliding_window`` is false (Qwen 2).
+- MLA (``kv_lora_rank``, DeepSeek V2/V3): one latent plane per token of width
+  kv_lora_rank + qk_rope_head_dim, of which attention returns the first kv_lora_rank.
+- KV sharing (``num_kv_shared_layers`` N, Gemma 3n): the last N layers own no cache; each
+  reads the cache of the last earlier non-shared layer of its own type.
+
+The window W of ``sliding_window`` is used as is: Hugging Face masks keys j <= p - W, so a
+query sees W keys including itself, which is kvabi's convention too.
+
+Layers are named ``layers.<i>``.  Multimodal wrappers keep the decoder under
+``text_config``; it is read from there, and the outer ``torch_dtype`` applies when the
+inner config has none.  Draft (MTP) layers such as DeepSeek's ``num_nextn_predict_layers``
+are not part of the decoder and are not counted.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+from .dtypes import DTYPES
+from .errors import KVABIError, require
+from .spec import KVSpec, LayerKV, ModelKV
+
+#: Defaults the Hugging Face config classes fill in for KV-relevant fields that public
+#: config.json files leave out (e.g. gemma-3-27b omits ``sliding_window_pattern``).
+MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": {"head_dim": 256, "sliding_window": 4096},
+    "gemma3_text": {"head_dim": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+                    "max_position_embeddings": 131072},
+    "llama4_text": {"head_dim": 128, "attention_chunk_size": 8192,
+                    "no_rope_layer_interval": 4},
+}
+
+#: torch dtype names (as configs write them, and common aliases) -> kvabi dtype.
+_TORCH_DTYPES = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "float32": "float32", "float": "float32", "fp32": "float32",
+}
+
+#: KV dtype aliases engines accept on their command lines.
+KV_DTYPE_ALIASES = {
+    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+}
+
+_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window",
+                "chunked_attention": "chunked_local"}
+
+
+def load_hf_config(config: Mapping | str | os.PathLike) -> dict:
+    """The config as a dict: a mapping as is, or a ``config.json`` path (or its folder)."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if not isinstance(config, (str, os.PathLike)):
+        raise KVABIError(f"config: expected a mapping or a path, got {type(config).__name__}")
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise KVABIError(f"config: cannot read {path!r}: {e.strerror or e}") from e
+    except json.JSONDecodeError as e:
+        raise KVABIError(f"config: {path!r} is not valid JSON: {e}") from e
+    require(isinstance(data, dict), "config", f"{path!r} must hold a JSON object",
+            type(data).__name__)
+    return data
+
+
+def text_config(config: Mapping) -> dict:
+    """The decoder's config: ``text_config`` when nested, with the model-type defaults
+    filled in and the outer dtype inherited."""
+    inner = config.get("text_config")
+    if inner is None:
+        cfg = dict(config)
+    else:
+        require(isinstance(inner, Mapping), "text_config", "must be an object",
+                type(inner).__name__)
+        cfg = dict(inner)
+        for key in ("torch_dtype", "dtype"):
+            if cfg.get(key) is None and config.get(key) is not None:
+                cfg[key] = config[key]
+    model_type = cfg.get("model_type")
+    for key, value in MODEL_TYPE_DEFAULTS.get(model_type, {}).items():
+        cfg.setdefault(key, value)
+    return cfg
+
+
+def hf_max_model_len(config: Mapping | str | os.PathLike) -> int | None:
+    """The context length the config declares (``max_position_embeddings``), if any."""
+    value = text_config(load_hf_config(config)).get("max_position_embeddings")
+    return _int_or_none(value, "max_position_embeddings", minimum=1)
+
+
+def resolve_kv_dtype(name: str) -> str:
+    """A kvabi dtype from a name or an engine alias (``fp8`` -> ``float8_e4m3fn``)."""
+    require(isinstance(name, str), "kv_dtype", "must be a dtype name", name)
+    name = KV_DTYPE_ALIASES.get(name, name)
+    require(name in DTYPES, "kv_dtype", f"must be one of {', '.join(DTYPES)} or an alias "
+            f"({', '.join(KV_DTYPE_ALIASES)})", name)
+    return name
+
+
+def config_kv_dtype(cfg: Mapping) -> str:
+    """The KV dtype a config implies: its ``torch_dtype``/``dtype``, else bfloat16."""
+    for key in ("torch_dtype", "dtype"):
+        value = cfg.get(key)
+        if value is None:
+            continue
+        require(isinstance(value, str), key, "must be a dtype name", value)
+        # "auto" or a dtype kvabi has no cache for (float64, ...) falls back to bfloat16.
+        return _TORCH_DTYPES.get(value.replace("torch.", ""), "bfloat16")
+    return "bfloat16"
+
+
+def _int_or_none(value, field: str, minimum: int = 1) -> int | None:
+    if value is None:
+        return None
+    require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+            field, f"must be an int >= {minimum}", value)
+    return value
+
+
+def _need_int(cfg: Mapping, field: str, minimum: int = 1) -> int:
+    require(field in cfg and cfg[field] is not None, field, "is required")
+    return _int_or_none(cfg[field], field, minimum)
+
+
+def _layer_kinds(cfg: Mapping, n: int) -> list[str]:
+    """The HF layer type of every layer: full_attention, sliding_attention or
+    chunked_attention."""
+    model_type = cfg.get("model_type")
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        require(isinstance(layer_types, list) and len(layer_types) == n, "layer_types",
+                f"must be a list of num_hidden_layers={n} entries", layer_types)
+        for i, t in enumerate(layer_types):
+            require(t in _LAYER_KINDS, f"layer_types[{i}]",
+                    f"unsupported layer type (kvabi knows {', '.join(_LAYER_KINDS)})", t)
+        return list(layer_types)
+    if model_type == "gemma2":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    pattern_key = next((k for k in ("sliding_window_pattern", "_sliding_window_pattern")
+                        if cfg.get(k) is not None), None)
+    if pattern_key is not None:
+        p = _int_or_none(cfg[pattern_key], pattern_key, minimum=1)
+        return ["full_attention" if (i + 1) % p == 0 else "sliding_attention"
+                for i in range(n)]
+    if cfg.get("attention_chunk_size") is not None:
+        rope = cfg.get("no_rope_layers")
+        if not rope:  # absent or empty: HF derives it from the interval
+            interval = _int_or_none(cfg.get("no_rope_layer_interval", 4),
+                                    "no_rope_layer_interval", minimum=1)
+            rope = [int((i + 1) % interval != 0) for i in range(n)]
+        require(isinstance(rope, list) and len(rope) >= n, "no_rope_layers",
+                f"must list at least num_hidden_layers={n} entries", rope)
+        for i in range(n):
+            require(rope[i] in (0, 1) and not isinstance(rope[i], float), f"no_rope_layers[{i}]",
+                    "must be 1 (RoPE, chunked) or 0 (NoPE, full)", rope[i])
+        return ["chunked_attention" if rope[i] else "full_attention" for i in range(n)]
+    if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
+        # Qwen 2 style: with use_sliding_window, only layers from max_window_layers slide.
+        first = cfg.get("max_window_layers") if "use_sliding_window" in cfg else None
+        first = _int_or_none(first, "max_window_layers", minimum=0) or 0
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+def _shared_targets(kinds: list[str], num_shared: int) -> list[int | None]:
+    """For each layer, the index of the layer whose cache it reads (None: its own)."""
+    n = len(kinds)
+    first = n - num_shared
+    out: list[int | None] = [None] * n
+    if num_shared == 0:
+        return out
+    for i in range(first, n):
+        earlier = [j for j in range(first) if kinds[j] == kinds[i]]
+        # No earlier layer of that type: the layer keeps its own cache (as HF does).
+        out[i] = earlier[-1] if earlier else None
+    return out
+
+
+def model_from_hf_config(config: Mapping | str | os.PathLike, block_size: int = 16,
+                         kv_dtype: str | None = None) -> ModelKV:
+    """The :class:`ModelKV` of a Hugging Face config (a dict, a config.json path, or the
+    folder holding it).  ``kv_dtype`` defaults to the config's dtype (bfloat16 if none)."""
+    cfg = text_config(load_hf_config(config))
+    dtype = config_kv_dtype(cfg) if kv_dtype is None else resolve_kv_dtype(kv_dtype)
+    n = _need_int(cfg, "num_hidden_layers")
+
+    if cfg.get("kv_lora_rank") is not None:
+        rank = _need_int(cfg, "kv_lora_rank")
+        rope_dim = _need_int(cfg, "qk_rope_head_dim", minimum=0)
+        spec = KVSpec("mla", block_size, 1, rank + rope_dim, dtype=dtype, head_dim_v=rank)
+        return ModelKV([LayerKV(f"layers.{i}", spec) for i in range(n)])
+
+    heads = _need_int(cfg, "num_attention_heads")
+    kv_heads = _int_or_none(cfg.get("num_key_value_heads"), "num_key_value_heads") or heads
+    head_dim = _int_or_none(cfg.get("head_dim"), "head_dim")
+    if head_dim is None:
+        hidden = _need_int(cfg, "hidden_size")
+        require(hidden % heads == 0, "hidden_size",
+                f"must be divisible by num_attention_heads={heads} when head_dim is absent",
+                hidden)
+        head_dim = hidden // heads
+    # Gemma 4 style: full-attention layers may have their own head size and KV heads.
+    full_head_dim = _int_or_none(cfg.get("global_head_dim"), "global_head_dim") or head_dim
+    full_kv_heads = (_int_or_none(cfg.get("num_global_key_value_heads"),
+                                  "num_global_key_value_heads") or kv_heads)
+    require(not cfg.get("attention_k_eq_v"), "attention_k_eq_v",
+            "layers whose keys are their values are not supported", cfg.get("attention_k_eq_v"))
+
+    kinds = _layer_kinds(cfg, n)
+    specs: dict[str, KVSpec] = {}
+    for t in set(kinds):
+        kind = _LAYER_KINDS[t]
+        extra: dict[str, int] = {}
+        if kind == "sliding_window":
+            extra["window"] = _need_int(cfg, "sliding_window")
+        elif kind == "chunked_local":
+            extra["chunk"] = _need_int(cfg, "attention_chunk_size")
+        if kind == "full":
+            specs[t] = KVSpec(kind, block_size, full_kv_heads, full_head_dim, dtype=dtype)
+        else:
+            specs[t] = KVSpec(kind, block_size, kv_heads, head_dim, dtype=dtype, **extra)
+
+    num_shared = _int_or_none(cfg.get("num_kv_shared_layers", 0) or 0,
+                              "num_kv_shared_layers", minimum=0) or 0
+    require(num_shared < n, "num_kv_shared_layers",
+            f"must be < num_hidden_layers={n} (some layer must own a cache)", num_shared)
+    targets = _shared_targets(kinds, num_shared)
+    return ModelKV([LayerKV(f"layers.{i}", specs[kinds[i]],
+                            None if targets[i] is None else f"layers.{targets[i]}")
+                    for i in range(n)])
