@@ -265,7 +265,7 @@ class Layout:
         planes = []
         for _ in range(self.num_planes):
             buf = np.full(n, fill, dtype=dt)
-            planes.append(np.lib.stride_tricks.as_strided(buf, self.plane_shape, strides))
+            planes.append(_as_strided(buf, self.plane_shape, strides))
         return planes
 
     def layer_view(self, planes, layer: int) -> tuple:
@@ -296,9 +296,9 @@ class Layout:
         shape = tuple(self.size(a) for a in ("B", "N", "H", "D"))
         strides = tuple(self.stride(a) for a in ("B", "N", "H", "D"))
         if isinstance(plane, np.ndarray):
-            flat = np.lib.stride_tricks.as_strided(
+            flat = _as_strided(
                 plane, (self.plane_nbytes // self.itemsize,), (self.itemsize,))
-            return np.lib.stride_tricks.as_strided(flat[base // self.itemsize:], shape, strides)
+            return _as_strided(flat[base // self.itemsize:], shape, strides)
         if hasattr(plane, "as_strided"):  # torch
             return plane.as_strided(shape, tuple(s // self.itemsize for s in strides),
                                     plane.storage_offset() + base // self.itemsize)
@@ -405,3 +405,10 @@ def _c_strides(shape) -> tuple[int, ...]:
         out.append(s)
         s *= e
     return tuple(reversed(out))
+
+
+def _as_strided(x: np.ndarray, shape, strides) -> np.ndarray:
+    """``as_strided`` that also works for ml_dtypes float8_e5m2, whose array-interface
+    typestr numpy cannot parse: stride an unsigned-int view and view it back."""
+    raw = x.view(np.dtype(f"u{x.dtype.itemsize}"))
+    return np.lib.stride_tricks.as_strided(raw, shape, strides).view(x.dtype)
