@@ -1,0 +1,53 @@
+"""Chunked local attention (Llama 4 iRoPE) as plain causal attention over virtual requests.
+
+With attention chunk C a query at position p sees only keys of its own chunk
+``[C * floor(p / C), p]``.  Splitting every request into one virtual request per chunk its
+queries touch, with positions and block table rebased to the chunk's start, turns that into
+ordinary causal attention that any backend computes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import require
+from ..metadata import CommonAttentionMetadata
+from ._common import check_int, check_meta, expand, query_bounds, rebuild
+
+
+def local_virtual_batches(meta: CommonAttentionMetadata, chunk: int
+                          ) -> tuple[CommonAttentionMetadata, np.ndarray]:
+    """Split each request into virtual requests, one per attention chunk its queries touch.
+
+    ``chunk`` must be a positive multiple of ``meta.block_size``.  Virtual request v of real
+    request r covering chunk k has the queries of r at positions ``[kC, (k+1)C)``, context
+    ``max(c, kC) - kC`` and block table row ``block_table[r, kC/block_size:]`` (zero-filled
+    on the right).  Query tokens keep their order and slots, so outputs line up 1:1 with
+    ``meta``'s tokens; padding tokens stay padding.  Requests with no query tokens get no
+    virtual request.  Returns ``(meta2, virtual_to_request)`` (int64, one entry per virtual
+    request).  Full causal attention over ``meta2`` equals chunked local attention over
+    ``meta``.
+    """
+    meta = check_meta(meta)
+    chunk = check_int(chunk, "chunk", lo=1)
+    bs = meta.block_size
+    require(chunk % bs == 0, "chunk", f"must be a multiple of block_size {bs}", chunk)
+    q, c, s, qsl = query_bounds(meta)
+    first = c // chunk
+    count = np.where(q > 0, (s - 1) // chunk - first + 1, 0)
+    vreq, i = expand(count)
+    k = first[vreq] + i  # chunk index of each virtual request
+    lo = k * chunk
+    start = np.maximum(c[vreq], lo)
+    end = np.minimum(s[vreq], lo + chunk)
+    # Block table rows rebased to the chunk's first block; columns past the real table are
+    # never needed (seq_len fits) and are zero-filled.
+    bt = meta.block_table
+    width = min(chunk // bs, bt.shape[1])
+    cols = (lo // bs)[:, None] + np.arange(width, dtype=np.int64)[None, :]
+    inside = cols < bt.shape[1]
+    bt2 = np.where(inside, bt[vreq[:, None], np.minimum(cols, bt.shape[1] - 1)], 0)
+    total = int(qsl[-1])
+    pos = meta.positions.copy()
+    pos[:total] -= np.repeat(lo, end - start)
+    meta2 = rebuild(meta, end - start, start - lo, bt2, pos, meta.slot_mapping.copy())
+    return meta2, vreq

@@ -1,0 +1,38 @@
+"""The Pallas KV-cache update input: contiguous (cache slot, new K/V token, length) runs."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..metadata import CommonAttentionMetadata
+from ._common import check_int, check_meta, expand, query_bounds
+
+
+def kv_update_slices(meta: CommonAttentionMetadata, num_slices_per_block: int = 8
+                     ) -> tuple[np.ndarray, int]:
+    """Slices that write the step's new K/V into a paged cache, never crossing a page.
+
+    One row ``(cache_start slot, new_kv_start token index, length)`` per request per page
+    its new tokens touch, in request then page order.  Returns ``(slices, num_slices)`` with
+    ``slices`` int32 of shape ``[3, padded]``: row 0 cache starts, row 1 token starts, row 2
+    lengths; ``padded`` is ``num_slices`` rounded up to a multiple of
+    ``num_slices_per_block`` (at least one block), filled with zero-length rows.  Copying
+    ``new_kv[new_kv_start:new_kv_start+length]`` to ``cache[cache_start:cache_start+length]``
+    for every row writes exactly ``cache[slot_mapping[t]] = new_kv[t]``.
+    """
+    meta = check_meta(meta)
+    per = check_int(num_slices_per_block, "num_slices_per_block", lo=1)
+    bs = meta.block_size
+    q, c, s, qsl = query_bounds(meta)
+    first = c // bs
+    count = np.where(q > 0, (s - 1) // bs - first + 1, 0)
+    req, i = expand(count)
+    page = first[req] + i
+    start = np.maximum(c[req], page * bs)
+    end = np.minimum(s[req], (page + 1) * bs)
+    n = len(req)
+    padded = max(1, -(-n // per)) * per
+    out = np.zeros((3, padded), np.int32)
+    out[0, :n] = meta.block_table[req, page].astype(np.int64) * bs + start % bs
+    out[1, :n] = qsl[req] + (start - c[req])
+    out[2, :n] = end - start
+    return out, n
