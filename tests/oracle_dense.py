@@ -117,13 +117,13 @@ def assert_unchanged(meta, snap):
 
 @st.composite
 def batches(draw, *, max_reqs=5, max_query=9, max_context=17, block_sizes=(1, 2, 4),
-            shared_prefix_blocks=0, min_reqs=0, padding=True):
+            shared_prefix_blocks=0, min_reqs=0, min_context=0, padding=True):
     """Random valid metadata: a mix of decodes, chunked and fresh prefills, empty requests,
     trailing padding tokens and distinct (optionally partly shared) block ids."""
     bs = draw(st.sampled_from(block_sizes))
     n = draw(st.integers(min_reqs, max_reqs))
     q = np.array(draw(st.lists(st.integers(0, max_query), min_size=n, max_size=n)), np.int64)
-    c = np.array(draw(st.lists(st.integers(0, max_context), min_size=n, max_size=n)),
+    c = np.array(draw(st.lists(st.integers(min_context, max_context), min_size=n, max_size=n)),
                  np.int64)
     need = -(-(q + c) // bs)
     width = max(int(need.max(initial=0)), shared_prefix_blocks) + draw(st.integers(0, 2))

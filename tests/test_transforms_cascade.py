@@ -10,10 +10,11 @@ from oracle_dense import (assert_unchanged, attention_data, batches, oracle, pag
                           snapshot)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.data(), st.integers(0, 4), st.none() | st.floats(1.0, 30.0))
 def test_merge_of_parts_equals_whole(data, shared, softcap):
-    meta = data.draw(batches(shared_prefix_blocks=shared, max_context=20))
+    meta = data.draw(batches(shared_prefix_blocks=shared, max_context=24,
+                             min_context=data.draw(st.integers(0, 12))))
     k, v, qry = data.draw(attention_data(meta))
     cpb = data.draw(st.integers(0, shared))
     snap = snapshot(meta)

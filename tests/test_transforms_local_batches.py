@@ -9,7 +9,7 @@ from oracle_dense import (assert_unchanged, attention_data, batches, oracle, pag
                           snapshot)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.data(), st.integers(1, 4), st.none() | st.floats(1.0, 30.0))
 def test_causal_over_virtual_equals_chunked_local(data, chunk_blocks, softcap):
     meta = data.draw(batches(max_context=20))

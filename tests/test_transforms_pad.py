@@ -9,7 +9,7 @@ from oracle_dense import (assert_unchanged, attention_data, batches, oracle, pag
                           snapshot)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.data(), st.none() | st.integers(1, 6))
 def test_pad_keeps_real_outputs(data, window):
     meta = data.draw(batches())

@@ -8,7 +8,7 @@ from kvabi.transforms import prefill_skip
 from oracle_dense import (assert_unchanged, attention_data, batches, oracle, paged_attention,
                           snapshot)
 
-SET = settings(max_examples=60, deadline=None)
+SET = settings(max_examples=120, deadline=None)
 masks = st.fixed_dictionaries({"window": st.none() | st.integers(1, 8),
                                "chunk": st.none() | st.integers(1, 8)})
 

@@ -8,7 +8,7 @@ from kvabi.transforms import permute_requests, reorder_decode_first, split_decod
 from oracle_dense import (assert_unchanged, attention_data, batches, oracle, paged_attention,
                           snapshot)
 
-SET = settings(max_examples=60, deadline=None)
+SET = settings(max_examples=120, deadline=None)
 
 
 @SET
@@ -57,6 +57,15 @@ def test_example():
     meta2, tperm = permute_requests(meta, perm)
     assert tperm.tolist() == [3, 4, 0, 1, 2, 5, 6]
     assert split_decode_prefill(meta2) == (2, 1, 2, 3)
+
+
+def test_stable_on_a_large_batch():
+    # numpy sorts short arrays stably even unasked; a large batch checks stability for real
+    q = np.random.default_rng(5).integers(0, 4, 300)
+    meta = CommonAttentionMetadata.from_lengths(q, np.zeros(300, int), np.zeros((300, 4), int),
+                                                1)
+    want = sorted(range(300), key=lambda r: (q[r] > 1, r))
+    assert reorder_decode_first(meta).tolist() == want
 
 
 def test_not_decode_first():

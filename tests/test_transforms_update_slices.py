@@ -8,7 +8,7 @@ from kvabi.transforms import kv_update_slices
 from oracle_dense import assert_unchanged, batches, snapshot
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.data(), st.integers(1, 8))
 def test_slices_write_the_slot_mapping(data, per):
     meta = data.draw(batches(block_sizes=(1, 2, 4, 8), max_query=20))

@@ -1,0 +1,1 @@
+"""Built-in benchmark suites for ``kvabi bench`` (each module provides ``run(argv) -> int``)."""

@@ -1,0 +1,53 @@
+"""``kvabi bench SUITE [ARGS...]``: run a built-in or plugin-provided benchmark suite."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import KVABIError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("suite", nargs="?", help="suite name (omit to list the suites)")
+    parser.add_argument("args", nargs=argparse.REMAINDER,
+                        help="arguments passed to the suite (e.g. --json)")
+
+
+def _builtin_transforms(argv):
+    from ..bench import transforms
+
+    return transforms.run(argv)
+
+
+def suites() -> dict:
+    """{name: callable(argv) -> int}: the built-in suites plus those of plugins."""
+    found = {"transforms": _builtin_transforms}
+    try:
+        from .. import registry
+    except ImportError:  # registry not available: built-in suites only
+        return found
+    # One hook implementation at a time, so that a broken plugin cannot hide the others.
+    for impl in registry.plugin_manager().hook.kvabi_bench_suites.get_hookimpls():
+        try:
+            contributed = impl.function()
+            items = list((contributed or {}).items())
+        except Exception as e:  # noqa: BLE001 - foreign code; report and go on
+            print(f"kvabi: warning: plugin {impl.plugin_name!r} failed to list bench suites: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        for name, fn in items:
+            if isinstance(name, str) and callable(fn):
+                found.setdefault(name, fn)
+    return found
+
+
+def run(args) -> int:
+    available = suites()
+    if args.suite is None:
+        for name in sorted(available):
+            print(name)
+        return 0
+    if args.suite not in available:
+        raise KVABIError(f"suite: unknown benchmark suite {args.suite!r}; available: "
+                         f"{', '.join(sorted(available))}")
+    return int(available[args.suite](list(args.args)) or 0)
