@@ -1,0 +1,41 @@
+"""Backend ``tpu.pallas``: the Pallas TPU kernels (natively on a TPU, else TPU interpret)."""
+from __future__ import annotations
+
+from kvabi.dtypes import tpu_packing
+
+from .backend_base import TPUBackendBase
+from .env import interpret_arg, pallas_status
+
+
+class PallasBackend(TPUBackendBase):
+    """Cache update and ragged paged attention as Pallas TPU kernels."""
+
+    name = "tpu.pallas"
+    tile_size = 8
+    num_slices_per_block = 8
+    #: KV pages fetched per DMA block of the attention kernel
+    pages_per_block = 2
+    notes = ("Pallas TPU kernels: DMA cache update from kv_update_slices, ragged paged "
+             "attention with online softmax; interpret mode without a TPU (slow)")
+
+    def available(self) -> tuple[bool, str]:
+        return pallas_status()
+
+    def _block_size_multiple(self, spec) -> int:
+        # tpu.combined packs 32/bits values per word along the head axis; pages of a size
+        # that is not a multiple of that would split a packed (sublane) tile.
+        return tpu_packing(spec.dtype)
+
+    def _write(self, rows, slot_planes, plan):
+        from .update_kernel import update_slots
+
+        return update_slots(tuple(rows), tuple(slot_planes), plan.slices, plan.num_slices,
+                            block_size=plan.spec.block_size, per=self.num_slices_per_block,
+                            interpret=interpret_arg())
+
+    def _attend(self, query, planes, plan, fmt, sinks):
+        from .attention_kernel import paged_attention
+
+        return paged_attention(query, planes, plan.tile_info, plan.page_table, plan.q_index,
+                               plan.out_index, sinks, fmt=fmt, per_block=self.pages_per_block,
+                               interpret=interpret_arg(), **self._attn_options(plan))
