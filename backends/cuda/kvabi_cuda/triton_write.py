@@ -1,0 +1,68 @@
+"""Triton kernel: write new K (and V) into a paged cache by slot mapping.
+
+One program per token.  The destination is any strided [B, N, H, D] view with D contiguous
+(what :meth:`kvabi.Layout.kv_view` gives for every preset), so one kernel serves every
+layout.  Slot -1 (padding) is masked out: never written.
+"""
+from __future__ import annotations
+
+from .runtime import triton_mode
+
+triton_mode()  # must run before @triton.jit below: it may switch on the interpreter
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_src, v_src, k_dst, v_dst, slots,
+    sk_t, sk_h, sv_t, sv_h,  # element strides of the new K/V [T, H, D]
+    dk_b, dk_n, dk_h, dv_b, dv_n, dv_h,  # element strides of the cache views [B, N, H, D]
+    block_size, num_heads, head_dim, head_dim_v,
+    HAS_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + t)
+    h = tl.arange(0, BLOCK_H)
+    # A block-shaped flag: the interpreter mishandles a scalar bool inside a block mask.
+    live = (tl.zeros([BLOCK_H, 1], tl.int64) + slot) >= 0
+    slot = tl.maximum(slot, 0)
+    blk = slot // block_size
+    off = slot % block_size
+    d = tl.arange(0, BLOCK_D)
+    mask = live & (h[:, None] < num_heads) & (d[None, :] < head_dim)
+    x = tl.load(k_src + t * sk_t + h[:, None] * sk_h + d[None, :], mask=mask)
+    dst = k_dst + blk * dk_b + off * dk_n + h[:, None] * dk_h + d[None, :]
+    tl.store(dst, x.to(k_dst.dtype.element_ty), mask=mask)
+    if HAS_V:
+        dv = tl.arange(0, BLOCK_DV)
+        mask_v = live & (h[:, None] < num_heads) & (dv[None, :] < head_dim_v)
+        y = tl.load(v_src + t * sv_t + h[:, None] * sv_h + dv[None, :], mask=mask_v)
+        dst_v = v_dst + blk * dv_b + off * dv_n + h[:, None] * dv_h + dv[None, :]
+        tl.store(dst_v, y.to(v_dst.dtype.element_ty), mask=mask_v)
+
+
+def write_kv(key, value, k_view, v_view, slots, block_size: int) -> None:
+    """Scatter ``key`` [T, H, D] (and ``value`` [T, H, Dv], or None) into the cache views
+    at ``slots`` [T] (int64; -1 skipped).  Tensors on the kernel's device, D contiguous."""
+    t, h, d = key.shape
+    if t == 0:
+        return
+    key = key if key.stride(2) == 1 else key.contiguous()
+    has_v = value is not None
+    if has_v:
+        value = value if value.stride(2) == 1 else value.contiguous()
+        dvh = value.shape[2]
+    else:
+        value, v_view, dvh = key, k_view, d  # unused: HAS_V is off
+    _write_kv_kernel[(t,)](
+        key, value, k_view, v_view, slots,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_view.stride(0), k_view.stride(1), k_view.stride(2),
+        v_view.stride(0), v_view.stride(1), v_view.stride(2),
+        block_size, h, d, dvh,
+        HAS_V=has_v, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_DV=triton.next_power_of_2(dvh),
+    )
