@@ -275,8 +275,21 @@ class Exploding(kvabi.Backend):
         raise RuntimeError("layouts exploded")
 
 
-def test_backends_command_survives_a_raising_backend(capsys):
-    registry.register(Plugin(Exploding()), name="boom")
+class Ranged(kvabi.Backend):
+    name = "ranged.dims"
+
+    def capabilities(self, spec=None):
+        return kvabi.Capabilities(head_dims=tuple(range(8, 264, 8)), block_size_multiple=256)
+
+    def preferred_layouts(self, spec):
+        return ()
+
+
+def test_backends_command_survives_a_raising_backend(capsys, monkeypatch):
+    monkeypatch.setenv(registry.ENV_ALLOW, "")  # installed backends are not the subject here
+    registry.register(Plugin(Exploding(), Ranged()), name="boom")
     out = run_cmd([], capsys)
+    ranged = next(l for l in out.splitlines() if l.startswith("ranged.dims")).split()
+    assert ranged[5:8] == ["8..256/8", "any", "(x256)"]
     assert "boom.caps" in out and "capabilities() raised RuntimeError: caps exploded" in out
     assert "preferred_layouts() raised RuntimeError: layouts exploded" in out

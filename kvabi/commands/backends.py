@@ -58,9 +58,14 @@ def describe(backend, spec: KVSpec) -> dict:
 def _summary(values, universe) -> str:
     if values is None:
         return "any"
-    if set(values) == set(universe):
+    if universe and set(values) == set(universe):
         return "all"
-    return ",".join(str(v) for v in values) or "-"
+    v = list(values)
+    # Long arithmetic runs (e.g. head dims 8, 16, ..., 256) read better as a range.
+    if len(v) >= 4 and all(isinstance(x, int) for x in v) and \
+            len({b - a for a, b in zip(v, v[1:])}) == 1 and v[1] > v[0]:
+        return f"{v[0]}..{v[-1]}/{v[1] - v[0]}"
+    return ",".join(str(x) for x in v) or "-"
 
 
 def _table(rows: list[list[str]]) -> str:
