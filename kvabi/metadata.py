@@ -168,11 +168,11 @@ def _check_blocks(bt: np.ndarray, seq: np.ndarray, block_size: int, num_blocks) 
     if not len(need) or bt.size == 0:
         return
     used = np.arange(bt.shape[1])[None, :] < need[:, None]
-    vals = bt[used]
     hi = np.iinfo(np.int64).max if num_blocks is None else num_blocks
-    bad = (vals < 0) | (vals >= hi)
+    # Elementwise over the table: a boolean gather (bt[used]) is several times slower.
+    bad = used & ((bt < 0) | (bt >= hi))
     if bad.any():
-        rr, cc = np.nonzero(used & ((bt < 0) | (bt >= hi)))
+        rr, cc = np.nonzero(bad)
         raise KVABIError(f"block_table: entry [{int(rr[0])}, {int(cc[0])}] = "
                          f"{int(bt[rr[0], cc[0]])} is out of range [0, "
                          f"{'inf' if num_blocks is None else num_blocks})")
