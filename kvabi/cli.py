@@ -1,5 +1,6 @@
 """The ``kvabi`` command.  Each subcommand lives in ``kvabi.commands.<name>`` and provides
-``configure(parser)`` and ``run(args) -> int``."""
+``configure(parser)`` and ``run(args) -> int``; only the one invoked is imported, so a
+subcommand that needs a heavy or missing dependency never breaks the others."""
 from __future__ import annotations
 
 import argparse
@@ -16,22 +17,25 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvabi", description=__doc__.split("\n")[0].strip(
-        '`" ') or "kvabi")
-    p.description = "kvabi: the KV cache ABI. Specs, layouts, metadata, backends."
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; with ``only``, just that subcommand is configured."""
+    p = argparse.ArgumentParser(
+        prog="kvabi", description="kvabi: the KV cache ABI: specs, layouts, metadata, backends.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, help_ in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
-        mod = importlib.import_module(f"kvabi.commands.{name}")
-        mod.configure(sp)
-        sp.set_defaults(_run=mod.run)
+        if only is None or name == only:
+            mod = importlib.import_module(f"kvabi.commands.{name}")
+            mod.configure(sp)
+            sp.set_defaults(_run=mod.run)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    only = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(only if only in SUBCOMMANDS else "").parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except KVABIError as e:
