@@ -53,6 +53,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         sq, sk = hi - lo, int(ck[b + 1] - ck[b])
         rows = min(sq, int(max_seqlen_q))
         keys = min(sk, int(max_seqlen_k))
+        assert -(-sk // pbs) <= bt.shape[1], f"block_table row {b} too short for seqlen_k {sk}"
         j = torch.arange(keys)
         blk = bt[b, j // pbs].to(k.device)
         kk, vv = k[blk, (j % pbs).to(k.device)], v[blk, (j % pbs).to(k.device)]

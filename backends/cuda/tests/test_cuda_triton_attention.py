@@ -1,0 +1,84 @@
+"""The Triton paged attention equals the float64 oracle (kvabi's reference backend).
+
+In interpret mode each launch costs a fraction of a second, so examples are few and small;
+the fixed cases pin the features (window, chunk, soft cap, sinks, GQA, MLA, layouts) that
+Hypothesis might not reach in that budget.
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import kvabi
+
+from cuda_testlib import compare, make_step, mismatch, reference, run_step, steps
+
+TRITON = kvabi.get_backend("cuda.triton")
+SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(steps(dtypes=("float32", "float16"),
+             layouts=("flash_attn", "flashinfer.NHD", "flashinfer.HND", "vllm.BLNHC")))
+def test_matches_reference(step):
+    compare(step, run_step(TRITON, step), run_step(reference(), step))
+
+
+CASES = {
+    "window_decode_and_prefill": dict(kind="sliding_window", window=3,
+                                      query_lens=[1, 5, 2], context_lens=[9, 2, 6]),
+    "window_1_sees_only_itself": dict(kind="sliding_window", window=1,
+                                      query_lens=[3], context_lens=[4]),
+    "chunk_crossing": dict(kind="chunked_local", chunk=4, query_lens=[6, 1],
+                           context_lens=[3, 8]),
+    "gqa_4_softcap_sinks": dict(group=4, softcap=1.5, sinks=True, query_lens=[2, 3],
+                                context_lens=[7, 0]),
+    "mla": dict(kind="mla", query_lens=[2, 1], context_lens=[5, 3], layout="vllm.LBNHC",
+                group=3),
+    "cross_layer_hnd": dict(layout="vllm.BHLNC", query_lens=[4], context_lens=[5],
+                            dtype="float16"),
+    "padding_and_empty_request": dict(query_lens=[0, 3, 0], context_lens=[5, 1, 0],
+                                      padding=3),
+    "long_prefill_many_tiles": dict(query_lens=[40], context_lens=[30], block_size=8,
+                                    group=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_feature_cases(name):
+    step = make_step(seed=11, **CASES[name])
+    compare(step, run_step(TRITON, step), run_step(reference(), step))
+
+
+def test_scale_is_honoured():
+    step = make_step(query_lens=[3], context_lens=[4], seed=2)
+    got = run_step(TRITON, step, scale=0.05)
+    compare(step, got, run_step(reference(), step, scale=0.05))
+    with pytest.raises(AssertionError):  # and a different scale gives a different answer
+        compare(step, got, run_step(reference(), step))
+
+
+def test_comparison_can_fail():
+    # The harness is not vacuous: a window of W+1 differs from W on a step that reaches
+    # past the window.
+    a = make_step("sliding_window", window=3, query_lens=[4], context_lens=[6], seed=4)
+    b = make_step("sliding_window", window=4, query_lens=[4], context_lens=[6], seed=4)
+    with pytest.raises(AssertionError):
+        compare(a, run_step(TRITON, a), run_step(reference(), b))
+    assert not mismatch(a, TRITON)
+
+
+def test_layers_are_independent():
+    # Layer 1 written, layer 0 left zero: attention over layer 0 sees zero keys/values
+    # (output 0, lse log(#visible keys)), so the kernel indexes the right layer.
+    step = make_step(query_lens=[2], context_lens=[3], layout="vllm.LBHNC", seed=9)
+    o, l, _ = run_step(TRITON, step, layer=1)
+    layout = step.layout()
+    cache = TRITON.allocate(layout)
+    p = TRITON.plan(step.meta, step.spec, layout)
+    q = TRITON.asarray(np.ones((step.meta.num_tokens, step.num_q_heads, 8)))
+    o0, l0 = TRITON.attention(q, cache, layout, p, layer=0, return_lse=True)
+    np.testing.assert_allclose(TRITON.to_numpy(o0)[:2], 0.0)
+    np.testing.assert_allclose(TRITON.to_numpy(l0)[:2], np.log([[4.0] * 4, [5.0] * 4]),
+                               rtol=1e-6)
+    assert np.abs(o).max() > 0
