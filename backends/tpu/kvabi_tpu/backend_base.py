@@ -113,9 +113,11 @@ class TPUBackendBase(kvabi.Backend):
         planes = fmt.layer_planes(cache, layout, layer)
         if t == 0:
             return list(cache)
-        rows = fmt.token_rows(key, value)
+        rows = fmt.token_rows(_pad_rows(key, plan.padded_tokens),
+                              _pad_rows(value, plan.padded_tokens))
         slots = self._write(rows, [fmt.slot_view(p) for p in planes], plan)
-        return fmt.store_layer(cache, layout, layer, [fmt.page_view(s) for s in slots])
+        return fmt.store_layer(cache, layout, layer,
+                               [s.reshape(p.shape) for s, p in zip(slots, planes)])
 
     # -- attention -----------------------------------------------------------------------
     def attention(self, query, cache, layout, plan, *, layer: int = 0, return_lse=False):
@@ -144,7 +146,9 @@ class TPUBackendBase(kvabi.Backend):
         else:
             sinks = self.asarray(np.zeros(hq, np.float32) if plan.sinks is None
                                  else plan.sinks)
-            out, lse = self._attend(query, tuple(planes), plan, fmt, sinks)
+            out, lse = self._attend(_pad_rows(query, plan.padded_tokens), tuple(planes), plan,
+                                    fmt, sinks)
+            out, lse = out[:t], lse[:t]
         return (out, lse) if return_lse else out
 
     # -- the computations ----------------------------------------------------------------
@@ -159,3 +163,12 @@ class TPUBackendBase(kvabi.Backend):
         spec = plan.spec
         return dict(scale=plan.scale, softcap=plan.softcap, kind=spec.kind,
                     window=spec.window, chunk=spec.chunk, has_sinks=plan.sinks is not None)
+
+
+def _pad_rows(x, n: int):
+    """``x`` with zero rows appended up to ``n`` rows (padding tokens)."""
+    import jax.numpy as jnp
+
+    if x.shape[0] == n:
+        return x
+    return jnp.pad(x, ((0, n - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))

@@ -118,22 +118,6 @@ class CacheFormat:
         return out
 
     # -- rows of new tokens --------------------------------------------------------------
-    def token_rows(self, key, value) -> tuple:
-        """New K/V [T, H, D] as per-token rows shaped like one cache slot of each plane."""
-        import jax.numpy as jnp
-
-        from .dtype import jnp_dtype
-
-        dt = jnp_dtype(self.dtype)
-        t, h, d = key.shape
-        pad = ((0, 0), (0, 0), (0, self.dpad - d))
-        if self.kind == COMBINED:
-            kv = jnp.stack([key, value], axis=2).reshape(t, 2 * h, d)
-            kv = jnp.pad(kv.astype(dt), pad)
-            return (kv.reshape((t,) + self.slot_shape),)
-        return tuple(jnp.pad(x.astype(dt), pad).reshape(t, h * self.dpad)
-                     for x in (key, value))
-
     @property
     def slot_shape(self) -> tuple[int, ...]:
         """Shape of one token's slot in each per-layer plane."""
@@ -144,12 +128,33 @@ class CacheFormat:
             return (c, self.dpad)
         return (self.num_kv_heads * self.dpad,)
 
-    def slot_view(self, plane):
-        """A per-layer plane [B, N, ...] reshaped to slots [B*N, ...] (free in XLA)."""
-        return plane.reshape((self.num_blocks * self.block_size,) + self.slot_shape)
+    @property
+    def write_slot_shape(self) -> tuple[int, ...]:
+        """The slot shape cache writes see: padded head dim last, so that a write can
+        leave the padding bytes as they are (hidden planes split [H, Dpad] only if padded)."""
+        if self.kind == HIDDEN and self.dpad != self.head_dim:
+            return (self.num_kv_heads, self.dpad)
+        return self.slot_shape
 
-    def page_view(self, slots):
-        return slots.reshape((self.num_blocks, self.block_size) + self.slot_shape)
+    def token_rows(self, key, value) -> tuple:
+        """New K/V [T, H, D] as rows in the cache dtype, one array per plane, shaped
+        ``[T, *write_slot_shape]`` except that the last dim is head_dim (no padding)."""
+        import jax.numpy as jnp
+
+        from .dtype import jnp_dtype
+
+        dt = jnp_dtype(self.dtype)
+        t, h, d = key.shape
+        *lead, last = self.write_slot_shape
+        shape = (t, *lead, last - (self.dpad - d))  # the padded lanes dropped
+        if self.kind == COMBINED:
+            kv = jnp.stack([key.astype(dt), value.astype(dt)], axis=2)
+            return (kv.reshape(shape),)
+        return tuple(x.astype(dt).reshape(shape) for x in (key, value))
+
+    def slot_view(self, plane):
+        """A per-layer plane [B, N, ...] reshaped to slots [B*N, *write_slot_shape]."""
+        return plane.reshape((self.num_blocks * self.block_size,) + self.write_slot_shape)
 
     # -- keys and values of fetched pages ------------------------------------------------
     def head_kv(self, pages, h: int):

@@ -21,10 +21,12 @@ BATCH_ELEMENTS = 1 << 24
 
 @functools.partial(jax.jit, static_argnames=("fmt",))
 def scatter_slots(rows, slot_planes, slots, *, fmt):
-    """``slot_planes[p][slots[t]] = rows[p][t]`` for every token with a slot (>= 0)."""
+    """``slot_planes[p][slots[t], ..., :D] = rows[p][t]`` for every token with a slot
+    (>= 0); head-dim padding keeps its bytes."""
     oob = fmt.num_blocks * fmt.block_size
     idx = jnp.where(slots >= 0, slots, oob)
-    return [plane.at[idx].set(r, mode="drop") for plane, r in zip(slot_planes, rows)]
+    return [plane.at[idx, ..., :r.shape[-1]].set(r, mode="drop")
+            for plane, r in zip(slot_planes, rows)]
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -67,15 +67,18 @@ class TPUPlan:
     page_table: object
     #: int32 [W * tile_size]: token gathered into each tile row
     q_index: object
-    #: int32 [num_tokens]: tile row holding each token's output
+    #: int32 [padded_tokens]: tile row holding each token's output (0 for padding)
     out_index: object
     #: int32 [3, S] update slices (cache slot, token, length) and [1] their count
     slices: object
     num_slices: object
     #: the largest page count of one tile, rounded up to a power of two
     max_tile_pages: int
-    #: int32 [num_tokens] cache slot of each token, -1 for padding
+    #: int32 [padded_tokens] cache slot of each token, -1 for padding
     slots: object
+    #: num_tokens rounded up to a power of two: queries and new K/V are padded to this
+    #: many rows so that steps of similar size share one compiled computation
+    padded_tokens: int
 
 
 def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
@@ -137,7 +140,8 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
     qi = np.zeros((wpad, tile_size), np.int32)
     qi[:w] = np.where(r[None, :] < qlen[:, None], q0[:, None] + r[None, :], 0)
     total = int(qsl[-1])
-    out_index = np.zeros(meta.num_tokens, np.int32)
+    padded_tokens = next_pow2(max(1, meta.num_tokens))
+    out_index = np.zeros(padded_tokens, np.int32)
     if total:
         treq = np.repeat(np.arange(len(q)), q)
         local = np.arange(total) - qsl[treq]
@@ -158,8 +162,10 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
     sl = np.zeros((3, padded), np.int32)
     sl[:, :slices.shape[1]] = slices
 
+    slots = np.full(padded_tokens, -1, np.int32)
+    slots[:meta.num_tokens] = meta.slot_mapping
     return TPUPlan(meta, spec, layout, fmt, scale, softcap, sinks, tile_size, w,
                    to_device(info), to_device(table), to_device(qi.reshape(-1)),
                    to_device(out_index), to_device(sl), to_device(np.array([n], np.int32)),
                    next_pow2(max(1, int(npages.max(initial=1)))),
-                   to_device(meta.slot_mapping.astype(np.int32)))
+                   to_device(slots), padded_tokens)

@@ -3,10 +3,15 @@
 Input is the slice list of :func:`kvabi.transforms.kv_update_slices`: rows (cache slot,
 first new token, length), none crossing a page.  Each grid step takes
 ``num_slices_per_block`` slices: it DMAs their token rows HBM -> VMEM scratch, waits, then
-DMAs the scratch out to the cache slots, HBM -> HBM through VMEM.  The slices are scalar
-prefetched (SMEM), the cache stays in HBM (``pl.ANY``) and is aliased to the output, so on a
-TPU the update is in place; zero-length padding slices copy nothing.  Planes are passed as
-slot-major arrays ``[num_blocks * block_size, ...]`` (a free reshape outside the kernel).
+DMAs the scratch out to the cache slots.  The slices are scalar prefetched (SMEM), the
+cache stays in HBM (``pl.ANY``) and is aliased to the output, so on a TPU the update is in
+place; zero-length padding slices copy nothing.  Planes arrive slot-major
+``[num_blocks * block_size, ..., Dpad]`` (a free reshape outside the kernel).
+
+Where the head dim is padded (``tpu.combined`` with head_dim < 128) the padding bytes must
+keep their contents, so that plane is updated read-modify-write: the target slots are
+DMAed into VMEM too, the new values stored over their first head_dim lanes, and the whole
+rows DMAed back.
 """
 from __future__ import annotations
 
@@ -17,14 +22,18 @@ from jax import numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .env import jit_by_mode
 
-def _kernel(slices_ref, count_ref, *refs, num_planes: int):
-    new_refs = refs[:num_planes]
-    # refs[num_planes:2*num_planes] are the aliased cache inputs; write through the outputs
-    out_refs = refs[2 * num_planes:3 * num_planes]
-    scratch = refs[3 * num_planes:4 * num_planes]
-    sem = refs[4 * num_planes]
-    per = scratch[0].shape[0]
+
+def _kernel(slices_ref, count_ref, *refs, num_planes: int, rmw: tuple[bool, ...]):
+    n = num_planes
+    new_refs = refs[:n]
+    # refs[n:2n] are the aliased cache inputs; reads and writes go through the outputs
+    out_refs = refs[2 * n:3 * n]
+    new_bufs = refs[3 * n:4 * n]
+    row_bufs = refs[4 * n:5 * n]  # whole padded rows (only used by read-modify-write planes)
+    sem = refs[5 * n]
+    per = new_bufs[0].shape[0]
     step = pl.program_id(0)
 
     def row(i):
@@ -33,34 +42,43 @@ def _kernel(slices_ref, count_ref, *refs, num_planes: int):
         return (jnp.where(ok, slices_ref[0, j], 0), jnp.where(ok, slices_ref[1, j], 0),
                 jnp.where(ok, slices_ref[2, j], 0))
 
+    def run(copies):
+        for c in copies:
+            c.start()
+        for c in copies:
+            c.wait()
+
     rows = [row(i) for i in range(per)]
     copies = []
-    for i, (_, src, length) in enumerate(rows):
-        for new, buf in zip(new_refs, scratch):
-            c = pltpu.make_async_copy(new.at[pl.ds(src, length)], buf.at[i, pl.ds(0, length)],
-                                      sem)
-            c.start()
-            copies.append(c)
-    for c in copies:
-        c.wait()
-    copies = []
-    for i, (dst, _, length) in enumerate(rows):
-        for out, buf in zip(out_refs, scratch):
-            c = pltpu.make_async_copy(buf.at[i, pl.ds(0, length)], out.at[pl.ds(dst, length)],
-                                      sem)
-            c.start()
-            copies.append(c)
-    for c in copies:
-        c.wait()
+    for i, (dst, src, length) in enumerate(rows):
+        for p in range(n):
+            copies.append(pltpu.make_async_copy(new_refs[p].at[pl.ds(src, length)],
+                                                new_bufs[p].at[i, pl.ds(0, length)], sem))
+            if rmw[p]:
+                copies.append(pltpu.make_async_copy(out_refs[p].at[pl.ds(dst, length)],
+                                                    row_bufs[p].at[i, pl.ds(0, length)], sem))
+    run(copies)
+    sources = []
+    for p in range(n):
+        if rmw[p]:
+            d = new_bufs[p].shape[-1]
+            row_bufs[p][..., :d] = new_bufs[p][...]
+            sources.append(row_bufs[p])
+        else:
+            sources.append(new_bufs[p])
+    run([pltpu.make_async_copy(sources[p].at[i, pl.ds(0, length)],
+                               out_refs[p].at[pl.ds(dst, length)], sem)
+         for i, (dst, _, length) in enumerate(rows) for p in range(n)])
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "per", "interpret"))
-def update_slots(new_rows, slot_planes, slices, count, *, block_size: int, per: int,
+def _update_slots(new_rows, slot_planes, slices, count, *, block_size: int, per: int,
                  interpret):
-    """Copy ``new_rows[p][tok:tok+len]`` to ``slot_planes[p][slot:slot+len]`` for every
-    slice; returns the updated slot planes.  ``slices`` int32 [3, S] (S a multiple of
-    ``per``), ``count`` int32 [1]."""
+    """Copy ``new_rows[p][tok:tok+len]`` to ``slot_planes[p][slot:slot+len, ..., :D]`` for
+    every slice (D = the rows' last dim; the rest of each slot keeps its bytes); returns the
+    updated slot planes.  ``slices`` int32 [3, S] (S a multiple of ``per``), ``count``
+    int32 [1]."""
     n = len(slot_planes)
+    rmw = tuple(r.shape[-1] != p.shape[-1] for r, p in zip(new_rows, slot_planes))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -68,11 +86,14 @@ def update_slots(new_rows, slot_planes, slices, count, *, block_size: int, per: 
         in_specs=[any_spec] * (2 * n),
         out_specs=[any_spec] * n,
         scratch_shapes=[pltpu.VMEM((per, block_size) + r.shape[1:], r.dtype)
-                        for r in new_rows] + [pltpu.SemaphoreType.DMA],
+                        for r in new_rows]
+        + [pltpu.VMEM((per, block_size) + (p.shape[1:] if m else (1,)), p.dtype)
+           for p, m in zip(slot_planes, rmw)]
+        + [pltpu.SemaphoreType.DMA],
     )
     # Operand indices count the two scalar-prefetch arrays: cache p is operand 2 + n + p.
     call = pl.pallas_call(
-        functools.partial(_kernel, num_planes=n),
+        functools.partial(_kernel, num_planes=n, rmw=rmw),
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in slot_planes],
         input_output_aliases={2 + n + p: p for p in range(n)},
@@ -80,3 +101,6 @@ def update_slots(new_rows, slot_planes, slices, count, *, block_size: int, per: 
         name="kvabi_kv_cache_update",
     )
     return call(slices, count, *new_rows, *slot_planes)
+
+
+update_slots = jit_by_mode(_update_slots, ("block_size", "per"))
