@@ -70,6 +70,9 @@ class LibraryBackend(Backend):
         if self._library is not None:
             caps.update(getattr(self._library, "kvabi_capabilities", {}))
         caps["layouts"] = self.preferred_layouts(spec) if spec is not None else ()
+        if spec is not None and spec.kind == "chunked_local" and spec.chunk % spec.block_size:
+            # Virtual batches need whole blocks per chunk: this spec's chunk is not claimed.
+            caps["kinds"] = tuple(k for k in caps["kinds"] if k != "chunked_local")
         return Capabilities(**caps)
 
     def check_supported(self, spec, *, softcap=None, sinks=None) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from .runtime import triton_mode
 
-triton_mode()  # must run before @triton.jit below: it may switch on the interpreter
+triton_mode()  # must run before the kernels below are decorated: it may enable the interpreter
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

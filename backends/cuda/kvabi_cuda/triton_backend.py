@@ -135,7 +135,7 @@ class TritonBackend(Backend):
         value = None if spec.is_mla else self._no_interpreted_bf16(
             tensors.to_torch(value, dev), "value")
         write_kv(key, value, k_view, None if spec.is_mla else v_view, plan.slots,
-                 spec.block_size)
+                 spec.block_size, interpret=self._interpret())
         return cache
 
     # -- attention ---------------------------------------------------------------------

@@ -1,14 +1,14 @@
 """Triton kernel: write new K (and V) into a paged cache by slot mapping.
 
-One program per token.  The destination is any strided [B, N, H, D] view with D contiguous
-(what :meth:`kvabi.Layout.kv_view` gives for every preset), so one kernel serves every
-layout.  Slot -1 (padding) is masked out: never written.
+Each program writes a run of tokens.  The destination is any strided [B, N, H, D] view
+with D contiguous (what :meth:`kvabi.Layout.kv_view` gives for every preset), so one kernel
+serves every layout.  Slot -1 (padding) is masked out: never written.
 """
 from __future__ import annotations
 
 from .runtime import triton_mode
 
-triton_mode()  # must run before @triton.jit below: it may switch on the interpreter
+triton_mode()  # must run before the kernel below is decorated: it may enable the interpreter
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -16,35 +16,47 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _write_kv_kernel(
-    k_src, v_src, k_dst, v_dst, slots,
+    k_src, v_src, k_dst, v_dst, slots, num_tokens,
     sk_t, sk_h, sv_t, sv_h,  # element strides of the new K/V [T, H, D]
     dk_b, dk_n, dk_h, dv_b, dv_n, dv_h,  # element strides of the cache views [B, N, H, D]
     block_size, num_heads, head_dim, head_dim_v,
-    HAS_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    HAS_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots + t)
-    h = tl.arange(0, BLOCK_H)
-    # A block-shaped flag: the interpreter mishandles a scalar bool inside a block mask.
-    live = (tl.zeros([BLOCK_H, 1], tl.int64) + slot) >= 0
+    # Rows are (token, head) pairs of BLOCK_T consecutive tokens.
+    r = tl.arange(0, BLOCK_T * BLOCK_H)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + r // BLOCK_H
+    h = r % BLOCK_H
+    row_ok = (t < num_tokens) & (h < num_heads)
+    slot = tl.load(slots + t, mask=row_ok, other=-1)
+    row_ok = row_ok & (slot >= 0)  # slot -1: padding, never written
     slot = tl.maximum(slot, 0)
     blk = slot // block_size
     off = slot % block_size
     d = tl.arange(0, BLOCK_D)
-    mask = live & (h[:, None] < num_heads) & (d[None, :] < head_dim)
-    x = tl.load(k_src + t * sk_t + h[:, None] * sk_h + d[None, :], mask=mask)
-    dst = k_dst + blk * dk_b + off * dk_n + h[:, None] * dk_h + d[None, :]
+    mask = row_ok[:, None] & (d[None, :] < head_dim)
+    x = tl.load(k_src + t[:, None] * sk_t + h[:, None] * sk_h + d[None, :], mask=mask)
+    dst = k_dst + blk[:, None] * dk_b + off[:, None] * dk_n + h[:, None] * dk_h + d[None, :]
     tl.store(dst, x.to(k_dst.dtype.element_ty), mask=mask)
     if HAS_V:
         dv = tl.arange(0, BLOCK_DV)
-        mask_v = live & (h[:, None] < num_heads) & (dv[None, :] < head_dim_v)
-        y = tl.load(v_src + t * sv_t + h[:, None] * sv_h + dv[None, :], mask=mask_v)
-        dst_v = v_dst + blk * dv_b + off * dv_n + h[:, None] * dv_h + dv[None, :]
+        mask_v = row_ok[:, None] & (dv[None, :] < head_dim_v)
+        y = tl.load(v_src + t[:, None] * sv_t + h[:, None] * sv_h + dv[None, :], mask=mask_v)
+        dst_v = (v_dst + blk[:, None] * dv_b + off[:, None] * dv_n + h[:, None] * dv_h
+                 + dv[None, :])
         tl.store(dst_v, y.to(v_dst.dtype.element_ty), mask=mask_v)
 
 
-def write_kv(key, value, k_view, v_view, slots, block_size: int) -> None:
+def tokens_per_program(num_heads: int, head_dim: int, interpret: bool) -> int:
+    """Tokens one program writes: about 4K elements per tile when compiled; the interpreter
+    pays per program and per operation, so it gets much bigger tiles."""
+    per_token = triton.next_power_of_2(num_heads) * triton.next_power_of_2(head_dim)
+    budget = (1 << 16) if interpret else (1 << 12)
+    return max(1, min(256, triton.next_power_of_2(max(1, budget // per_token))))
+
+
+def write_kv(key, value, k_view, v_view, slots, block_size: int, *,
+             interpret: bool = False) -> None:
     """Scatter ``key`` [T, H, D] (and ``value`` [T, H, Dv], or None) into the cache views
     at ``slots`` [T] (int64; -1 skipped).  Tensors on the kernel's device, D contiguous."""
     t, h, d = key.shape
@@ -57,12 +69,13 @@ def write_kv(key, value, k_view, v_view, slots, block_size: int) -> None:
         dvh = value.shape[2]
     else:
         value, v_view, dvh = key, k_view, d  # unused: HAS_V is off
-    _write_kv_kernel[(t,)](
-        key, value, k_view, v_view, slots,
+    bt = tokens_per_program(h, max(d, dvh), interpret)
+    _write_kv_kernel[(triton.cdiv(t, bt),)](
+        key, value, k_view, v_view, slots, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_view.stride(0), k_view.stride(1), k_view.stride(2),
         v_view.stride(0), v_view.stride(1), v_view.stride(2),
         block_size, h, d, dvh,
-        HAS_V=has_v, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_DV=triton.next_power_of_2(dvh),
+        HAS_V=has_v, BLOCK_T=bt, BLOCK_H=triton.next_power_of_2(h),
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dvh),
     )

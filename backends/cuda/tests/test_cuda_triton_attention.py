@@ -13,7 +13,7 @@ import kvabi
 from cuda_testlib import compare, make_step, mismatch, reference, run_step, steps
 
 TRITON = kvabi.get_backend("cuda.triton")
-SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=16, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 

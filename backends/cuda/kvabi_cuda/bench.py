@@ -1,0 +1,152 @@
+"""``kvabi bench cuda [--json]``: the cache write's bandwidth as a ratio of a plain copy.
+
+Writes T new tokens of K and V into a ``flash_attn`` layout cache at a shuffled slot
+mapping, with the Triton kernel and with the torch index_put fallback, and times a plain
+``clone`` of the same K and V bytes on the same device.  A ratio of 1.0 means the write
+moves bytes as fast as a copy.  Both writes are first checked equal to each other.
+Without a CUDA device the Triton kernel runs in its interpreter: its figure then measures
+Python, not a kernel, and the output says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="kvabi bench cuda", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="new tokens written (default 16384 on CUDA, 512 interpreted)")
+    p.add_argument("--heads", type=int, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed repetitions (default 20 on CUDA, 3 interpreted)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; on a busy machine 1 avoids "
+                        "thread-pool contention dominating small copies)")
+    return p
+
+
+def _timer(device):
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def time_it(fn, repeats):
+        fn()  # warm-up (compiles the kernel on CUDA)
+        sync()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return time_it
+
+
+def measure(tokens=None, heads=8, head_dim=128, block_size=16, dtype="float16",
+            repeats=None, threads=None) -> dict:
+    """Run the benchmark; returns the figures as a dict."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+    from kvabi import KVSpec, Layout
+
+    from . import runtime, tensors
+    from .torch_write import write_kv_torch
+    from .triton_write import write_kv
+
+    mode, why = runtime.triton_mode()
+    if mode is None:
+        raise RuntimeError(f"cuda.triton unavailable: {why}")
+    interpret = mode == "interpret"
+    if interpret and dtype == "bfloat16":
+        raise RuntimeError("bfloat16 is refused in the Triton interpreter")
+    tokens = tokens or (512 if interpret else 16384)
+    repeats = repeats or (3 if interpret else 20)
+    device = runtime.device()
+    spec = KVSpec("full", block_size=block_size, num_kv_heads=heads, head_dim=head_dim,
+                  dtype=dtype)
+    nblocks = -(-tokens // block_size) * 2
+    layout = Layout.preset("flash_attn", spec, nblocks)
+    cache = tensors.allocate(layout, device)
+    k_view, v_view = tensors.kv_views(layout, cache, 0, False)
+    rng = np.random.default_rng(0)
+    slots = torch.as_tensor(rng.permutation(nblocks * block_size)[:tokens], device=device)
+    dt = tensors.torch_dtype(dtype)
+    key = torch.randn(tokens, heads, head_dim, device=device).to(dt)
+    value = torch.randn(tokens, heads, head_dim, device=device).to(dt)
+
+    # Both writes must agree before either is timed.
+    write_kv(key, value, k_view, v_view, slots, block_size, interpret=interpret)
+    got = [c.clone() for c in cache]
+    for c in cache:
+        c.zero_()
+    write_kv_torch(key, value, k_view, v_view, slots, block_size)
+    if not all(torch.equal(a, b) for a, b in zip(got, cache)):
+        raise RuntimeError("Triton and torch cache writes disagree")
+
+    time_it = _timer(device)
+    t_copy = time_it(lambda: (key.clone(), value.clone()), repeats)
+    t_triton = time_it(lambda: write_kv(key, value, k_view, v_view, slots, block_size,
+                                        interpret=interpret), repeats)
+    t_torch = time_it(lambda: write_kv_torch(key, value, k_view, v_view, slots, block_size),
+                      repeats)
+    nbytes = 2 * key.numel() * key.element_size()  # K and V bytes written (and read)
+
+    def gbs(t):
+        return nbytes / t / 1e9
+
+    return {
+        "suite": "cuda",
+        "device": str(device),
+        "device_name": runtime.cuda_status()[1] if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "triton_mode": mode,
+        "tokens": tokens, "heads": heads, "head_dim": head_dim, "block_size": block_size,
+        "dtype": dtype, "bytes": nbytes, "repeats": repeats,
+        "cpu_threads": torch.get_num_threads(),
+        "copy_s": t_copy, "triton_write_s": t_triton, "torch_write_s": t_torch,
+        "copy_GBps": gbs(t_copy), "triton_write_GBps": gbs(t_triton),
+        "torch_write_GBps": gbs(t_torch),
+        "triton_vs_copy": t_copy / t_triton, "torch_vs_copy": t_copy / t_torch,
+        "note": ("Triton interpreter (no CUDA device): the Triton figure measures Python "
+                 "interpretation, not a kernel; only the torch fallback ratio is meaningful "
+                 "here" if interpret else "compiled Triton on CUDA"),
+    }
+
+
+def run(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    res = measure(args.tokens, args.heads, args.head_dim, args.block_size, args.dtype,
+                  args.repeats, args.threads)
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+        return 0
+    print(f"cuda bench: cache write of {res['tokens']} tokens x {res['heads']} heads x "
+          f"{res['head_dim']} ({res['dtype']}, block {res['block_size']}), "
+          f"{res['bytes'] / 1e6:.2f} MB of K+V, on {res['device']} ({res['device_name']}, "
+          f"{res['cpu_threads']} CPU threads)")
+    print(f"  {'what':<26}{'best time':>12}{'GB/s':>10}{'vs copy':>10}")
+    rows = [("plain copy (clone)", res["copy_s"], res["copy_GBps"], 1.0),
+            ("Triton write_kv", res["triton_write_s"], res["triton_write_GBps"],
+             res["triton_vs_copy"]),
+            ("torch index_put write", res["torch_write_s"], res["torch_write_GBps"],
+             res["torch_vs_copy"])]
+    for name, t, bw, ratio in rows:
+        print(f"  {name:<26}{t * 1e3:>10.3f}ms{bw:>10.2f}{ratio:>10.3f}")
+    print(f"  note: {res['note']}")
+    return 0
