@@ -3,9 +3,8 @@
 Caches are held in the layout's own dtype (numpy, or ``ml_dtypes`` for bfloat16 and
 float8), written and read through :meth:`kvabi.Layout.kv_view` strided views, so the
 oracle works on every preset layout byte for byte.  Attention upcasts to float64 and is
-computed densely: each real token's keys are gathered by block table into a padded
-``[tokens, max_seq_len, H, D]`` array (in bounded chunks of tokens), masked from
-positions, and reduced with a written-out softmax.  Slow by design, obvious by design.
+computed densely with a written-out masked softmax (``reference_attention``): slow by
+design, obvious by design, memory bounded.
 """
 from __future__ import annotations
 
@@ -18,10 +17,8 @@ from .abi import Backend, Capabilities
 from .dtypes import DTYPES, numpy_dtype
 from .errors import KVABIError, require
 from .metadata import CommonAttentionMetadata
+from .reference_attention import Pieces, attend
 from .spec import KINDS, KVSpec
-
-#: float64 elements one attention chunk may hold (keys + values + logits), about 64 MiB
-CHUNK_ELEMENTS = 1 << 23
 
 
 def _f64_or_none(x, field):
@@ -41,7 +38,7 @@ class ReferencePlan:
 
     ``scale`` multiplies q.k (default ``1/sqrt(spec.head_dim)``); ``softcap`` (or None)
     caps the scaled logits as ``cap * tanh(x / cap)``; ``sinks`` (or None) holds one
-    float64 logit per query head.  The derived arrays locate every key of every request.
+    float64 logit per query head.  ``pieces`` is the batched work list, built once per step.
     """
 
     meta: CommonAttentionMetadata
@@ -50,29 +47,27 @@ class ReferencePlan:
     scale: float
     softcap: float | None = None
     sinks: np.ndarray | None = None
-    #: request of each real token [A]
-    token_request: np.ndarray = attrs.field(init=False)
-    #: block id holding key position j of request r, 0 where j >= seq_len [R, S]
-    key_block: np.ndarray = attrs.field(init=False)
+    pieces: Pieces | None = None
 
     def __attrs_post_init__(self):
-        m = self.meta
-        s = m.max_seq_len
-        j = np.arange(s, dtype=np.int64)
-        cols = j // m.block_size
-        if s:
-            blk = m.block_table[:, cols].astype(np.int64)
-            blk = np.where(j[None, :] < m.seq_lens[:, None], blk, 0)
-        else:
-            blk = np.zeros((m.num_reqs, 0), np.int64)
-        object.__setattr__(self, "token_request", m.token_request.astype(np.int64))
-        object.__setattr__(self, "key_block", blk)
+        if self.pieces is None:
+            object.__setattr__(self, "pieces", Pieces.from_meta(self.meta, self.spec, 64))
 
 
 class ReferenceBackend(Backend):
     """numpy float64 attention over caches in their native dtype; every spec, every layout."""
 
     name = "reference"
+
+    def __init__(self, *, query_piece: int = 64, chunk_elements: int = 1 << 23):
+        """``query_piece``: most query tokens of one request batched together;
+        ``chunk_elements``: float64 elements one batch of pieces may hold (about 64 MiB)."""
+        require(isinstance(query_piece, int) and query_piece > 0, "query_piece",
+                "must be a positive int", query_piece)
+        require(isinstance(chunk_elements, int) and chunk_elements > 0, "chunk_elements",
+                "must be a positive int", chunk_elements)
+        self.query_piece = query_piece
+        self.chunk_elements = chunk_elements
 
     def available(self) -> tuple[bool, str]:
         return True, "numpy float64"
@@ -131,7 +126,8 @@ class ReferenceBackend(Backend):
             require(sinks.ndim == 1, "sinks", "must be 1-D, one logit per query head",
                     sinks.shape)
             require(not np.isnan(sinks).any(), "sinks", "must not be NaN")
-        return ReferencePlan(meta, spec, layout, scale, softcap, sinks)
+        return ReferencePlan(meta, spec, layout, scale, softcap, sinks,
+                             Pieces.from_meta(meta, spec, self.query_piece))
 
     # -- cache views -------------------------------------------------------------------
     def _views(self, cache, layout, spec, layer):
@@ -193,23 +189,13 @@ class ReferenceBackend(Backend):
         if plan.sinks is not None:
             require(plan.sinks.shape == (hq,), "sinks", f"must have one logit per query "
                     f"head ({hq})", plan.sinks.shape)
-            sink = plan.sinks.reshape(1, h, g)
+            sink = plan.sinks.reshape(h, g)
         else:
-            sink = np.full((1, h, g), -np.inf)
+            sink = np.full((h, g), -np.inf)
         kview, vview = self._views(cache, layout, spec, layer)
-        dv = spec.head_dim_v
-        out = np.zeros((t, hq, dv), np.float64)
+        out = np.zeros((t, hq, spec.head_dim_v), np.float64)
         lse = np.full((t, hq), -np.inf, np.float64)
-        n_real = meta.num_actual_tokens
-        s = meta.max_seq_len
-        per_token = max(1, s * (h * (spec.head_dim + dv) + 2 * hq))
-        step = max(1, CHUNK_ELEMENTS // per_token)
-        off = np.arange(s, dtype=np.int64) % spec.block_size
-        for a in range(0, n_real, step):
-            b = min(n_real, a + step)
-            o, l = _attend(query[a:b], kview, vview, plan, a, b, off, sink)
-            out[a:b] = o.reshape(b - a, hq, dv)
-            lse[a:b] = l.reshape(b - a, hq)
+        attend(query, kview, vview, plan, sink, out, lse, budget=self.chunk_elements)
         return (out, lse) if return_lse else out
 
 
@@ -221,38 +207,3 @@ def to_cache_dtype(x: np.ndarray, dt: np.dtype) -> np.ndarray:
     if dt == np.int8:
         return np.clip(x, -128, 127).astype(np.int8)
     return np.asarray(x).astype(dt)
-
-
-def _attend(q, kview, vview, plan, a, b, off, sink):
-    """Attention of real tokens a..b: (out [t, H, g, Dv], lse [t, H, g]) in float64."""
-    meta, spec = plan.meta, plan.spec
-    r = plan.token_request[a:b]
-    p = meta.positions[a:b]
-    blk = plan.key_block[r]  # [t, S]
-    keys = kview[blk, off[None, :]].astype(np.float64)  # [t, S, H, D]
-    vals = vview[blk, off[None, :]].astype(np.float64)  # [t, S, H, Dv]
-    t, h = b - a, spec.num_kv_heads
-    qf = q.astype(np.float64).reshape(t, h, -1, spec.head_dim)  # [t, H, g, D]
-    logits = np.matmul(qf, keys.transpose(0, 2, 3, 1)) * plan.scale  # [t, H, g, S]
-    if plan.softcap is not None:
-        logits = plan.softcap * np.tanh(logits / plan.softcap)
-    j = np.arange(keys.shape[1], dtype=np.int64)[None, :]
-    pc = p[:, None]
-    mask = (j <= pc) & (j < meta.seq_lens[r][:, None])
-    if spec.kind == "sliding_window":
-        mask &= j > pc - spec.window
-    elif spec.kind == "chunked_local":
-        mask &= (j // spec.chunk) == (pc // spec.chunk)
-    logits = np.where(mask[:, None, None, :], logits, -np.inf)
-    # Slots a query may not see can hold anything (NaN garbage of unwritten memory): zero
-    # them so that 0 * NaN cannot leak into the output.
-    vals = np.where(mask[:, :, None, None], vals, 0.0)
-    m = np.maximum(logits.max(axis=-1, initial=-np.inf), sink)  # [t, H, g]
-    m = np.where(np.isfinite(m), m, 0.0)  # nothing visible: keep exp() finite
-    e = np.exp(logits - m[..., None])
-    den = e.sum(axis=-1) + np.exp(sink - m)
-    num = np.matmul(e, vals.transpose(0, 2, 1, 3))  # [t, H, g, Dv]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(den[..., None] > 0, num / den[..., None], 0.0)
-        lse = np.where(den > 0, m + np.log(den), -np.inf)
-    return out, lse

@@ -24,6 +24,9 @@ from kvabi.presets import PRESETS
 from kvabi.reference import ReferenceBackend, ReferencePlan, to_cache_dtype
 
 BACKEND = ReferenceBackend()
+#: the same oracle with tiny query pieces and memory chunks: exercises the batching
+SMALL = [ReferenceBackend(query_piece=2, chunk_elements=500),
+         ReferenceBackend(query_piece=3, chunk_elements=1)]
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -135,15 +138,33 @@ def batches(draw, kinds=kvabi.spec.KINDS):
     sinks = draw(st.none() | st.just("sinks"))
     scale = draw(st.none() | st.floats(0.05, 2))
     pad = draw(st.integers(0, 3))
-    return dict(spec=spec, layout=layout, layer=layer, ctx=ctx, qlen=qlen, table=table,
+    backend = draw(st.sampled_from([BACKEND] + SMALL))
+    evict = draw(st.booleans())
+    return dict(backend=backend, evict=evict, spec=spec, layout=layout, layer=layer, ctx=ctx, qlen=qlen, table=table,
                 num_blocks=num_blocks, hq=hq, softcap=softcap, sinks=sinks, scale=scale,
                 pad=pad, rng=rng)
+
+
+def evict_invisible_blocks(spec, layout, cache, layer, ctx, qlen, table):
+    """Poison the blocks no query of the step can see (as an engine recycles the blocks a
+    sliding window or chunk left behind): only window and chunk layers have such blocks."""
+    if spec.kind not in ("sliding_window", "chunked_local"):
+        return
+    kview = layout.kv_view(cache, layer, 0)
+    vview = layout.kv_view(cache, layer, 1)
+    for r in np.nonzero(qlen > 0)[0]:
+        lowest = ctx[r] - spec.window + 1 if spec.kind == "sliding_window" else \
+            ctx[r] // spec.chunk * spec.chunk
+        dead = table[r, :max(0, lowest) // spec.block_size]
+        kview[dead] = poison(spec.dtype)
+        vview[dead] = poison(spec.dtype)
 
 
 def run_step(b):
     """Write each request's context in a first (prefill) step, then the new tokens, then
     attend.  Returns everything the checks need."""
     spec, layout, layer, rng = b["spec"], b["layout"], b["layer"], b["rng"]
+    backend = b.get("backend", BACKEND)
     ctx, qlen, table = b["ctx"], b["qlen"], b["table"]
     h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
     seq = ctx + qlen
@@ -161,8 +182,8 @@ def run_step(b):
         if real:
             key[:real] = np.concatenate([hist_k[r][a:z] for r, (a, z) in enumerate(rows)])
             val[:real] = np.concatenate([hist_v[r][a:z] for r, (a, z) in enumerate(rows)])
-        plan = BACKEND.plan(meta, spec, layout)
-        return BACKEND.write_kv(cache, layout, key, None if spec.is_mla else val, plan,
+        plan = backend.plan(meta, spec, layout)
+        return backend.write_kv(cache, layout, key, None if spec.is_mla else val, plan,
                                 layer=layer)
 
     pre = CommonAttentionMetadata.from_lengths(ctx, np.zeros_like(ctx), table,
@@ -172,11 +193,13 @@ def run_step(b):
                                                 num_blocks=b["num_blocks"],
                                                 num_tokens=int(qlen.sum()) + b["pad"])
     write(meta, [(c, s) for c, s in zip(ctx, seq)])
+    if b.get("evict"):
+        evict_invisible_blocks(spec, layout, cache, layer, ctx, qlen, table)
     query = rng.standard_normal((meta.num_tokens, b["hq"], d))
     sinks = rng.uniform(-2, 2, b["hq"]) if b["sinks"] else None
-    plan = BACKEND.plan(meta, spec, layout, scale=b["scale"], softcap=b["softcap"],
+    plan = backend.plan(meta, spec, layout, scale=b["scale"], softcap=b["softcap"],
                         sinks=sinks)
-    out, lse = BACKEND.attention(query, cache, layout, plan, layer=layer, return_lse=True)
+    out, lse = backend.attention(query, cache, layout, plan, layer=layer, return_lse=True)
     scale = 1 / math.sqrt(d) if b["scale"] is None else b["scale"]
     want_out, want_lse = oracle(spec, hist_k, hist_v, query, meta.query_start_loc, ctx,
                                 scale=scale, softcap=b["softcap"], sinks=sinks)
@@ -235,20 +258,35 @@ def test_sink_takes_mass_but_adds_no_value():
     np.testing.assert_allclose(lse[0, 0], math.log(math.exp(1.5) + math.exp(0.5)), rtol=1e-14)
 
 
-def test_long_batch_is_chunked_and_bounded(monkeypatch):
-    """Token chunking (forced tiny here) does not change results."""
-    import kvabi.reference as ref
+def test_long_batch_is_chunked_and_bounded():
+    """Many pieces, widths and chunks (forced tiny) do not change results; nor do recycled
+    blocks full of NaN outside the window."""
+    for backend in SMALL + [BACKEND]:
+        b = dict(spec=KVSpec("sliding_window", 4, 2, 8, dtype="float16", window=5),
+                 layer=0, ctx=np.array([9, 0, 3, 17]), qlen=np.array([1, 11, 4, 2]),
+                 table=np.array([[5, 1, 7, -1, -1], [2, 0, 4, -1, -1], [3, 6, -1, -1, -1],
+                                 [8, 9, 10, 11, 12]]),
+                 num_blocks=13, hq=4, softcap=None, sinks="sinks", scale=None, pad=2,
+                 rng=np.random.default_rng(1), backend=backend, evict=True)
+        b["layout"] = Layout.preset("flashinfer.HND", b["spec"], num_blocks=13)
+        r = run_step(b)
+        np.testing.assert_allclose(r["out"], r["want_out"], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(r["lse"], r["want_lse"], rtol=1e-9, atol=1e-12)
+        assert np.isnan(r["cache"][0]).any()  # the eviction did poison something
 
-    b = dict(spec=KVSpec("sliding_window", 4, 2, 8, dtype="float16", window=5),
-             layer=0, ctx=np.array([9, 0, 3]), qlen=np.array([1, 11, 4]),
-             table=np.array([[5, 1, 7, -1], [2, 0, 4, -1], [3, 6, -1, -1]]), num_blocks=8,
-             hq=4, softcap=None, sinks="sinks", scale=None, pad=2,
-             rng=np.random.default_rng(1))
-    b["layout"] = Layout.preset("flashinfer.HND", b["spec"], num_blocks=8)
-    monkeypatch.setattr(ref, "CHUNK_ELEMENTS", 1)
-    r = run_step(b)
-    np.testing.assert_allclose(r["out"], r["want_out"], rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(r["lse"], r["want_lse"], rtol=1e-9, atol=1e-12)
+
+def test_visible_nan_propagates_invisible_nan_does_not():
+    spec = KVSpec("sliding_window", 2, 1, 2, dtype="float32", window=2)
+    layout = Layout.preset("flash_attn", spec, num_blocks=2)
+    meta = CommonAttentionMetadata.from_lengths([3], [0], [[0, 1]], 2)
+    cache = layout.allocate_numpy()
+    plan = BACKEND.plan(meta, spec, layout)
+    val = np.ones((3, 1, 2))
+    val[0, 0, 1] = np.nan  # position 0: seen by the queries at 0 and 1, not by 2
+    BACKEND.write_kv(cache, layout, np.ones((3, 1, 2)), val, plan)
+    out = BACKEND.attention(np.ones((3, 1, 2)), cache, layout, plan)
+    assert np.isnan(out[0, 0, 1]) and np.isnan(out[1, 0, 1])
+    assert np.isfinite(out[:, 0, 0]).all() and out[2, 0, 1] == 1.0
 
 
 # -- write_kv ------------------------------------------------------------------------------
