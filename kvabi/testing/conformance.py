@@ -1,0 +1,128 @@
+"""The pytest base class a backend author subclasses to prove a backend conformant.
+
+::
+
+    from kvabi.testing import BackendConformance
+
+    class TestMyBackend(BackendConformance):
+        backend_name = "acme.paged"
+        dtypes = ("float16", "bfloat16")   # optional: narrow what is drawn
+        max_examples = 20                  # optional: per check (default: the profile's)
+
+Each ``test_*`` method runs one check of :data:`kvabi.testing.checks.CHECKS` against the
+reference backend over Hypothesis examples of every spec the backend claims
+(``capabilities(spec)``).  The backend is looked up by name in the plugin registry, or
+returned by :meth:`make_backend` when a subclass overrides it.
+"""
+from __future__ import annotations
+
+from .checks import KitOptions, get_check
+from .runner import NOT_APPLICABLE, reference_backend, run_check
+
+
+class BackendConformance:
+    """Conformance tests against the reference backend (pytest collects subclasses)."""
+
+    #: the registered name of the backend under test
+    backend_name: str = ""
+    #: examples per check (None: the Hypothesis profile's, see kvabi.testing.profiles)
+    max_examples: int | None = None
+    #: narrow the kinds / dtypes / head dims drawn (None: all the backend claims)
+    kinds: tuple[str, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+    head_dims: tuple[int, ...] | None = None
+    #: predicate on drawn KVSpecs (None: every claimed spec)
+    specs = None
+    #: page alignments drawn for specs
+    page_aligns: tuple[int, ...] = (1,)
+    #: per-dtype tolerance overrides, e.g. {"float32": 1e-4} for a TF32 kernel
+    tolerances: dict | None = None
+    #: check names to leave out (each must be named with a reason in the backend's docs)
+    skip_checks: tuple[str, ...] = ()
+
+    # -- the backend ------------------------------------------------------------------------
+    def make_backend(self):
+        """The backend under test (default: ``get_backend(backend_name)``)."""
+        from ..registry import get_backend
+
+        if not self.backend_name:
+            raise TypeError(f"{type(self).__name__}: set backend_name")
+        return get_backend(self.backend_name)
+
+    def kit_options(self) -> KitOptions:
+        return KitOptions(kinds=self.kinds, dtypes=self.dtypes, head_dims=self.head_dims,
+                          specs=self.specs, page_aligns=tuple(self.page_aligns),
+                          tolerances=self.tolerances)
+
+    def _backend(self):
+        import pytest
+
+        backend = self.make_backend()
+        ok, why = backend.available()
+        if not ok:
+            pytest.skip(f"{backend.name} unavailable: {why}")
+        return backend
+
+    def run_kit_check(self, name: str) -> None:
+        """Run one check; a failure propagates with Hypothesis' minimal example attached."""
+        import pytest
+
+        if name in self.skip_checks:
+            pytest.skip(f"{name} skipped by {type(self).__name__}.skip_checks")
+        backend = self._backend()
+        res = run_check(get_check(name), backend, reference_backend(),
+                        options=self.kit_options(), max_examples=self.max_examples,
+                        reraise=True)
+        if res.status == NOT_APPLICABLE:
+            pytest.skip(f"{name}: {res.message}")
+
+    # -- the tests --------------------------------------------------------------------------
+    def test_registered(self):
+        """The backend is a kvabi Backend with a dotted name and sane capabilities."""
+        from ..abi import Backend, Capabilities
+
+        backend = self.make_backend()
+        assert isinstance(backend, Backend)
+        assert backend.name and all(backend.name.split("."))
+        ok, why = backend.available()
+        assert isinstance(ok, bool) and isinstance(why, str)
+        assert isinstance(backend.capabilities(None), Capabilities)
+
+    def test_write_kv(self):
+        self.run_kit_check("write_kv")
+
+    def test_attention(self):
+        self.run_kit_check("attention")
+
+    def test_layouts(self):
+        self.run_kit_check("layouts")
+
+    def test_foreign_layouts(self):
+        self.run_kit_check("foreign_layouts")
+
+    def test_unsupported(self):
+        self.run_kit_check("unsupported")
+
+    def test_kv_update_slices(self):
+        self.run_kit_check("kv_update_slices")
+
+    def test_prefill_skip(self):
+        self.run_kit_check("prefill_skip")
+
+    def test_local_virtual_batches(self):
+        self.run_kit_check("local_virtual_batches")
+
+    def test_split_ubatches(self):
+        self.run_kit_check("split_ubatches")
+
+    def test_cascade(self):
+        self.run_kit_check("cascade")
+
+    def test_pad(self):
+        self.run_kit_check("pad")
+
+    def test_permute(self):
+        self.run_kit_check("permute")
+
+    def test_kv_sharing(self):
+        self.run_kit_check("kv_sharing")
