@@ -57,11 +57,12 @@ class FlashAttnBackend(LibraryBackend):
 
     def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
         self.check_plan(plan, layout, FlashAttnPlan)
-        check_kv(key, value, plan.meta, plan.spec)
+        spec = plan.spec
+        check_kv(key, value, plan.meta, spec)
         dev = self.device()
-        k_view, v_view = tensors.kv_views(layout, cache, layer, False)
+        k_view, v_view = self.views(layout, cache, layer, spec)
         write_kv_torch(tensors.to_torch(key, dev), tensors.to_torch(value, dev), k_view,
-                       v_view, plan.slots, plan.spec.block_size)
+                       v_view, plan.slots, spec.block_size)
         return cache
 
     def attention(self, query, cache, layout, plan, *, layer: int = 0, return_lse=False):
@@ -73,7 +74,7 @@ class FlashAttnBackend(LibraryBackend):
         dev = self.device()
         q = tensors.to_torch(query, dev, spec.dtype)
         a = args["num_actual_tokens"]
-        k_view, v_view = tensors.kv_views(layout, cache, layer, False)
+        k_view, v_view = self.views(layout, cache, layer, spec)
         out = torch.zeros((meta.num_tokens, hq, spec.head_dim_v), dtype=q.dtype, device=dev)
         lse = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32,
                          device=dev)

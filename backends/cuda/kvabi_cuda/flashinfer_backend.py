@@ -112,7 +112,7 @@ class FlashInferBackend(LibraryBackend):
         # append_paged_kv_cache takes exactly the real tokens, in the cache dtype.
         key = tensors.to_torch(key, dev, dt)[:a]
         value = tensors.to_torch(value, dev, dt)[:a]
-        k_view, v_view = tensors.kv_views(layout, cache, layer, False)
+        k_view, v_view = self.views(layout, cache, layer, spec)
         pair = paged_kv_tensors(k_view, v_view, plan.kv_layout)
         ap = append_args(meta, spec, plan.kv_layout)
         t = {k: tensors.to_torch(v, dev) if isinstance(v, np.ndarray) else v
@@ -134,7 +134,7 @@ class FlashInferBackend(LibraryBackend):
         dev = self.device()
         q = tensors.to_torch(query, dev, spec.dtype)
         a = args["num_actual_tokens"]
-        k_view, v_view = tensors.kv_views(layout, cache, layer, False)
+        k_view, v_view = self.views(layout, cache, layer, spec)
         out = torch.zeros((meta.num_tokens, hq, spec.head_dim_v), dtype=q.dtype, device=dev)
         lse = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32,
                          device=dev)

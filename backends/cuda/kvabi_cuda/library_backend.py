@@ -102,6 +102,18 @@ class LibraryBackend(Backend):
     def allocate(self, layout) -> list:
         return tensors.allocate(layout, self.device())
 
+    def views(self, layout, cache, layer: int, spec):
+        """The layer's K and V [B, N, H, D] views as a compiled library reads them: D
+        contiguous, exactly head_dim wide, K and V with equal strides."""
+        if layout.size("D") != spec.head_dim:
+            raise UnsupportedError(f"{self.name}: layout D size {layout.size('D')} differs "
+                                   f"from head_dim {spec.head_dim}")
+        k, v = tensors.kv_views(layout, cache, layer, False, d_contiguous=True)
+        if k.stride() != v.stride():
+            raise UnsupportedError(f"{self.name}: layout {layout.name or 'custom'} gives K "
+                                   f"and V different strides {k.stride()} / {v.stride()}")
+        return k, v
+
     def check_plan(self, plan, layout, cls):
         if not isinstance(plan, cls):
             raise KVABIError(f"plan: must come from {self.name}.plan(), got "

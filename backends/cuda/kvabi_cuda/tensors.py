@@ -40,17 +40,18 @@ def allocate(layout, device) -> list:
     return planes
 
 
-def kv_views(layout, cache, layer: int, mla: bool):
+def kv_views(layout, cache, layer: int, mla: bool, d_contiguous: bool = True):
     """(key view, value view) [B, N, H, D] of ``layer``; for MLA both are the latent.
 
-    Raises UnsupportedError unless D is contiguous (the kernels address D with stride 1).
+    With ``d_contiguous`` raises UnsupportedError unless D has stride 1 (what the compiled
+    libraries address).
     """
     k = layout.kv_view(cache, layer, 0)
     v = k if mla else layout.kv_view(cache, layer, 1)
     for name, t in (("key", k), ("value", v)):
-        if t.stride(3) != 1:
+        if d_contiguous and t.stride(3) != 1:
             raise UnsupportedError(f"layout: {layout.name or 'custom'} {name} view has D "
-                                   f"stride {t.stride(3)}; kernels need D contiguous")
+                                   f"stride {t.stride(3)}; this library needs D contiguous")
     return k, v
 
 

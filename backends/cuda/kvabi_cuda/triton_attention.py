@@ -3,7 +3,8 @@
 Grid: (query tiles, KV heads).  A tile is up to ``BLOCK_Q`` consecutive query tokens of one
 request; its rows are (token, query head of the KV head's GQA group) pairs, so one program
 loads each key/value tile once for the whole group.  Keys are gathered through the block
-table from any strided [B, N, H, D] cache view with D contiguous.  Online softmax in
+table from any strided [B, N, H, D] cache view (Triton specializes a D stride of 1, the
+usual case, at compile time).  Online softmax in
 float32; masks follow kvabi's canonical semantics: causal bottom-right (key j <= position
 p), sliding window W (j > p - W), chunked local C (j // C == p // C), soft cap
 ``cap * tanh(x / cap)`` on the scaled logits, and an optional per-query-head sink logit
@@ -37,14 +38,15 @@ def _tanh(x):
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr,
     bt_ptr, ctx_ptr, qsl_ptr, tile_req_ptr, tile_tok_ptr, tile_len_ptr,
-    sq_t, sq_h,  # query [T, Hq, D] strides (D contiguous)
-    sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,  # cache view strides
+    sq_t, sq_h, sq_d,  # query [T, Hq, D] strides
+    sk_b, sk_n, sk_h, sk_d, sv_b, sv_n, sv_h, sv_d,  # cache view strides (D: 1 is usual)
     so_t, so_h,  # output [T, Hq, Dv] strides
     s_bt,  # block table row stride
     num_hq, group, head_dim, head_dim_v, block_size,
     scale, softcap, span,
     MASK: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -65,7 +67,7 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
 
-    q = tl.load(q_ptr + tok[:, None] * sq_t + qh[:, None] * sq_h + d[None, :],
+    q = tl.load(q_ptr + tok[:, None] * sq_t + qh[:, None] * sq_h + d[None, :] * sq_d,
                 mask=row_ok[:, None] & (d[None, :] < head_dim), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -94,11 +96,12 @@ def _paged_attention_kernel(
         blk = tl.load(bt_ptr + r.to(tl.int64) * s_bt + j // block_size, mask=j_ok, other=0)
         blk = blk.to(tl.int64)
         off = (j % block_size).to(tl.int64)
-        kt = tl.load(k_ptr + blk[None, :] * sk_b + off[None, :] * sk_n + kvh * sk_h + d[:, None],
+        kt = tl.load(k_ptr + blk[None, :] * sk_b + off[None, :] * sk_n + kvh * sk_h
+                     + d[:, None] * sk_d,
                      mask=j_ok[None, :] & (d[:, None] < head_dim), other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision="ieee") * scale
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale
         if SOFTCAP:
             s = softcap * _tanh(s / softcap)
         vis = j_ok[None, :] & (j[None, :] <= pos[:, None])
@@ -112,11 +115,12 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + blk[:, None] * sv_b + off[:, None] * sv_n + kvh * sv_h + dv[None, :],
+        v = tl.load(v_ptr + blk[:, None] * sv_b + off[:, None] * sv_n + kvh * sv_h
+                    + dv[None, :] * sv_d,
                     mask=j_ok[:, None] & (dv[None, :] < head_dim_v), other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has = l_i > 0
@@ -167,19 +171,19 @@ def paged_attention(q, k_view, v_view, out, lse, sinks, block_table, ctx, qsl, t
     num_kv = int(k_view.shape[2])
     if n_tiles == 0:
         return
-    q = q if q.stride(2) == 1 else q.contiguous()
     sink_arg = sinks if sinks is not None else lse  # unused when HAS_SINKS is off
     _paged_attention_kernel[(n_tiles, num_kv)](
         q, k_view, v_view, out, lse, sink_arg,
         block_table, ctx, qsl, tile_req, tile_tok, tile_len,
-        q.stride(0), q.stride(1),
-        k_view.stride(0), k_view.stride(1), k_view.stride(2),
-        v_view.stride(0), v_view.stride(1), v_view.stride(2),
+        q.stride(0), q.stride(1), q.stride(2),
+        *k_view.stride(), *v_view.stride(),
         out.stride(0), out.stride(1), block_table.stride(0),
         q.shape[1], group, head_dim, head_dim_v, block_size,
         float(scale), float(softcap or 1.0), int(span),
         MASK=mask, SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-        UPCAST=upcast, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n,
+        # float32 must not silently drop to TF32 on tensor cores: IEEE products there.
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", BLOCK_Q=block_q,
+        BLOCK_G=block_g, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
     )

@@ -45,7 +45,7 @@ class TritonPlan:
 
 
 class TritonBackend(Backend):
-    """Paged attention and cache writes in Triton; every D-contiguous layout, by strides."""
+    """Paged attention and cache writes in Triton; any layout, by strides."""
 
     name = "cuda.triton"
 
@@ -67,7 +67,8 @@ class TritonBackend(Backend):
         return Capabilities(kinds=KINDS, dtypes=dtypes, head_dims=None, block_sizes=None,
                             softcap=True, sinks=True,
                             layouts=self.preferred_layouts(spec) if spec is not None else (),
-                            notes=note + "; any layout whose K/V views have D contiguous")
+                            notes=note + "; any layout, addressed by the strides of its "
+                                         "K/V views (D contiguous is the fast case)")
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
         return d_contiguous_presets(spec)
@@ -130,7 +131,7 @@ class TritonBackend(Backend):
         spec = plan.spec
         check_kv(key, value, plan.meta, spec)
         dev = self._device()
-        k_view, v_view = tensors.kv_views(layout, cache, layer, spec.is_mla)
+        k_view, v_view = tensors.kv_views(layout, cache, layer, spec.is_mla, d_contiguous=False)
         key = self._no_interpreted_bf16(tensors.to_torch(key, dev), "key")
         value = None if spec.is_mla else self._no_interpreted_bf16(
             tensors.to_torch(value, dev), "value")
@@ -152,7 +153,7 @@ class TritonBackend(Backend):
         q = self._no_interpreted_bf16(tensors.to_torch(query, dev), "query")
         if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             q = q.to(torch.float32)
-        k_view, v_view = tensors.kv_views(layout, cache, layer, spec.is_mla)
+        k_view, v_view = tensors.kv_views(layout, cache, layer, spec.is_mla, d_contiguous=False)
         t, dv = meta.num_tokens, spec.head_dim_v
         out = torch.zeros((t, hq, dv), dtype=q.dtype, device=dev)
         lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=dev)

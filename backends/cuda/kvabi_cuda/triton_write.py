@@ -1,8 +1,8 @@
 """Triton kernel: write new K (and V) into a paged cache by slot mapping.
 
 Each program writes a run of tokens.  The destination is any strided [B, N, H, D] view
-with D contiguous (what :meth:`kvabi.Layout.kv_view` gives for every preset), so one kernel
-serves every layout.  Slot -1 (padding) is masked out: never written.
+(what :meth:`kvabi.Layout.kv_view` gives for every layout), so one kernel serves every
+layout; Triton specializes the usual D stride of 1 at compile time.  Slot -1 (padding) is masked out: never written.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import triton.language as tl  # noqa: E402
 @triton.jit
 def _write_kv_kernel(
     k_src, v_src, k_dst, v_dst, slots, num_tokens,
-    sk_t, sk_h, sv_t, sv_h,  # element strides of the new K/V [T, H, D]
-    dk_b, dk_n, dk_h, dv_b, dv_n, dv_h,  # element strides of the cache views [B, N, H, D]
+    sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,  # element strides of the new K/V [T, H, D]
+    dk_b, dk_n, dk_h, dk_d, dv_b, dv_n, dv_h, dv_d,  # strides of the cache views [B, N, H, D]
     block_size, num_heads, head_dim, head_dim_v,
     HAS_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -35,15 +35,17 @@ def _write_kv_kernel(
     off = slot % block_size
     d = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (d[None, :] < head_dim)
-    x = tl.load(k_src + t[:, None] * sk_t + h[:, None] * sk_h + d[None, :], mask=mask)
-    dst = k_dst + blk[:, None] * dk_b + off[:, None] * dk_n + h[:, None] * dk_h + d[None, :]
+    x = tl.load(k_src + t[:, None] * sk_t + h[:, None] * sk_h + d[None, :] * sk_d, mask=mask)
+    dst = (k_dst + blk[:, None] * dk_b + off[:, None] * dk_n + h[:, None] * dk_h
+           + d[None, :] * dk_d)
     tl.store(dst, x.to(k_dst.dtype.element_ty), mask=mask)
     if HAS_V:
         dv = tl.arange(0, BLOCK_DV)
         mask_v = row_ok[:, None] & (dv[None, :] < head_dim_v)
-        y = tl.load(v_src + t[:, None] * sv_t + h[:, None] * sv_h + dv[None, :], mask=mask_v)
+        y = tl.load(v_src + t[:, None] * sv_t + h[:, None] * sv_h + dv[None, :] * sv_d,
+                    mask=mask_v)
         dst_v = (v_dst + blk[:, None] * dv_b + off[:, None] * dv_n + h[:, None] * dv_h
-                 + dv[None, :])
+                 + dv[None, :] * dv_d)
         tl.store(dst_v, y.to(v_dst.dtype.element_ty), mask=mask_v)
 
 
@@ -58,23 +60,19 @@ def tokens_per_program(num_heads: int, head_dim: int, interpret: bool) -> int:
 def write_kv(key, value, k_view, v_view, slots, block_size: int, *,
              interpret: bool = False) -> None:
     """Scatter ``key`` [T, H, D] (and ``value`` [T, H, Dv], or None) into the cache views
-    at ``slots`` [T] (int64; -1 skipped).  Tensors on the kernel's device, D contiguous."""
+    at ``slots`` [T] (int64; -1 skipped).  Tensors on the kernel's device, any strides."""
     t, h, d = key.shape
     if t == 0:
         return
-    key = key if key.stride(2) == 1 else key.contiguous()
     has_v = value is not None
     if has_v:
-        value = value if value.stride(2) == 1 else value.contiguous()
         dvh = value.shape[2]
     else:
         value, v_view, dvh = key, k_view, d  # unused: HAS_V is off
     bt = tokens_per_program(h, max(d, dvh), interpret)
     _write_kv_kernel[(triton.cdiv(t, bt),)](
         key, value, k_view, v_view, slots, t,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_view.stride(0), k_view.stride(1), k_view.stride(2),
-        v_view.stride(0), v_view.stride(1), v_view.stride(2),
+        *key.stride(), *value.stride(), *k_view.stride(), *v_view.stride(),
         block_size, h, d, dvh,
         HAS_V=has_v, BLOCK_T=bt, BLOCK_H=triton.next_power_of_2(h),
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dvh),

@@ -16,7 +16,7 @@ class Step:
     """One attention step: spec, layout name, metadata, options and the data to feed."""
 
     spec: KVSpec
-    layout_name: str
+    layout_name: object  # a preset name, or a callable (spec, num_blocks, num_layers)
     meta: CommonAttentionMetadata
     hist: CommonAttentionMetadata  # writes every context token (positions 0..c-1)
     num_q_heads: int
@@ -25,6 +25,8 @@ class Step:
     seed: int
 
     def layout(self, num_layers=2) -> Layout:
+        if callable(self.layout_name):
+            return self.layout_name(self.spec, self.meta_blocks, num_layers)
         return Layout.preset(self.layout_name, self.spec, self.meta_blocks, num_layers)
 
     @property

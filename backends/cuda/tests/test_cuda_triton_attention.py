@@ -82,3 +82,24 @@ def test_layers_are_independent():
     np.testing.assert_allclose(TRITON.to_numpy(l0)[:2], np.log([[4.0] * 4, [5.0] * 4]),
                                rtol=1e-6)
     assert np.abs(o).max() > 0
+
+
+def _d_outer_layout(spec, num_blocks, num_layers):
+    # D outside N and H, and padded heads: nothing is contiguous along D.
+    return kvabi.Layout(order=("B", "KV", "D", "N", "H"), planes=("L",),
+                        sizes={"L": num_layers, "B": num_blocks, "KV": 2,
+                               "N": spec.block_size, "H": spec.num_kv_heads,
+                               "D": spec.head_dim},
+                        extents={"H": spec.num_kv_heads + 1}, dtype=spec.dtype)
+
+
+def test_any_strides_even_d_not_contiguous():
+    step = make_step("sliding_window", window=4, query_lens=[3, 1], context_lens=[5, 6],
+                     layout=_d_outer_layout, dtype="float16", seed=8)
+    k = step.layout().kv_view(TRITON.allocate(step.layout()), 0, 0)
+    assert k.stride(3) != 1
+    got, want = run_step(TRITON, step), run_step(reference(), step)
+    compare(step, got, want)
+    for g, w in zip(got[2], want[2]):  # and the cache bytes, padding included
+        np.testing.assert_array_equal(np.ascontiguousarray(g).view(np.uint8),
+                                      np.ascontiguousarray(w).view(np.uint8))
