@@ -8,10 +8,17 @@ from kvabi.presets import preset_names
 FIRST = ("flash_attn", "flashinfer.NHD", "flashinfer.HND")
 
 
-def d_contiguous_presets(spec, first=FIRST) -> tuple[str, ...]:
-    """Preset names that hold ``spec`` with D contiguous in every K/V view, ``first`` first."""
+#: the CUDA engines' own layouts (the libraries' native forms and vLLM's names)
+CUDA_FAMILIES = ("flash_attn", "flashinfer.", "vllm.")
+
+
+def d_contiguous_presets(spec, first=FIRST, families=None) -> tuple[str, ...]:
+    """Preset names that hold ``spec`` with D contiguous in every K/V view, ``first`` first;
+    ``families`` (name prefixes) keeps only those presets."""
     ok = []
     for name in preset_names(spec):
+        if families is not None and not name.startswith(tuple(families)):
+            continue
         try:
             lay = Layout.preset(name, spec, num_blocks=1)
         except KVABIError:  # the preset refuses this spec (packing, page_align, Dv != D)

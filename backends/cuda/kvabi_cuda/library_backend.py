@@ -11,7 +11,7 @@ from __future__ import annotations
 from kvabi import Backend, Capabilities, KVABIError, UnsupportedError
 
 from . import runtime, tensors
-from .layouts import d_contiguous_presets
+from .layouts import CUDA_FAMILIES, d_contiguous_presets
 
 
 class LibraryBackend(Backend):
@@ -83,7 +83,7 @@ class LibraryBackend(Backend):
                                    f"a multiple of block_size {spec.block_size}")
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
-        return d_contiguous_presets(spec, first=self.first_layouts)
+        return d_contiguous_presets(spec, first=self.first_layouts, families=CUDA_FAMILIES)
 
     # -- arrays ----------------------------------------------------------------------
     def device(self):
