@@ -88,3 +88,19 @@ def test_triton_refuses_what_it_cannot_do():
     with pytest.raises(kvabi.KVABIError, match="query"):
         be.attention(be.asarray(__import__("numpy").zeros((3, 3, 8))), be.allocate(layout),
                      layout, plan)
+
+
+def test_interpreter_can_be_forbidden():
+    # TRITON_INTERPRET=0 without a GPU: cuda.triton is unavailable, and says why.
+    if _cuda():
+        pytest.skip("a CUDA device compiles the kernels")
+    import os
+    import subprocess
+    import sys
+
+    code = ("import kvabi; ok, why = kvabi.get_backend('cuda.triton').available(); "
+            "print(ok, why)")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120).stdout
+    assert out.startswith("False") and "TRITON_INTERPRET=0" in out

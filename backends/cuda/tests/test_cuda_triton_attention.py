@@ -39,8 +39,8 @@ CASES = {
                             dtype="float16"),
     "padding_and_empty_request": dict(query_lens=[0, 3, 0], context_lens=[5, 1, 0],
                                       padding=3),
-    "long_prefill_many_tiles": dict(query_lens=[40], context_lens=[30], block_size=8,
-                                    group=1),
+    "long_prefill_many_tiles": dict(query_lens=[70, 1], context_lens=[30, 12],
+                                    block_size=8, group=2),
 }
 
 
