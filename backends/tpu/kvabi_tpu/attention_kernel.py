@@ -18,7 +18,6 @@ from jax import numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .env import jit_by_mode
 from .plan import TILE_KVLEN, TILE_NPAGES, TILE_PAGE_LO, TILE_POS0, TILE_QLEN, TILE_REQ
 
 #: logit of a masked key: finite so that exp(mask - m) never sees inf - inf
@@ -133,7 +132,7 @@ def _kernel(info_ref, table_ref, q_ref, sinks_ref, *refs, fmt, scale, softcap, k
         lse_ref[...] = jnp.zeros(lse_ref.shape, lse_ref.dtype)
 
 
-def _paged_attention(query, planes, tile_info, page_table, q_index, out_index, sinks, *, fmt,
+def paged_attention(query, planes, tile_info, page_table, q_index, out_index, sinks, *, fmt,
                     scale, softcap, kind, window, chunk, per_block, has_sinks, interpret):
     """Attention of ``query`` [T, Hq, D] over per-layer cache ``planes``; returns
     (out [T, Hq, D] in the query dtype, lse [T, Hq] float32)."""
@@ -167,6 +166,3 @@ def _paged_attention(query, planes, tile_info, page_table, q_index, out_index, s
     )(tile_info, page_table, tiles, sinks, *planes)
     return out.reshape(w * bq, hq, d)[out_index], lse.reshape(w * bq, hq)[out_index]
 
-
-paged_attention = jit_by_mode(_paged_attention, (
-    "fmt", "scale", "softcap", "kind", "window", "chunk", "per_block", "has_sinks"))

@@ -14,6 +14,7 @@ from kvabi import KVABIError
 from .cache_format import CacheFormat
 from .dtype import SUPPORTED, jnp_dtype
 from .plan import TPUPlan, build_plan
+from .steps import compiled
 
 KINDS = ("full", "sliding_window", "chunked_local")
 LAYOUTS = ("tpu.combined", "tpu.hidden")
@@ -28,6 +29,14 @@ class TPUBackendBase(kvabi.Backend):
     #: update slices handled per grid step of the cache update
     num_slices_per_block: int = 8
     notes: str = ""
+
+    def __init__(self, *, donate_cache: bool = False, fast_compile: bool = False):
+        #: consume the cache arrays passed to write_kv, updating them in place (as an
+        #: engine running under jit does); off by default so that inputs stay valid
+        self.donate_cache = bool(donate_cache)
+        #: compile with XLA's cheap options (about half the compile time, slower code):
+        #: for tests and short runs where every step has a new shape
+        self.fast_compile = bool(fast_compile)
 
     # -- description ---------------------------------------------------------------------
     def _block_size_multiple(self, spec) -> int:
@@ -98,8 +107,9 @@ class TPUBackendBase(kvabi.Backend):
 
     # -- write ---------------------------------------------------------------------------
     def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
-        """New K/V into the slots of ``plan``; returns the new cache list (functional:
-        the input arrays are not modified)."""
+        """New K/V into the slots of ``plan``; returns the new cache list.  The input
+        arrays are left as they were unless the backend was made with
+        ``donate_cache=True`` (then they are consumed and the update runs in place)."""
         fmt = self._format(layout, plan)
         spec, t = plan.spec, plan.meta.num_tokens
         shape = (t, spec.num_kv_heads, spec.head_dim)
@@ -110,14 +120,17 @@ class TPUBackendBase(kvabi.Backend):
             if tuple(x.shape) != shape:
                 raise KVABIError(f"{field}: must be [{t}, {shape[1]}, {shape[2]}], "
                                  f"got {tuple(x.shape)}")
-        planes = fmt.layer_planes(cache, layout, layer)
+        idx = self._layer_planes(cache, layout, layer, fmt)
         if t == 0:
             return list(cache)
-        rows = fmt.token_rows(_pad_rows(key, plan.padded_tokens),
-                              _pad_rows(value, plan.padded_tokens))
-        slots = self._write(rows, [fmt.slot_view(p) for p in planes], plan)
-        return fmt.store_layer(cache, layout, layer,
-                               [s.reshape(p.shape) for s, p in zip(slots, planes)])
+        impl, args, static = self._write_impl(plan)
+        new = compiled("write", donate=self.donate_cache, cheap=self._cheap_compile())(
+            tuple(cache[i] for i in idx), key, value, args, fmt=fmt, layer=layer,
+            padded_tokens=plan.padded_tokens, impl=impl, static=tuple(sorted(static.items())))
+        out = list(cache)
+        for i, x in zip(idx, new):
+            out[i] = x
+        return out
 
     # -- attention -----------------------------------------------------------------------
     def attention(self, query, cache, layout, plan, *, layer: int = 0, return_lse=False):
@@ -139,36 +152,47 @@ class TPUBackendBase(kvabi.Backend):
         if plan.sinks is not None and plan.sinks.shape != (hq,):
             raise KVABIError(f"sinks: must have one logit per query head ({hq}), "
                              f"got shape {plan.sinks.shape}")
-        planes = fmt.layer_planes(cache, layout, layer)
+        idx = self._layer_planes(cache, layout, layer, fmt)
         if t == 0:
             out = jnp.zeros((0, hq, spec.head_dim), query.dtype)
             lse = jnp.zeros((0, hq), jnp.float32)
         else:
             sinks = self.asarray(np.zeros(hq, np.float32) if plan.sinks is None
                                  else plan.sinks)
-            out, lse = self._attend(_pad_rows(query, plan.padded_tokens), tuple(planes), plan,
-                                    fmt, sinks)
-            out, lse = out[:t], lse[:t]
+            impl, args, static = self._attend_impl(plan)
+            static.update(scale=plan.scale, softcap=plan.softcap, kind=spec.kind,
+                          window=spec.window, chunk=spec.chunk,
+                          has_sinks=plan.sinks is not None)
+            out, lse = compiled("attend", donate=False, cheap=self._cheap_compile())(
+                query, tuple(cache[i] for i in idx), args, sinks, fmt=fmt, layer=layer,
+                padded_tokens=plan.padded_tokens, impl=impl,
+                static=tuple(sorted(static.items())))
         return (out, lse) if return_lse else out
 
+    def _layer_planes(self, cache, layout, layer, fmt) -> tuple[int, ...]:
+        """Check the cache list against the layout; indices of ``layer``'s planes."""
+        if not isinstance(cache, (list, tuple)) or len(cache) != layout.num_planes:
+            raise KVABIError(f"cache: must be a list of the layout's {layout.num_planes} "
+                             f"planes, got {type(cache).__name__}")
+        for i, p in enumerate(cache):
+            if tuple(getattr(p, "shape", ())) != layout.plane_shape:
+                raise KVABIError(f"cache[{i}].shape: must be {layout.plane_shape}, got "
+                                 f"{tuple(getattr(p, 'shape', ()))}")
+        if not (isinstance(layer, (int, np.integer)) and 0 <= layer < layout.num_layers):
+            raise KVABIError(f"layer: must be in [0, {layout.num_layers}), got {layer!r}")
+        return fmt.plane_indices(layout, int(layer))
+
     # -- the computations ----------------------------------------------------------------
-    def _write(self, rows, slot_planes, plan):
+    def _cheap_compile(self) -> bool:
+        """Whether steps compile with cheap XLA options (see :attr:`fast_compile`)."""
+        return self.fast_compile
+
+    def _write_impl(self, plan):
+        """(update function, its device arrays, its static keywords) for a write:
+        ``update(rows, slot_planes, *arrays, **static) -> new slot planes``."""
         raise NotImplementedError
 
-    def _attend(self, query, planes, plan, fmt, sinks):
+    def _attend_impl(self, plan):
+        """(attention function, its device arrays, its static keywords):
+        ``attend(query, planes, *arrays, sinks, fmt=, **static) -> (out, lse)``."""
         raise NotImplementedError
-
-    @staticmethod
-    def _attn_options(plan) -> dict:
-        spec = plan.spec
-        return dict(scale=plan.scale, softcap=plan.softcap, kind=spec.kind,
-                    window=spec.window, chunk=spec.chunk, has_sinks=plan.sinks is not None)
-
-
-def _pad_rows(x, n: int):
-    """``x`` with zero rows appended up to ``n`` rows (padding tokens)."""
-    import jax.numpy as jnp
-
-    if x.shape[0] == n:
-        return x
-    return jnp.pad(x, ((0, n - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))

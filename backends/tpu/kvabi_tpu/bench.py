@@ -1,3 +1,162 @@
-"""placeholder"""
-def run(argv=None):
+"""``kvabi bench tpu [--json] [--quick]``: tokens per second of cache update and attention.
+
+One mixed batch (decodes, chunked prefills with context, fresh prefills; shuffled block
+ids) runs through ``tpu.jax`` and the ``reference`` oracle side by side, each on the same
+cache contents and inputs: ``write_kv`` of the step's new K/V and ``attention`` of its
+queries.  Tokens per second = real query tokens / median wall time (after a warm-up run
+that compiles).  ``tpu.pallas`` joins by default where it compiles natively (a TPU);
+name it in ``--backends`` to time its interpreted form (slow, for a sanity check only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+import kvabi
+from kvabi import KVABIError
+from kvabi.dtypes import numpy_dtype
+
+from .env import on_tpu
+
+
+def mixed_batch(num_reqs: int, num_tokens: int, max_context: int, block_size: int,
+                seed: int):
+    """Metadata: about half decodes, a quarter chunked prefills (context > 0), a quarter
+    fresh prefills; query lengths sum to ``num_tokens``."""
+    if num_tokens < num_reqs:
+        raise KVABIError(f"--tokens: need at least one token per request ({num_reqs}), "
+                         f"got {num_tokens}")
+    rng = np.random.default_rng(seed)
+    kind = rng.choice(3, size=num_reqs, p=[0.5, 0.25, 0.25])  # decode, chunked, fresh
+    kind[0] = 2
+    pre = np.nonzero(kind > 0)[0]
+    q = np.ones(num_reqs, np.int64)
+    q[pre] += rng.multinomial(num_tokens - num_reqs, np.full(len(pre), 1.0 / len(pre)))
+    c = np.where(kind == 2, 0, rng.integers(1, max_context + 1, num_reqs))
+    need = -(-(q + c) // block_size)
+    width = int(need.max())
+    nb = num_reqs * width
+    table = rng.permutation(nb).reshape(num_reqs, width)
+    return kvabi.CommonAttentionMetadata.from_lengths(q, c, table, block_size, num_blocks=nb)
+
+
+def median_seconds(fn, repeat: int, budget_s: float = 20.0) -> float:
+    """Median of up to ``repeat`` timed runs after one warm-up run (which compiles); stops
+    early once ``budget_s`` is spent (the float64 reference is slow on large batches)."""
+    fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < max(1, repeat) and (not times or
+                                           time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _ready(x):
+    """Wait for a jax result (no-op for numpy)."""
+    for a in (x if isinstance(x, (list, tuple)) else [x]):
+        if hasattr(a, "block_until_ready"):
+            a.block_until_ready()
+    return x
+
+
+def measure(backend, spec, layout, meta, arrays, repeat: int) -> dict:
+    """Median times of one backend on the batch; for the TPU backends the write is timed
+    twice: functional (the cache is copied) and in place (cache donated, as under jit)."""
+    key, value, query, pool = arrays
+    n = meta.num_actual_tokens
+    k, v, q = backend.asarray(key), backend.asarray(value), backend.asarray(query)
+    state = {"cache": [backend.asarray(np.array(p)) for p in pool]}
+    plan_s = median_seconds(lambda: backend.plan(meta, spec, layout), repeat)
+    plan = backend.plan(meta, spec, layout)
+
+    def write(b):
+        state["cache"] = _ready(b.write_kv(state["cache"], layout, k, v, plan))
+
+    out = {"backend": backend.name, "mode": backend.available()[1], "plan_ms": plan_s * 1e3}
+    write_s = median_seconds(lambda: write(backend), repeat)
+    if hasattr(backend, "donate_cache"):
+        donating = type(backend)(donate_cache=True)
+        inplace_s = median_seconds(lambda: write(donating), repeat)
+        out.update(write_copy_ms=write_s * 1e3, write_copy_tokens_per_s=n / write_s)
+        write_s = inplace_s
+    out.update(write_ms=write_s * 1e3, write_tokens_per_s=n / write_s)
+    cache = state["cache"]
+    attn_s = median_seconds(lambda: _ready(backend.attention(q, cache, layout, plan)), repeat)
+    out.update(attention_ms=attn_s * 1e3, attention_tokens_per_s=n / attn_s)
+    return out
+
+
+def run(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kvabi bench tpu", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--quick", action="store_true", help="a small batch and few runs")
+    p.add_argument("--reqs", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=512, help="query tokens in the batch")
+    p.add_argument("--context", type=int, default=1024, help="largest context length")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--layout", default="tpu.combined", choices=("tpu.combined", "tpu.hidden"))
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--backends", default=None,
+                   help="comma-separated backends (default: tpu.jax,reference, plus "
+                        "tpu.pallas on a TPU)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.reqs, a.tokens, a.context, a.repeat = 8, 64, 128, 2
+    names = a.backends.split(",") if a.backends else \
+        ["tpu.jax", "reference"] + (["tpu.pallas"] if on_tpu() else [])
+    spec = kvabi.KVSpec("full", block_size=a.block_size, num_kv_heads=a.kv_heads,
+                        head_dim=a.head_dim, dtype=a.dtype)
+    meta = mixed_batch(a.reqs, a.tokens, a.context, a.block_size, a.seed)
+    layout = kvabi.Layout.preset(a.layout, spec, meta.num_blocks)
+    rng = np.random.default_rng(a.seed)
+    dt = numpy_dtype(a.dtype)
+    t, h, d = meta.num_tokens, a.kv_heads, a.head_dim
+    pool = layout.allocate_numpy(0)
+    for kv in (0, 1):
+        view = layout.kv_view(pool, 0, kv)
+        view[...] = rng.standard_normal(view.shape).astype(dt)
+    arrays = (rng.standard_normal((t, h, d)).astype(dt), rng.standard_normal((t, h, d)).astype(dt),
+              rng.standard_normal((t, a.q_heads, d)).astype(dt), pool)
+    results = []
+    for name in names:
+        backend = kvabi.get_backend(name)
+        ok, why = backend.available()
+        if not ok:
+            results.append({"backend": name, "mode": why, "skipped": True})
+            continue
+        results.append(measure(backend, spec, layout, meta, arrays, a.repeat))
+    batch = {"num_reqs": meta.num_reqs, "query_tokens": meta.num_actual_tokens,
+             "decodes": int((meta.query_lens == 1).sum()),
+             "context_tokens": int(meta.context_lens.sum()), "max_seq_len": meta.max_seq_len,
+             "block_size": a.block_size, "kv_heads": h, "q_heads": a.q_heads, "head_dim": d,
+             "dtype": a.dtype, "layout": a.layout}
+    if a.json:
+        print(json.dumps({"suite": "tpu", "statistic": "median", "repeat": a.repeat,
+                          "batch": batch, "results": results}, indent=2))
+        return 0
+    print("batch: " + ", ".join(f"{k}={v}" for k, v in batch.items()))
+    print("write: in place (reference: numpy in place; tpu.*: cache donated), "
+          "write copy: functional update that copies the cache")
+    print(f"{'backend':<12} {'write tok/s':>14} {'write copy tok/s':>17} "
+          f"{'attention tok/s':>16} {'plan ms':>9}  mode")
+    for r in results:
+        if r.get("skipped"):
+            print(f"{r['backend']:<12} {'-':>14} {'-':>17} {'-':>16} {'-':>9}  {r['mode']}")
+            continue
+        copy = r.get("write_copy_tokens_per_s")
+        copy = "-" if copy is None else f"{copy:,.0f}"
+        print(f"{r['backend']:<12} {r['write_tokens_per_s']:>14,.0f} {copy:>17} "
+              f"{r['attention_tokens_per_s']:>16,.0f} {r['plan_ms']:>9.2f}  {r['mode']}")
     return 0

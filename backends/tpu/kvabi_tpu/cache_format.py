@@ -101,21 +101,24 @@ class CacheFormat:
     def num_layer_planes(self) -> int:
         return 1 if self.kind == COMBINED else 2
 
-    def layer_planes(self, cache, layout, layer: int) -> tuple:
-        """The per-layer tensors of ``layer`` (combined: (kv,), hidden: (k, v))."""
-        return layout.layer_view(cache, layer)
+    def plane_indices(self, layout, layer: int) -> tuple[int, ...]:
+        """Indices into the cache list of the planes holding ``layer``."""
+        return tuple(int(layout.plane_index(layer, kv)) for kv in range(self.num_layer_planes))
 
-    def store_layer(self, cache, layout, layer: int, planes) -> list:
-        """A new cache list with ``planes`` (from :meth:`layer_planes`) stored back."""
-        out = list(cache)
-        for kv, t in enumerate(planes):
-            p = layout.plane_index(layer, kv)
-            if self.layer_dim is None:
-                out[p] = t
-            else:
-                idx = (slice(None),) * self.layer_dim + (layer,)
-                out[p] = out[p].at[idx].set(t)
-        return out
+    def layer_tensors(self, planes, layer: int) -> tuple:
+        """The per-layer tensors of ``layer`` from its planes (slicing L away if present);
+        traceable, so that inside a jitted step XLA reads the slice in place."""
+        if self.layer_dim is None:
+            return tuple(planes)
+        idx = (slice(None),) * self.layer_dim + (layer,)
+        return tuple(p[idx] for p in planes)
+
+    def put_layer(self, planes, layer: int, tensors) -> tuple:
+        """``planes`` with the per-layer ``tensors`` of ``layer`` stored back."""
+        if self.layer_dim is None:
+            return tuple(tensors)
+        idx = (slice(None),) * self.layer_dim + (layer,)
+        return tuple(p.at[idx].set(t) for p, t in zip(planes, tensors))
 
     # -- rows of new tokens --------------------------------------------------------------
     @property
@@ -138,7 +141,7 @@ class CacheFormat:
 
     def token_rows(self, key, value) -> tuple:
         """New K/V [T, H, D] as rows in the cache dtype, one array per plane, shaped
-        ``[T, *write_slot_shape]`` except that the last dim is head_dim (no padding)."""
+        ``[T, *write_slot_shape]`` except that the last dim is head_dim."""
         import jax.numpy as jnp
 
         from .dtype import jnp_dtype
@@ -152,9 +155,9 @@ class CacheFormat:
             return (kv.reshape(shape),)
         return tuple(x.astype(dt).reshape(shape) for x in (key, value))
 
-    def slot_view(self, plane):
-        """A per-layer plane [B, N, ...] reshaped to slots [B*N, *write_slot_shape]."""
-        return plane.reshape((self.num_blocks * self.block_size,) + self.write_slot_shape)
+    def write_view(self, plane):
+        """A per-layer plane as [B, N, *write_slot_shape] (itself unless hidden and padded)."""
+        return plane.reshape((self.num_blocks, self.block_size) + self.write_slot_shape)
 
     # -- keys and values of fetched pages ------------------------------------------------
     def head_kv(self, pages, h: int):

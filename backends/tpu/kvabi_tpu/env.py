@@ -57,25 +57,8 @@ def interpret_arg():
     return pltpu.InterpretParams()
 
 
-#: XLA options for computations that only simulate a TPU kernel: optimizing the host code
-#: of an interpreted kernel costs more compile time than it saves
-INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
+#: XLA options that roughly halve compile time on the host: for computations that only
+#: simulate a TPU kernel, and for tests whose every example has new shapes
+CHEAP_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
                               "xla_llvm_disable_expensive_passes": True}
 
-
-def jit_by_mode(fn, static_argnames):
-    """``fn`` jitted twice: natively, and (for ``interpret=`` not False) with cheap compiler
-    options; calls dispatch on the ``interpret`` keyword."""
-    import jax
-
-    names = tuple(static_argnames) + ("interpret",)
-    native = jax.jit(fn, static_argnames=names)
-    interp = jax.jit(fn, static_argnames=names, compiler_options=INTERPRET_COMPILER_OPTIONS)
-
-    @functools.wraps(fn)
-    def call(*args, interpret, **kw):
-        return (native if interpret is False else interp)(*args, interpret=interpret, **kw)
-
-    call.native = native
-    call.interpreted = interp
-    return call

@@ -1,13 +1,12 @@
 """The ``tpu.jax`` computation: paged attention and cache writes in plain jax.numpy.
 
-A second implementation, independent of the Pallas kernels: the cache write is one XLA
-scatter by slot, and attention is *dense per tile* (no online softmax): each query tile
-gathers all of its visible pages at once and takes an ordinary masked softmax in float32.
-Tiles run through ``lax.map`` in batches sized to bound memory.
+A second implementation, sharing no code with the Pallas kernels: the cache write is one
+XLA scatter by (block, offset), and attention takes one query tile at a time
+(``lax.map``), gathers its visible pages ``chunk_pages`` at a time with an XLA gather, takes
+a masked softmax of each chunk in float32 and merges the chunks by their log-sum-exp; the
+loop over chunks stops at each tile's own page count, so work follows the real context.
 """
 from __future__ import annotations
-
-import functools
 
 import jax
 from jax import lax
@@ -15,24 +14,20 @@ from jax import numpy as jnp
 
 from .plan import TILE_KVLEN, TILE_NPAGES, TILE_PAGE_LO, TILE_POS0, TILE_REQ
 
-#: float32 elements one lax.map batch may hold (gathered keys, values and logits)
-BATCH_ELEMENTS = 1 << 24
+def scatter_slots(rows, page_planes, slots):
+    """``page_planes[p][slot // N, slot % N, ..., :D] = rows[p][t]`` for every token with a
+    slot (>= 0); head-dim padding keeps its bytes.  Indexing block and offset (rather than
+    a reshaped [B*N] view) lets XLA update a donated cache in place."""
+    out = []
+    for plane, r in zip(page_planes, rows):
+        blocks, n = plane.shape[:2]
+        blk = jnp.where(slots >= 0, slots // n, blocks)  # out of range: dropped
+        out.append(plane.at[blk, slots % n, ..., :r.shape[-1]].set(r, mode="drop"))
+    return out
 
 
-@functools.partial(jax.jit, static_argnames=("fmt",))
-def scatter_slots(rows, slot_planes, slots, *, fmt):
-    """``slot_planes[p][slots[t], ..., :D] = rows[p][t]`` for every token with a slot
-    (>= 0); head-dim padding keeps its bytes."""
-    oob = fmt.num_blocks * fmt.block_size
-    idx = jnp.where(slots >= 0, slots, oob)
-    return [plane.at[idx, ..., :r.shape[-1]].set(r, mode="drop")
-            for plane, r in zip(slot_planes, rows)]
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "fmt", "scale", "softcap", "kind", "window", "chunk", "has_sinks", "max_pages"))
-def dense_attention(query, planes, tile_info, page_table, q_index, out_index, sinks, *, fmt,
-                    scale, softcap, kind, window, chunk, has_sinks, max_pages):
+def paged_attention(query, planes, tile_info, page_table, q_index, out_index, sinks, *, fmt,
+                    scale, softcap, kind, window, chunk, has_sinks, chunk_pages):
     """(out [T, Hq, D] in the query dtype, lse [T, Hq] float32) over per-layer planes."""
     t, hq, d = query.shape
     w = tile_info.shape[1]
@@ -40,7 +35,7 @@ def dense_attention(query, planes, tile_info, page_table, q_index, out_index, si
     h = fmt.num_kv_heads
     g = hq // h
     bs = fmt.block_size
-    n = max_pages * bs
+    n = chunk_pages * bs
     ncol = page_table.shape[1]
     tiles = query[q_index].reshape(w, bq, hq, d)
     sink = sinks.astype(jnp.float32).reshape(h, g)
@@ -50,39 +45,56 @@ def dense_attention(query, planes, tile_info, page_table, q_index, out_index, si
         qt, info = args
         req, pos0, kvlen = info[TILE_REQ], info[TILE_POS0], info[TILE_KVLEN]
         lo, npages = info[TILE_PAGE_LO], info[TILE_NPAGES]
-        cols = lo + jnp.arange(max_pages)
-        ids = jnp.where(cols < lo + npages, page_table[req, jnp.clip(cols, 0, ncol - 1)], 0)
-        k, v = fmt.all_kv(tuple(p[ids] for p in planes))  # [n, H, d]
-        kpos = lo * bs + jnp.arange(n)
-        real = kpos < jnp.minimum(kvlen, (lo + npages) * bs)
-        k = jnp.where(real[:, None, None], k.astype(jnp.float32), 0.0)
-        v = jnp.where(real[:, None, None], v.astype(jnp.float32), 0.0)
         qf = qt.astype(jnp.float32).reshape(bq, h, g, d)
-        s = jnp.einsum("qhgd,nhd->hgqn", qf, k, precision=prec) * scale
-        if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
         qpos = pos0 + jnp.arange(bq)
-        mask = real[None, :] & (kpos[None, :] <= qpos[:, None])
-        if kind == "sliding_window":
-            mask &= kpos[None, :] > qpos[:, None] - window
-        elif kind == "chunked_local":
-            mask &= (kpos[None, :] // chunk) == (qpos[:, None] // chunk)
-        s = jnp.where(mask, s, -jnp.inf)
-        m = s.max(axis=-1)  # [H, g, q]
-        if has_sinks:
-            m = jnp.maximum(m, sink[:, :, None])
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        e = jnp.exp(s - m[..., None])
-        den = e.sum(axis=-1)
-        if has_sinks:
-            den = den + jnp.exp(sink[:, :, None] - m)
-        num = jnp.einsum("hgqn,nhd->qhgd", e, v, precision=prec)
-        den_q = den.transpose(2, 0, 1)[..., None]
-        out = jnp.where(den_q > 0, num / jnp.where(den_q > 0, den_q, 1.0), 0.0)
-        lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
-        return out.reshape(bq, hq, d).astype(query.dtype), lse.transpose(2, 0, 1).reshape(bq, hq)
+        end = jnp.minimum(kvlen, (lo + npages) * bs)  # keys at or past `end`: not this tile's
 
-    per_tile = n * h * d * 2 + hq * bq * n * 2
-    batch = max(1, min(w, BATCH_ELEMENTS // max(1, per_tile)))
-    out, lse = lax.map(one, (tiles, tile_info.T), batch_size=batch)
+        def part(c):
+            """Softmax pieces of key chunk c: (max [H, g, q], sum, weighted values)."""
+            cols = lo + c * chunk_pages + jnp.arange(chunk_pages)
+            ids = jnp.where(cols < lo + npages, page_table[req, jnp.clip(cols, 0, ncol - 1)],
+                            0)
+            k, v = fmt.all_kv(tuple(p[ids] for p in planes))  # [n, H, d]
+            kpos = (lo + c * chunk_pages) * bs + jnp.arange(n)
+            real = kpos < end
+            k = jnp.where(real[:, None, None], k.astype(jnp.float32), 0.0)
+            v = jnp.where(real[:, None, None], v.astype(jnp.float32), 0.0)
+            s = jnp.einsum("qhgd,nhd->hgqn", qf, k, precision=prec) * scale
+            if softcap is not None:
+                s = softcap * jnp.tanh(s / softcap)
+            mask = real[None, :] & (kpos[None, :] <= qpos[:, None])
+            if kind == "sliding_window":
+                mask &= kpos[None, :] > qpos[:, None] - window
+            elif kind == "chunked_local":
+                mask &= (kpos[None, :] // chunk) == (qpos[:, None] // chunk)
+            s = jnp.where(mask, s, -jnp.inf)
+            m = s.max(axis=-1)
+            safe = jnp.where(jnp.isfinite(m), m, 0.0)
+            e = jnp.exp(s - safe[..., None])
+            return m, e.sum(axis=-1), jnp.einsum("hgqn,nhd->hgqd", e, v, precision=prec)
+
+        def merge(c, state):
+            m0, l0, o0 = state
+            m1, l1, o1 = part(c)
+            m = jnp.maximum(m0, m1)
+            safe = jnp.where(jnp.isfinite(m), m, 0.0)
+            a0, a1 = jnp.exp(m0 - safe), jnp.exp(m1 - safe)
+            return m, a0 * l0 + a1 * l1, a0[..., None] * o0 + a1[..., None] * o1
+
+        if has_sinks:  # a sink is one more logit with a zero value vector
+            m0 = jnp.broadcast_to(sink[:, :, None], (h, g, bq))
+            l0 = jnp.ones((h, g, bq), jnp.float32)
+        else:
+            m0 = jnp.full((h, g, bq), -jnp.inf, jnp.float32)
+            l0 = jnp.zeros((h, g, bq), jnp.float32)
+        state = (m0, l0, jnp.zeros((h, g, bq, d), jnp.float32))
+        m, l, o = lax.fori_loop(0, (npages + chunk_pages - 1) // chunk_pages, merge, state)
+        ok = l > 0
+        out = jnp.where(ok[..., None], o / jnp.where(ok, l, 1.0)[..., None], 0.0)
+        lse = jnp.where(ok, m + jnp.log(jnp.where(ok, l, 1.0)), -jnp.inf)
+        return (out.transpose(2, 0, 1, 3).reshape(bq, hq, d).astype(query.dtype),
+                lse.transpose(2, 0, 1).reshape(bq, hq))
+
+    # One tile at a time: the loop over key chunks then stops at each tile's own pages.
+    out, lse = lax.map(one, (tiles, tile_info.T))
     return out.reshape(w * bq, hq, d)[out_index], lse.reshape(w * bq, hq)[out_index]

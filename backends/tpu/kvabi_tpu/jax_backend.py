@@ -6,10 +6,12 @@ from .env import jax_status
 
 
 class JaxBackend(TPUBackendBase):
-    """XLA scatter for cache writes, dense-per-tile softmax for attention (no Pallas)."""
+    """XLA scatter for cache writes, chunked softmax per query tile for attention (no Pallas)."""
 
     name = "tpu.jax"
     tile_size = 16
+    #: keys per softmax chunk (rounded to whole pages)
+    chunk_tokens = 256
     notes = "plain jax.numpy (XLA) on any jax device; cross-checks tpu.pallas"
 
     def available(self) -> tuple[bool, str]:
@@ -18,14 +20,14 @@ class JaxBackend(TPUBackendBase):
             return False, version
         return True, f"jax {version} on {platform}"
 
-    def _write(self, rows, slot_planes, plan):
+    def _write_impl(self, plan):
         from .jax_attention import scatter_slots
 
-        return scatter_slots(tuple(rows), tuple(slot_planes), plan.slots, fmt=plan.fmt)
+        return scatter_slots, (plan.slots,), {}
 
-    def _attend(self, query, planes, plan, fmt, sinks):
-        from .jax_attention import dense_attention
+    def _attend_impl(self, plan):
+        from .jax_attention import paged_attention
 
-        return dense_attention(query, planes, plan.tile_info, plan.page_table, plan.q_index,
-                               plan.out_index, sinks, fmt=fmt, max_pages=plan.max_tile_pages,
-                               **self._attn_options(plan))
+        pages = max(1, min(plan.max_tile_pages, self.chunk_tokens // plan.spec.block_size))
+        return paged_attention, (plan.tile_info, plan.page_table, plan.q_index,
+                                 plan.out_index), dict(chunk_pages=pages)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from kvabi.dtypes import tpu_packing
 
 from .backend_base import TPUBackendBase
-from .env import interpret_arg, pallas_status
+from .env import interpret_arg, on_tpu, pallas_status
 
 
 class PallasBackend(TPUBackendBase):
@@ -26,16 +26,20 @@ class PallasBackend(TPUBackendBase):
         # that is not a multiple of that would split a packed (sublane) tile.
         return tpu_packing(spec.dtype)
 
-    def _write(self, rows, slot_planes, plan):
+    def _cheap_compile(self) -> bool:
+        # an interpreted kernel is a simulation: optimizing its host code is wasted time
+        return self.fast_compile or not on_tpu()
+
+    def _write_impl(self, plan):
         from .update_kernel import update_slots
 
-        return update_slots(tuple(rows), tuple(slot_planes), plan.slices, plan.num_slices,
-                            block_size=plan.spec.block_size, per=self.num_slices_per_block,
-                            interpret=interpret_arg())
+        return update_slots, (plan.slices, plan.num_slices), dict(
+            block_size=plan.spec.block_size, per=self.num_slices_per_block,
+            interpret=interpret_arg())
 
-    def _attend(self, query, planes, plan, fmt, sinks):
+    def _attend_impl(self, plan):
         from .attention_kernel import paged_attention
 
-        return paged_attention(query, planes, plan.tile_info, plan.page_table, plan.q_index,
-                               plan.out_index, sinks, fmt=fmt, per_block=self.pages_per_block,
-                               interpret=interpret_arg(), **self._attn_options(plan))
+        return paged_attention, (plan.tile_info, plan.page_table, plan.q_index,
+                                 plan.out_index), dict(per_block=self.pages_per_block,
+                                                       interpret=interpret_arg())

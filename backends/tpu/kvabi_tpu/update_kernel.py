@@ -22,7 +22,6 @@ from jax import numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .env import jit_by_mode
 
 
 def _kernel(slices_ref, count_ref, *refs, num_planes: int, rmw: tuple[bool, ...]):
@@ -71,12 +70,15 @@ def _kernel(slices_ref, count_ref, *refs, num_planes: int, rmw: tuple[bool, ...]
          for i, (dst, _, length) in enumerate(rows) for p in range(n)])
 
 
-def _update_slots(new_rows, slot_planes, slices, count, *, block_size: int, per: int,
+def update_slots(new_rows, page_planes, slices, count, *, block_size: int, per: int,
                  interpret):
-    """Copy ``new_rows[p][tok:tok+len]`` to ``slot_planes[p][slot:slot+len, ..., :D]`` for
-    every slice (D = the rows' last dim; the rest of each slot keeps its bytes); returns the
-    updated slot planes.  ``slices`` int32 [3, S] (S a multiple of ``per``), ``count``
-    int32 [1]."""
+    """Copy ``new_rows[p][tok:tok+len]`` to slots ``slot:slot+len`` (``[..., :D]``) of
+    ``page_planes[p]`` [B, N, ...] for every slice (D = the rows' last dim; the rest of each
+    slot keeps its bytes); returns the updated planes.  ``slices`` int32 [3, S] (S a
+    multiple of ``per``), ``count`` int32 [1]."""
+    shapes = [p.shape for p in page_planes]
+    # merging the two leading dims is free (TPU tiling covers only the last two)
+    slot_planes = [p.reshape((p.shape[0] * p.shape[1],) + p.shape[2:]) for p in page_planes]
     n = len(slot_planes)
     rmw = tuple(r.shape[-1] != p.shape[-1] for r, p in zip(new_rows, slot_planes))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -100,7 +102,6 @@ def _update_slots(new_rows, slot_planes, slices, count, *, block_size: int, per:
         interpret=interpret,
         name="kvabi_kv_cache_update",
     )
-    return call(slices, count, *new_rows, *slot_planes)
+    out = call(slices, count, *new_rows, *slot_planes)
+    return [o.reshape(s) for o, s in zip(out, shapes)]
 
-
-update_slots = jit_by_mode(_update_slots, ("block_size", "per"))
