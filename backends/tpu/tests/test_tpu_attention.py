@@ -84,7 +84,7 @@ def test_pallas_attention_equals_reference(case):
     check_attention(PALLAS, *case)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(attention_cases(forms=("tpu.combined", "tpu.hidden", "tpu.combined.cross_layer",
                               "tpu.hidden.cross_layer")), st.integers(0, 1))
 def test_jax_attention_equals_reference(case, layer):
