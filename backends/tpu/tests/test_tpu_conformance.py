@@ -1,8 +1,8 @@
 """The kvabi conformance kit against both TPU backends (every check of the kit).
 
 Example counts are calibrated for CI on two cores: tpu.pallas runs interpreted here
-(seconds per new shape), so it gets two examples per check in this suite (the first is the minimal one); the full kit runs
-with ``kvabi conformance tpu.pallas`` (or ``KVABI_HYPOTHESIS_PROFILE=thorough``).
+(seconds per new shape), so it gets two examples per check in this suite (the first being
+the minimal one); ``kvabi conformance tpu.pallas`` runs the kit's full example count.
 """
 from __future__ import annotations
 

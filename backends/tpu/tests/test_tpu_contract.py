@@ -1,0 +1,158 @@
+"""The backend contract of both TPU backends: registration, availability, capabilities,
+refusals with KVABIError naming the field, and functional (or donated) writes."""
+from __future__ import annotations
+
+import importlib.metadata
+
+import numpy as np
+import pytest
+
+from tpu_helpers import JAX, PALLAS, filled_cache, make_spec, to_backend, values
+
+import kvabi
+from kvabi import KVABIError, UnsupportedError
+from kvabi_tpu.env import on_tpu
+from kvabi_tpu.jax_backend import JaxBackend
+
+BACKENDS = [PALLAS, JAX]
+ids = lambda b: b.name  # noqa: E731
+
+
+def test_registered_through_the_entry_point():
+    eps = [ep for ep in importlib.metadata.entry_points(group="kvabi") if ep.name == "tpu"]
+    assert [ep.value for ep in eps] == ["kvabi_tpu.plugin"]
+    names = kvabi.backend_names()
+    assert "tpu.pallas" in names and "tpu.jax" in names
+
+
+def test_available_names_the_mode():
+    ok, why = kvabi.get_backend("tpu.pallas").available()
+    assert ok
+    if on_tpu():
+        assert "natively" in why
+    else:
+        assert "interpret mode" in why and "no TPU" in why
+    ok, why = kvabi.get_backend("tpu.jax").available()
+    assert ok and why.startswith("jax ")
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=ids)
+def test_capabilities_are_honest(backend):
+    caps = backend.capabilities(None)
+    assert set(caps.kinds) == {"full", "sliding_window", "chunked_local"}
+    assert set(caps.dtypes) == {"float32", "bfloat16"}
+    assert caps.softcap and caps.sinks
+    spec = make_spec("full", 16, 1, 64, "bfloat16")
+    assert backend.preferred_layouts(spec) == ("tpu.combined", "tpu.hidden")
+    for bad in (kvabi.KVSpec("mla", 16, 1, 96, "bfloat16", head_dim_v=64),
+                make_spec("full", 16, 2, 64, "float8_e4m3fn"),
+                make_spec("full", 16, 2, 64, "float16")):
+        with pytest.raises(UnsupportedError):
+            backend.check_supported(bad)
+
+
+def test_pallas_page_size_must_be_a_multiple_of_the_packing():
+    spec = make_spec("full", 5, 2, 64, "bfloat16")  # bf16 packs 2 per word
+    with pytest.raises(UnsupportedError, match="block_size 5 not a multiple of 2"):
+        PALLAS.check_supported(spec)
+    layout = kvabi.Layout.preset("tpu.combined", spec, 4)
+    meta = kvabi.CommonAttentionMetadata.from_lengths([3], [0], [[0]], 5, num_blocks=4)
+    with pytest.raises(KVABIError, match="block_size"):
+        PALLAS.plan(meta, spec, layout)
+    # tpu.jax has no such constraint but the combined form does: only hidden is preferred
+    assert JAX.preferred_layouts(spec) == ("tpu.hidden",)
+    JAX.check_supported(spec)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=ids)
+def test_refuses_layouts_it_cannot_hold(backend):
+    spec = make_spec("full", 16, 2, 64, "float32")
+    meta = kvabi.CommonAttentionMetadata.from_lengths([3], [0], [[0]], 16, num_blocks=4)
+    for name in ("flash_attn", "flashinfer.HND", "vllm.LBHNC"):
+        with pytest.raises(UnsupportedError, match="layout"):
+            backend.plan(meta, spec, kvabi.Layout.preset(name, spec, 4))
+    padded = kvabi.KVSpec("full", 16, 2, 64, "float32", page_align=40000)
+    with pytest.raises(UnsupportedError, match="strides"):
+        backend.allocate(kvabi.Layout.preset("tpu.combined", padded, 4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=ids)
+def test_bad_arguments_name_the_field(backend):
+    spec = make_spec("full", 16, 2, 64, "float32")
+    layout = kvabi.Layout.preset("tpu.combined", spec, 4)
+    meta = kvabi.CommonAttentionMetadata.from_lengths([3, 1], [0, 4], [[0], [1]], 16,
+                                                      num_blocks=4)
+    plan = backend.plan(meta, spec, layout)
+    cache = backend.allocate(layout)
+    assert [tuple(p.shape) for p in cache] == [layout.plane_shape]
+    k = backend.asarray(np.zeros((4, 2, 64), np.float32))
+    with pytest.raises(KVABIError, match="key"):
+        backend.write_kv(cache, layout, k[:3], k, plan)
+    with pytest.raises(KVABIError, match="value"):
+        backend.write_kv(cache, layout, k, None, plan)
+    with pytest.raises(KVABIError, match="query"):
+        backend.attention(backend.asarray(np.zeros((4, 3, 64), np.float32)), cache, layout,
+                          plan)
+    with pytest.raises(KVABIError, match="layer"):
+        backend.attention(backend.asarray(np.zeros((4, 2, 64), np.float32)), cache, layout,
+                          plan, layer=1)
+    with pytest.raises(KVABIError, match="cache"):
+        backend.write_kv(cache + cache, layout, k, k, plan)
+    with pytest.raises(KVABIError, match="sinks"):
+        backend.attention(backend.asarray(np.zeros((4, 2, 64), np.float32)), cache, layout,
+                          backend.plan(meta, spec, layout, sinks=np.zeros(3)))
+    with pytest.raises(KVABIError, match="softcap"):
+        backend.plan(meta, spec, layout, softcap=-1.0)
+    with pytest.raises(KVABIError, match="block_table"):
+        backend.plan(meta, spec, kvabi.Layout.preset("tpu.combined", spec, 1))
+    with pytest.raises(KVABIError, match="plan"):
+        backend.write_kv(cache, layout, k, k, object())
+
+
+def test_donated_write_updates_in_place_and_matches():
+    """With donate_cache the input planes are consumed; the result equals the functional
+    write of the same step."""
+    spec = make_spec("full", 16, 2, 64, "float32")
+    layout = kvabi.Layout.preset("tpu.hidden", spec, 6)
+    meta = kvabi.CommonAttentionMetadata.from_lengths([5, 1], [0, 20], [[3, 0], [1, 4]], 16,
+                                                      num_blocks=6)
+    rng = np.random.default_rng(0)
+    planes = filled_cache(layout, spec, rng)
+    k = values(rng, (6, 2, 64), "float32")
+    want = JAX.write_kv(to_backend(JAX, planes), layout, k, k, JAX.plan(meta, spec, layout))
+    donor = JaxBackend(donate_cache=True)
+    cache = to_backend(donor, planes)
+    got = donor.write_kv(cache, layout, k, k, donor.plan(meta, spec, layout))
+    for g, w in zip(got, want):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+    assert all(p.is_deleted() for p in cache)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=ids)
+def test_empty_step(backend):
+    spec = make_spec("full", 16, 1, 64, "float32")
+    layout = kvabi.Layout.preset("tpu.combined", spec, 2)
+    meta = kvabi.CommonAttentionMetadata.from_lengths([], [], np.zeros((0, 0), int), 16,
+                                                      num_blocks=2)
+    plan = backend.plan(meta, spec, layout)
+    cache = backend.allocate(layout)
+    z = backend.asarray(np.zeros((0, 1, 64), np.float32))
+    assert backend.write_kv(cache, layout, z, z, plan)[0] is cache[0]
+    out, lse = backend.attention(backend.asarray(np.zeros((0, 2, 64), np.float32)), cache,
+                                 layout, plan, return_lse=True)
+    assert out.shape == (0, 2, 64) and lse.shape == (0, 2)
+
+
+def test_bench_suite_runs_and_reports_json(capsys):
+    import json
+
+    from kvabi_tpu.bench import run
+
+    assert run(["--quick", "--json", "--reqs", "3", "--tokens", "9", "--context", "20",
+                "--kv-heads", "1", "--q-heads", "2", "--head-dim", "64", "--repeat", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["suite"] == "tpu"
+    names = [r["backend"] for r in report["results"]]
+    assert names[:2] == ["tpu.jax", "reference"]
+    for r in report["results"]:
+        assert r["attention_tokens_per_s"] > 0 and r["write_tokens_per_s"] > 0
