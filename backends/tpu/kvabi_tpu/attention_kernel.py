@@ -39,7 +39,8 @@ def _kernel(info_ref, table_ref, q_ref, sinks_ref, *refs, fmt, scale, softcap, k
     kvlen = info_ref[TILE_KVLEN, w]
     page_lo = info_ref[TILE_PAGE_LO, w]
     npages = info_ref[TILE_NPAGES, w]
-    nblk = (npages + per_block - 1) // per_block
+    # lax.div/rem: truncating (all operands are >= 0), no sign fix-up in the kernel
+    nblk = lax.div(npages + per_block - 1, per_block)
     bs = fmt.block_size
     bq, hq, d = q_ref.shape
     h = fmt.num_kv_heads
@@ -66,7 +67,7 @@ def _kernel(info_ref, table_ref, q_ref, sinks_ref, *refs, fmt, scale, softcap, k
                 c.start()
 
         q = q_ref[...]
-        qpos = pos0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // g
+        qpos = pos0 + lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), g)
         init = []
         for hh in range(h):
             if has_sinks:
@@ -79,7 +80,7 @@ def _kernel(info_ref, table_ref, q_ref, sinks_ref, *refs, fmt, scale, softcap, k
             init.append((m0, l0, jnp.zeros((rows, d), jnp.float32)))
 
         def body(blk, carry):
-            slot = blk % 2
+            slot = lax.rem(blk, 2)
 
             @pl.when(blk + 1 < nblk)
             def _prefetch():
@@ -97,7 +98,7 @@ def _kernel(info_ref, table_ref, q_ref, sinks_ref, *refs, fmt, scale, softcap, k
             if kind == "sliding_window":
                 mask &= kpos > qpos - window
             elif kind == "chunked_local":
-                mask &= (kpos // chunk) == (qpos // chunk)
+                mask &= lax.div(kpos, chunk) == lax.div(qpos, chunk)
             keep = real.reshape(per_block * bs, 1)
             new = []
             for hh, (m, l, acc) in enumerate(carry):
