@@ -23,6 +23,11 @@ def configure(parser) -> None:
     parser.add_argument("--profile", default=None,
                         help="Hypothesis profile: ci, thorough, quick (default: "
                              "$KVABI_HYPOTHESIS_PROFILE or ci)")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="per check, stop starting examples after this long "
+                             "(default: the profile's; 0: no limit)")
+    parser.add_argument("--no-shrink", action="store_true",
+                        help="report the first failing example without shrinking it")
     parser.add_argument("--check", action="append", default=None, metavar="CHECK",
                         help="run only this check (repeatable)")
     parser.add_argument("--dtype", action="append", default=None, metavar="DTYPE",
@@ -32,7 +37,20 @@ def configure(parser) -> None:
 def _fmt_err(r) -> str:
     if r.status in ("n/a", "skipped") or r.examples == 0:
         return "-"
-    return f"{r.worst:.2e}"
+    if r.refused == r.examples:
+        return "- (all refused)"
+    if r.exact:
+        return "0 (byte-exact)" if r.worst == 0 else f"{r.worst:.2e}"
+    if r.closest is None:
+        return f"{r.worst:.2e}"
+    err, tol, dtype = r.closest
+    return f"{err:.2e} (tol {tol:.0e} {dtype})"
+
+
+def _fmt_examples(r) -> str:
+    if r.budget_hit:
+        return f"{r.examples}/{r.max_examples}"
+    return str(r.examples)
 
 
 def _result(r) -> str:
@@ -79,20 +97,23 @@ def run(args) -> int:
             if res is None:
                 print(f"  {backend_name}  {check} ...", end="", file=sys.stderr, flush=True)
             else:
-                print(f" {_result(res)} ({res.examples} examples, {res.seconds:.1f} s)",
+                print(f" {_result(res)} ({_fmt_examples(res)} examples, {res.seconds:.1f} s)",
                       file=sys.stderr, flush=True)
         return show
 
+    budget = "profile" if args.time_budget is None else (args.time_budget or None)
     results = []
     for b in backends:
         results += run_backend(b, checks=checks, options=options,
-                               max_examples=args.max_examples, seed=seed,
-                               progress=progress(b.name))
+                               max_examples=args.max_examples, seed=seed, time_budget=budget,
+                               shrink=not args.no_shrink, progress=progress(b.name))
     rows = [["BACKEND", "CHECK", "EXAMPLES", "RESULT", "WORST ERROR", "SECONDS"]]
     for r in results:
-        rows.append([r.backend, r.check, str(r.examples), _result(r), _fmt_err(r),
+        rows.append([r.backend, r.check, _fmt_examples(r), _result(r), _fmt_err(r),
                      f"{r.seconds:.1f}"])
     print(_table(rows))
+    print("(worst error: the example closest to its tolerance; relative L2 of the output or "
+          "absolute lse error; n/m examples: the time budget stopped the check early)")
     failed = [r for r in results if r.failed]
     for r in results:
         if r.status in ("n/a", "skipped"):

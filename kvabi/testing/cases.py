@@ -114,6 +114,9 @@ class AttentionCase:
         ]
         return "\n".join(lines)
 
+    def _repr_pretty_(self, p, cycle):  # Hypothesis prints failing examples with this
+        p.text(repr(self))
+
     def with_(self, **changes) -> "AttentionCase":
         """A copy with fields replaced (arrays regenerate from the same seed)."""
         return attrs.evolve(self, **changes)

@@ -60,7 +60,8 @@ def lse_error(got, want) -> float:
     if got.size == 0:
         return 0.0
     both_inf = np.isneginf(got) & np.isneginf(want)
-    d = np.where(both_inf, 0.0, np.abs(got - want))
+    with np.errstate(invalid="ignore"):
+        d = np.where(both_inf, 0.0, np.abs(got - want))
     d = np.where(np.isnan(d), np.inf, d)
     return float(d.max())
 

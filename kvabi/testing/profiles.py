@@ -20,6 +20,11 @@ PROFILES = ("ci", "thorough", "quick")
 #: examples per conformance check in each profile (each example runs the backend a few
 #: times; interpreted kernels take seconds per call)
 KIT_EXAMPLES = {"ci": 8, "thorough": 150, "quick": 3}
+#: seconds after which a check stops starting new examples (at least
+#: :data:`MIN_EXAMPLES` run); None: no limit.  Keeps slow interpreted kernels within CI's
+#: budget (about 13 checks x this per backend) while fast backends run every example.
+KIT_TIME_BUDGET = {"ci": 6.0, "thorough": None, "quick": None}
+MIN_EXAMPLES = 2
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
@@ -63,3 +68,8 @@ def kit_examples(profile: str | None = None) -> int:
     """Examples per conformance check under ``profile`` (default: the current one)."""
     name = profile or current_profile()
     return KIT_EXAMPLES.get(name, settings.default.max_examples)
+
+
+def kit_time_budget(profile: str | None = None) -> float | None:
+    """Seconds per conformance check under ``profile`` (default: the current one)."""
+    return KIT_TIME_BUDGET.get(profile or current_profile())

@@ -51,12 +51,13 @@ class KitOptions:
 class Check:
     """One conformance check: ``function(backend, reference, params, options) -> error`` over
     examples drawn from ``strategy(backend, options)`` (which raises :class:`NotApplicable`
-    when there is nothing to draw)."""
+    when there is nothing to draw).  ``exact`` checks compare bytes (no tolerance)."""
 
     name: str
     summary: str
     function: Callable
     strategy: Callable
+    exact: bool = False
 
 
 def _narrow(claimed, wanted):
@@ -147,3 +148,6 @@ class WithExtra:
     def __repr__(self):
         items = ", ".join(f"{k}={v!r}" for k, v in self.extra.items())
         return f"{self.case!r}\n  with {items}"
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(repr(self))
