@@ -3,6 +3,7 @@ from .abi import ABI_VERSION, Backend, Capabilities, UnsupportedError, hookimpl
 from .errors import KVABIError
 from .metadata import CommonAttentionMetadata
 from .spec import KVGroup, KVSpec, LayerKV, ModelKV
+from .step_checks import AttentionOptions, check_kv, check_query, check_step
 
 __version__ = "0.1.0"
 
@@ -26,7 +27,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvabi' has no attribute {name!r}")
 
 
-__all__ = ["ABI_VERSION", "Backend", "Capabilities", "CommonAttentionMetadata", "KVABIError",
+__all__ = ["ABI_VERSION", "AttentionOptions", "Backend", "Capabilities", "CommonAttentionMetadata", "KVABIError",
            "KVGroup", "KVSpec", "LayerKV", "Layout", "ModelKV", "UnsupportedError",
-           "backend_names", "get_backend", "hookimpl", "merge_attention", "transforms",
+           "backend_names", "check_kv", "check_query", "check_step", "get_backend", "hookimpl", "merge_attention", "transforms",
            "__version__"]

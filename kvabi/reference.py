@@ -8,7 +8,6 @@ design, obvious by design, memory bounded.
 """
 from __future__ import annotations
 
-import math
 
 import attrs
 import numpy as np
@@ -19,17 +18,7 @@ from .errors import KVABIError, require
 from .metadata import CommonAttentionMetadata
 from .reference_attention import Pieces, attend
 from .spec import KINDS, KVSpec
-
-
-def _f64_or_none(x, field):
-    if x is None:
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        raise KVABIError(f"{field}: must be a number or None, got {x!r}") from None
-    require(math.isfinite(v) and v > 0, field, "must be a positive finite number", x)
-    return v
+from .step_checks import AttentionOptions, check_kv, check_query, check_step
 
 
 @attrs.frozen(eq=False)
@@ -104,29 +93,9 @@ class ReferenceBackend(Backend):
 
     # -- plan --------------------------------------------------------------------------
     def plan(self, meta, spec, layout, *, scale=None, softcap=None, sinks=None):
-        require(isinstance(meta, CommonAttentionMetadata), "meta",
-                "must be a CommonAttentionMetadata", type(meta).__name__)
-        require(isinstance(spec, KVSpec), "spec", "must be a KVSpec", type(spec).__name__)
-        require(meta.block_size == spec.block_size, "meta.block_size",
-                f"must equal spec.block_size {spec.block_size}", meta.block_size)
-        require(layout.dtype == spec.dtype, "layout.dtype", f"must equal spec.dtype "
-                f"{spec.dtype!r}", layout.dtype)
-        n = layout.num_blocks
-        used = np.arange(meta.block_table.shape[1])[None, :] < \
-            -(-meta.seq_lens.astype(np.int64)[:, None] // spec.block_size)
-        vals = meta.block_table[used]
-        if vals.size and (int(vals.min()) < 0 or int(vals.max()) >= n):
-            raise KVABIError(f"block_table: entries must lie in [0, {n}) (the layout's "
-                             f"num_blocks), got {int(vals.min())}..{int(vals.max())}")
-        scale = (1.0 / math.sqrt(spec.head_dim)) if scale is None else \
-            _f64_or_none(scale, "scale")
-        softcap = _f64_or_none(softcap, "softcap")
-        if sinks is not None:
-            sinks = np.asarray(sinks, dtype=np.float64)
-            require(sinks.ndim == 1, "sinks", "must be 1-D, one logit per query head",
-                    sinks.shape)
-            require(not np.isnan(sinks).any(), "sinks", "must not be NaN")
-        return ReferencePlan(meta, spec, layout, scale, softcap, sinks,
+        check_step(meta, spec, layout)
+        opts = AttentionOptions.resolve(spec, scale, softcap, sinks)
+        return ReferencePlan(meta, spec, layout, opts.scale, opts.softcap, opts.sinks,
                              Pieces.from_meta(meta, spec, self.query_piece))
 
     # -- cache views -------------------------------------------------------------------
@@ -152,18 +121,9 @@ class ReferenceBackend(Backend):
     # -- write -------------------------------------------------------------------------
     def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
         spec, meta = plan.spec, plan.meta
-        t = meta.num_tokens
         key = np.asarray(key)
-        h = spec.num_kv_heads
-        require(key.shape == (t, h, spec.head_dim), "key",
-                f"must be [{t}, {h}, {spec.head_dim}]", key.shape)
-        if spec.is_mla:
-            require(value is None, "value", "must be None for MLA (the latent is the key)",
-                    type(value).__name__)
-        else:
-            value = np.asarray(value)
-            require(value.shape == (t, h, spec.head_dim_v), "value",
-                    f"must be [{t}, {h}, {spec.head_dim_v}]", value.shape)
+        value = None if value is None else np.asarray(value)
+        check_kv(key, value, meta, spec)
         kview, vview = self._views(cache, layout, spec, layer)
         slots = meta.slot_mapping
         real = np.nonzero(slots >= 0)[0]
@@ -180,15 +140,10 @@ class ReferenceBackend(Backend):
         spec, meta = plan.spec, plan.meta
         query = np.asarray(query)
         t, h = meta.num_tokens, spec.num_kv_heads
-        require(query.ndim == 3 and query.shape[0] == t and query.shape[2] == spec.head_dim,
-                "query", f"must be [{t}, Hq, {spec.head_dim}]", query.shape)
-        hq = query.shape[1]
-        require(hq > 0 and hq % h == 0, "query", f"query heads must be a positive multiple "
-                f"of the {h} KV heads", hq)
+        hq = check_query(query, meta, spec)
+        AttentionOptions(plan.scale, plan.softcap, plan.sinks).check_heads(hq)
         g = hq // h
         if plan.sinks is not None:
-            require(plan.sinks.shape == (hq,), "sinks", f"must have one logit per query "
-                    f"head ({hq})", plan.sinks.shape)
             sink = plan.sinks.reshape(h, g)
         else:
             sink = np.full((h, g), -np.inf)

@@ -13,7 +13,7 @@ import numpy as np
 from . import tensors
 from .flash_attn_args import flash_attn_args
 from .library_backend import LibraryBackend
-from .options import Options, check_kv, check_query, check_step, resolve_options
+from kvabi import AttentionOptions, check_kv, check_query, check_step
 from .torch_write import write_kv_torch
 
 
@@ -22,7 +22,7 @@ class FlashAttnPlan:
     meta: object
     spec: object
     layout: object
-    opts: Options
+    opts: AttentionOptions
     args: dict  # the translated arguments, numpy
     tensors: dict  # the same, as device tensors
     slots: object  # [T] int64 device tensor
@@ -48,7 +48,7 @@ class FlashAttnBackend(LibraryBackend):
         self._require_available()
         check_step(meta, spec, layout)
         self.check_supported(spec, softcap=softcap, sinks=sinks)
-        opts = resolve_options(spec, scale, softcap, sinks)
+        opts = AttentionOptions.resolve(spec, scale, softcap, sinks)
         args = flash_attn_args(meta, spec, scale=opts.scale, softcap=opts.softcap)
         dev = self.device()
         t = {k: tensors.to_torch(v, dev) for k, v in args.items() if isinstance(v, np.ndarray)}

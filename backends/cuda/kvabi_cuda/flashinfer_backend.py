@@ -18,7 +18,7 @@ from . import tensors
 from .flashinfer_args import append_args, flashinfer_args, paged_kv_tensors
 from .layouts import nhd_or_hnd
 from .library_backend import LibraryBackend
-from .options import Options, check_kv, check_query, check_sinks, check_step, resolve_options
+from kvabi import AttentionOptions, check_kv, check_query, check_step
 
 #: FlashInfer's float workspace (its own examples use 128 MiB)
 WORKSPACE_BYTES = 128 << 20
@@ -29,7 +29,7 @@ class FlashInferPlan:
     meta: object
     spec: object
     layout: object
-    opts: Options
+    opts: AttentionOptions
     kv_layout: str
     #: num_qo_heads -> (translated args, planned wrapper, run kwargs as tensors)
     planned: dict = attrs.field(factory=dict)
@@ -71,7 +71,7 @@ class FlashInferBackend(LibraryBackend):
         self._require_available()
         check_step(meta, spec, layout)
         self.check_supported(spec, softcap=softcap, sinks=sinks)
-        opts = resolve_options(spec, scale, softcap, sinks)
+        opts = AttentionOptions.resolve(spec, scale, softcap, sinks)
         return FlashInferPlan(meta, spec, layout, opts, nhd_or_hnd(layout))
 
     def _planned(self, plan, hq: int):
@@ -129,7 +129,7 @@ class FlashInferBackend(LibraryBackend):
         self.check_plan(plan, layout, FlashInferPlan)
         spec, meta = plan.spec, plan.meta
         hq = check_query(query, meta, spec)
-        check_sinks(plan.opts, hq)
+        plan.opts.check_heads(hq)
         args, wrapper, run = self._planned(plan, hq)
         dev = self.device()
         q = tensors.to_torch(query, dev, spec.dtype)

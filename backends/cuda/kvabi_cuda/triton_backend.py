@@ -9,7 +9,7 @@ from kvabi import Backend, Capabilities, KVABIError, UnsupportedError
 
 from . import runtime, tensors
 from .layouts import d_contiguous_presets
-from .options import Options, check_kv, check_query, check_sinks, check_step, resolve_options
+from kvabi import AttentionOptions, check_kv, check_query, check_step
 
 KINDS = ("full", "sliding_window", "chunked_local", "mla")
 _MASK = {"full": 0, "mla": 0, "sliding_window": 1, "chunked_local": 2}
@@ -26,7 +26,7 @@ class TritonPlan:
     meta: object
     spec: object
     layout: object
-    opts: Options
+    opts: AttentionOptions
     slots: object  # [T] int64
     block_table: object  # [R, max blocks] int32
     context_lens: object  # [R] int32
@@ -91,7 +91,7 @@ class TritonBackend(Backend):
         self._require_available()
         check_step(meta, spec, layout)
         self.check_supported(spec, softcap=softcap, sinks=sinks)
-        opts = resolve_options(spec, scale, softcap, sinks)
+        opts = AttentionOptions.resolve(spec, scale, softcap, sinks)
         dev = self._device()
         import torch
 
@@ -148,7 +148,7 @@ class TritonBackend(Backend):
         self._check_plan(plan, layout)
         spec, meta, opts = plan.spec, plan.meta, plan.opts
         hq = check_query(query, meta, spec)
-        check_sinks(opts, hq)
+        opts.check_heads(hq)
         dev = self._device()
         q = self._no_interpreted_bf16(tensors.to_torch(query, dev), "query")
         if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):

@@ -1,4 +1,6 @@
-"""Attention options shared by the CUDA backends: scale, soft cap, sinks, and checks."""
+"""Validation every backend performs on a step: attention options, and that metadata,
+spec, layout and tensors belong together.  Public so that third-party backends refuse bad
+input with the same messages as the built-in ones."""
 from __future__ import annotations
 
 import math
@@ -6,7 +8,9 @@ import math
 import attrs
 import numpy as np
 
-from kvabi import CommonAttentionMetadata, KVABIError, KVSpec
+from .errors import KVABIError
+from .metadata import CommonAttentionMetadata
+from .spec import KVSpec
 
 
 def _positive(x, field):
@@ -22,31 +26,37 @@ def _positive(x, field):
 
 
 @attrs.frozen(eq=False)
-class Options:
-    """Validated attention options: ``scale`` (resolved), ``softcap`` and ``sinks`` (None
-    when off; sinks float64, one logit per query head)."""
+class AttentionOptions:
+    """Validated attention options: ``scale`` (resolved; default ``1/sqrt(head_dim)``),
+    ``softcap`` and ``sinks`` (None when off; sinks float64, one logit per query head)."""
 
     scale: float
     softcap: float | None
     sinks: np.ndarray | None
 
+    @classmethod
+    def resolve(cls, spec: KVSpec, scale=None, softcap=None, sinks=None) -> "AttentionOptions":
+        scale = 1.0 / math.sqrt(spec.head_dim) if scale is None else _positive(scale, "scale")
+        softcap = _positive(softcap, "softcap")
+        if sinks is not None:
+            sinks = np.asarray(sinks, dtype=np.float64)
+            if sinks.ndim != 1:
+                raise KVABIError(f"sinks: must be 1-D, one logit per query head, got shape "
+                                 f"{sinks.shape}")
+            if np.isnan(sinks).any():
+                raise KVABIError("sinks: must not be NaN")
+        return cls(scale, softcap, sinks)
 
-def resolve_options(spec: KVSpec, scale=None, softcap=None, sinks=None) -> Options:
-    """Check the options and resolve the default scale ``1/sqrt(head_dim)``."""
-    scale = 1.0 / math.sqrt(spec.head_dim) if scale is None else _positive(scale, "scale")
-    softcap = _positive(softcap, "softcap")
-    if sinks is not None:
-        sinks = np.asarray(sinks, dtype=np.float64)
-        if sinks.ndim != 1:
-            raise KVABIError(f"sinks: must be 1-D, one logit per query head, got shape "
-                             f"{sinks.shape}")
-        if np.isnan(sinks).any():
-            raise KVABIError("sinks: must not be NaN")
-    return Options(scale, softcap, sinks)
+    def check_heads(self, num_q_heads: int) -> None:
+        """Sinks, when given, hold one logit per query head."""
+        if self.sinks is not None and self.sinks.shape != (num_q_heads,):
+            raise KVABIError(f"sinks: must have one logit per query head ({num_q_heads}), "
+                             f"got shape {self.sinks.shape}")
 
 
 def check_step(meta, spec, layout) -> None:
-    """The metadata, spec and layout belong together (block size, dtype, block ids)."""
+    """Metadata, spec and layout belong together: types, block size, dtype, heads, head dim,
+    and block ids inside the layout's blocks."""
     if not isinstance(meta, CommonAttentionMetadata):
         raise KVABIError(f"meta: must be a CommonAttentionMetadata, got {type(meta).__name__}")
     if not isinstance(spec, KVSpec):
@@ -67,14 +77,15 @@ def check_step(meta, spec, layout) -> None:
     n = layout.num_blocks
     need = -(-meta.seq_lens.astype(np.int64) // spec.block_size)
     used = np.arange(meta.block_table.shape[1])[None, :] < need[:, None]
-    vals = meta.block_table[used]
-    if vals.size and (int(vals.min()) < 0 or int(vals.max()) >= n):
-        raise KVABIError(f"block_table: entries must lie in [0, {n}) (the layout's "
-                         f"num_blocks), got {int(vals.min())}..{int(vals.max())}")
+    bad = used & ((meta.block_table < 0) | (meta.block_table >= n))
+    if bad.any():
+        r, c = (int(x[0]) for x in np.nonzero(bad))
+        raise KVABIError(f"block_table: entry [{r}, {c}] = {int(meta.block_table[r, c])} is "
+                         f"outside the layout's {n} blocks")
 
 
 def check_query(query, meta, spec) -> int:
-    """Check a query tensor [T, Hq, D]; returns Hq."""
+    """Check a query tensor [T, Hq, D] (any framework); returns Hq."""
     t, h = meta.num_tokens, spec.num_kv_heads
     shape = tuple(query.shape)
     if len(shape) != 3 or shape[0] != t or shape[2] != spec.head_dim:
@@ -84,12 +95,6 @@ def check_query(query, meta, spec) -> int:
         raise KVABIError(f"query: query heads must be a positive multiple of the {h} KV "
                          f"heads, got {hq}")
     return hq
-
-
-def check_sinks(opts: Options, hq: int) -> None:
-    if opts.sinks is not None and opts.sinks.shape != (hq,):
-        raise KVABIError(f"sinks: must have one logit per query head ({hq}), got shape "
-                         f"{opts.sinks.shape}")
 
 
 def check_kv(key, value, meta, spec) -> None:
