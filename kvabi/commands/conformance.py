@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 import sys
 
+from ..dtypes import DTYPES
+
 
 def configure(parser) -> None:
     parser.add_argument("names", nargs="*", metavar="NAME", help="backend names")
@@ -30,7 +32,7 @@ def configure(parser) -> None:
                         help="report the first failing example without shrinking it")
     parser.add_argument("--check", action="append", default=None, metavar="CHECK",
                         help="run only this check (repeatable)")
-    parser.add_argument("--dtype", action="append", default=None, metavar="DTYPE",
+    parser.add_argument("--dtype", action="append", default=None, choices=DTYPES,
                         help="draw only this cache dtype (repeatable)")
 
 

@@ -11,7 +11,6 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..dtypes import numpy_dtype
-from ..errors import KVABIError
 from ..layout import Layout
 from ..metadata import CommonAttentionMetadata
 from .cases import AttentionCase, Inputs, input_dtype
@@ -91,7 +90,7 @@ def oracle_cache(case: AttentionCase, *, via_backend_allocate: bool) -> list[np.
     return planes
 
 
-def backend_cache(backend, case: AttentionCase, reference=None):
+def backend_cache(backend, case: AttentionCase):
     """The backend's starting cache, equal to :func:`oracle_cache`.
 
     A C-contiguous layout is poisoned and filled in numpy and handed over with
@@ -236,11 +235,6 @@ def step_inputs(case: AttentionCase, rows=None):
     return k, v, q
 
 
-def refusal(e: BaseException) -> bool:
-    """Whether an exception is a proper refusal (KVABIError, UnsupportedError included)."""
-    return isinstance(e, KVABIError)
-
-
 __all__ = ["SENTINEL", "Runner", "as_cache_dtype", "backend_cache", "cache_difference",
            "copy_planes", "expect_same_cache", "fill_meta", "fill_pool", "full_planes",
-           "input_dtype", "oracle_cache", "refusal", "step_inputs", "to_planes"]
+           "input_dtype", "oracle_cache", "raw_items", "step_inputs", "to_planes"]
