@@ -57,7 +57,9 @@ def paged_attention(query, planes, tile_info, page_table, q_index, out_index, si
             k, v = fmt.all_kv(tuple(p[ids] for p in planes))  # [n, H, d]
             kpos = (lo + c * chunk_pages) * bs + jnp.arange(n)
             real = kpos < end
-            k = jnp.where(real[:, None, None], k.astype(jnp.float32), 0.0)
+            # stale keys only give logits that the mask replaces; stale values would turn
+            # 0 * NaN into NaN, so they are zeroed
+            k = k.astype(jnp.float32)
             v = jnp.where(real[:, None, None], v.astype(jnp.float32), 0.0)
             s = jnp.einsum("qhgd,nhd->hgqn", qf, k, precision=prec) * scale
             if softcap is not None:
