@@ -1,5 +1,8 @@
 """What the two TPU backends share: capabilities, validation, allocation and planning.
 
+Nothing here imports jax at module import: without jax the backends still register and
+report themselves unavailable.
+
 Subclasses supply the two computations, ``_write(rows, slot_planes, plan)`` and
 ``_attend(query, planes, plan)``; everything around them (argument checks, layout views,
 cross-layer stores) lives here so that both backends honour one contract.
@@ -14,7 +17,6 @@ from kvabi import KVABIError
 from .cache_format import CacheFormat
 from .dtype import SUPPORTED, jnp_dtype
 from .plan import TPUPlan, build_plan
-from .steps import compiled
 
 KINDS = ("full", "sliding_window", "chunked_local")
 LAYOUTS = ("tpu.combined", "tpu.hidden")
@@ -123,6 +125,8 @@ class TPUBackendBase(kvabi.Backend):
         idx = self._layer_planes(cache, layout, layer, fmt)
         if t == 0:
             return list(cache)
+        from .steps import compiled  # jax is imported on first use only
+
         impl, args, static = self._write_impl(plan)
         new = compiled("write", donate=self.donate_cache, cheap=self._cheap_compile())(
             tuple(cache[i] for i in idx), key, value, args, fmt=fmt, layer=layer,
@@ -159,6 +163,8 @@ class TPUBackendBase(kvabi.Backend):
         else:
             sinks = self.asarray(np.zeros(hq, np.float32) if plan.sinks is None
                                  else plan.sinks)
+            from .steps import compiled
+
             impl, args, static = self._attend_impl(plan)
             static.update(scale=plan.scale, softcap=plan.softcap, kind=spec.kind,
                           window=spec.window, chunk=spec.chunk,

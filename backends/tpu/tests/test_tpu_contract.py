@@ -156,3 +156,25 @@ def test_bench_suite_runs_and_reports_json(capsys):
     assert names[:2] == ["tpu.jax", "reference"]
     for r in report["results"]:
         assert r["attention_tokens_per_s"] > 0 and r["write_tokens_per_s"] > 0
+
+
+def test_without_jax_the_backends_register_as_unavailable():
+    """Listing backends must not need jax: both register and say why they are unusable."""
+    import subprocess
+    import sys
+
+    code = (
+        "import builtins\n"
+        "real = builtins.__import__\n"
+        "def imp(name, *a, **k):\n"
+        "    if name == 'jax' or name.startswith('jax.'):\n"
+        "        raise ImportError('jax hidden')\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = imp\n"
+        "import kvabi\n"
+        "for n in ('tpu.pallas', 'tpu.jax'):\n"
+        "    print(n, *kvabi.get_backend(n).available())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["tpu.pallas False jax not importable: ImportError: jax hidden",
+                   "tpu.jax False jax not importable: ImportError: jax hidden"]
