@@ -143,19 +143,10 @@ class TPUBackendBase(kvabi.Backend):
         fmt = self._format(layout, plan)
         spec, t = plan.spec, plan.meta.num_tokens
         query = self.asarray(query)
-        h = spec.num_kv_heads
-        if query.ndim != 3 or query.shape[0] != t or query.shape[2] != spec.head_dim:
-            raise KVABIError(f"query: must be [{t}, Hq, {spec.head_dim}], "
-                             f"got {tuple(query.shape)}")
-        hq = query.shape[1]
-        if hq == 0 or hq % h:
-            raise KVABIError(f"query: query heads must be a positive multiple of the {h} KV "
-                             f"heads, got {hq}")
+        hq = kvabi.check_query(query, plan.meta, spec)
         if not jnp.issubdtype(query.dtype, jnp.floating):
             raise KVABIError(f"query: must be floating point, got {query.dtype}")
-        if plan.sinks is not None and plan.sinks.shape != (hq,):
-            raise KVABIError(f"sinks: must have one logit per query head ({hq}), "
-                             f"got shape {plan.sinks.shape}")
+        kvabi.AttentionOptions(plan.scale, plan.softcap, plan.sinks).check_heads(hq)
         idx = self._layer_planes(cache, layout, layer, fmt)
         if t == 0:
             out = jnp.zeros((0, hq, spec.head_dim), query.dtype)

@@ -10,13 +10,10 @@ of two so that steps of similar size share one compiled kernel.
 """
 from __future__ import annotations
 
-import math
-
 import attrs
 import numpy as np
 
 import kvabi
-from kvabi import KVABIError
 
 #: rows of TPUPlan.tile_info
 TILE_REQ, TILE_POS0, TILE_QLEN, TILE_KVLEN, TILE_PAGE_LO, TILE_NPAGES = range(6)
@@ -24,18 +21,6 @@ TILE_REQ, TILE_POS0, TILE_QLEN, TILE_KVLEN, TILE_PAGE_LO, TILE_NPAGES = range(6)
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _positive_float(x, field):
-    if x is None:
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        raise KVABIError(f"{field}: must be a number or None, got {x!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise KVABIError(f"{field}: must be a positive finite number, got {x!r}")
-    return v
 
 
 def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,21 +70,11 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
                tile_size: int, num_slices_per_block: int, to_device) -> TPUPlan:
     """Compute the plan of one step (see :class:`TPUPlan`); ``to_device`` maps numpy
     arrays to the backend's device arrays."""
-    if not isinstance(meta, kvabi.CommonAttentionMetadata):
-        raise KVABIError(f"meta: must be a CommonAttentionMetadata, got {type(meta).__name__}")
-    if not isinstance(spec, kvabi.KVSpec):
-        raise KVABIError(f"spec: must be a KVSpec, got {type(spec).__name__}")
+    kvabi.check_step(meta, spec, layout)
+    opts = kvabi.AttentionOptions.resolve(spec, scale, softcap, sinks)
+    scale, softcap = opts.scale, opts.softcap
+    sinks = None if opts.sinks is None else opts.sinks.astype(np.float32)
     bs = spec.block_size
-    if meta.block_size != bs:
-        raise KVABIError(f"meta.block_size: must equal spec.block_size {bs}, "
-                         f"got {meta.block_size}")
-    scale = 1.0 / math.sqrt(spec.head_dim) if scale is None else _positive_float(scale, "scale")
-    softcap = _positive_float(softcap, "softcap")
-    if sinks is not None:
-        sinks = np.asarray(sinks, dtype=np.float32)
-        if sinks.ndim != 1 or np.isnan(sinks).any():
-            raise KVABIError(f"sinks: must be a 1-D array of logits (one per query head) "
-                             f"without NaN, got shape {sinks.shape}")
 
     qsl = meta.query_start_loc.astype(np.int64)
     q = np.diff(qsl)
@@ -108,11 +83,6 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
     need = -(-s // bs)
     bt = meta.block_table
     used = np.arange(bt.shape[1])[None, :] < need[:, None]
-    if used.any():
-        vals = bt[used]
-        if int(vals.min()) < 0 or int(vals.max()) >= fmt.num_blocks:
-            raise KVABIError(f"block_table: entries must lie in [0, {fmt.num_blocks}) (the "
-                             f"layout's num_blocks), got {int(vals.min())}..{int(vals.max())}")
 
     # -- tiles ---------------------------------------------------------------------------
     nt = -(-q // tile_size)
