@@ -6,6 +6,8 @@ blocks (one byte range per block).
 """
 from __future__ import annotations
 
+import attrs
+
 from .dtypes import tpu_packing
 from .errors import KVABIError
 from .layout import Layout
@@ -83,22 +85,20 @@ def make_preset(name: str, spec: KVSpec, num_blocks: int, num_layers: int = 1) -
 
 
 def _pad_pages(layout: Layout, spec: KVSpec) -> Layout:
-    """Apply ``spec.page_align``: widen the B stride where one layer's block is contiguous."""
-    natural = spec.block_size * spec.bytes_per_token
-    if spec.page_bytes == natural:
+    """Apply ``spec.page_align``: round the bytes of one layer's block (as this layout holds
+    it, head-dim padding included) up to the alignment by widening the B stride."""
+    block = layout.stride("B")
+    padded = -(-block // spec.page_align) * spec.page_align
+    if padded == block:
         return layout
     inner = layout.order[layout.order.index("B") + 1:]
     if set(inner) != {"N", "H", "D"} | ({"KV"} if layout.has_kv else set()):
         raise KVABIError(f"spec.page_align: preset {layout.name!r} splits a layer's page "
                          f"across {layout.order}; page padding is not expressible there")
     strides = {a: layout.stride(a) for a in layout.order}
-    grow = spec.page_bytes
-    strides["B"] = grow
-    outer = layout.order[:layout.order.index("B")]
-    s = grow * layout.size("B")
-    for a in reversed(outer):
+    strides["B"] = padded
+    s = padded * layout.size("B")
+    for a in reversed(layout.order[:layout.order.index("B")]):
         strides[a] = s
         s *= layout.extent(a)
-    import attrs
-
     return attrs.evolve(layout, strides=strides)

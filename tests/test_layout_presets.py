@@ -175,3 +175,15 @@ def test_cross_layer_blocks_need_one_region_per_block_run():
     assert len(cross.block_regions(blocks)) == 3
     assert len(per_layer.block_regions(blocks)) == 32 * 3
     assert preset_names(spec) == PRESETS
+
+
+def test_page_align_counts_head_dim_padding():
+    """tpu.combined pads D to 128: the page to align is the padded one."""
+    spec = KVSpec(kind="full", block_size=4, num_kv_heads=1, head_dim=64, dtype="float32",
+                  page_align=3000)
+    layout = Layout.preset("tpu.combined", spec, 2)
+    assert layout.stride("B") == 3000 * 2  # 4 tokens * 2 (k, v) * 128 * 4 bytes = 4096
+    planes = layout.allocate_numpy()
+    layout.kv_view(planes, 0, 1)[1, 3, 0, 63] = 5
+    flat = np.lib.stride_tricks.as_strided(planes[0], (layout.plane_nbytes // 4,), (4,))
+    assert flat[(6000 + 3 * 1024 + 512 + 63 * 4) // 4] == 5
