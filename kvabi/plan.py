@@ -65,14 +65,12 @@ class GroupPlan:
     spec: KVSpec
     layers: tuple[str, ...]
     num_blocks: int
+    #: bytes of one block of one layer as the chosen layout holds it
+    page_bytes: int
 
     @property
     def kind(self) -> str:
         return self.spec.kind
-
-    @property
-    def page_bytes(self) -> int:
-        return self.spec.page_bytes
 
     @property
     def layer_bytes(self) -> int:
@@ -168,9 +166,23 @@ class MemoryPlan:
                 "max_concurrent_requests": self.max_concurrent_requests}
 
 
+def layout_page_bytes(spec: KVSpec, layout: str | None = None) -> int:
+    """Bytes one more block of one layer costs in the preset ``layout`` (padding such as
+    TPU's head dim rounded up to 128 included); ``spec.page_bytes`` without a layout."""
+    if layout is None:
+        return spec.page_bytes
+    from .layout import Layout
+
+    one, two = (Layout.preset(layout, spec, b, 1).total_nbytes for b in (1, 2))
+    return two - one
+
+
 def plan_memory(model: ModelKV, memory_bytes: int, max_model_len: int | None = None,
-                max_query_len: int = 1, scheme: str = "equal") -> MemoryPlan:
+                max_query_len: int = 1, scheme: str = "equal",
+                layout: str | None = None) -> MemoryPlan:
     """Split ``memory_bytes`` between the KV groups of ``model`` (see the module doc).
+
+    ``layout`` names the preset the caches will use, so that its padding is paid for.
 
     Never allocates more than ``memory_bytes``.  Raises :class:`KVABIError` when the
     budget cannot hold one block in every group (``demand``: one request of
@@ -186,8 +198,9 @@ def plan_memory(model: ModelKV, memory_bytes: int, max_model_len: int | None = N
     require(scheme in SCHEMES, "scheme", f"must be one of {', '.join(SCHEMES)}", scheme)
 
     groups = model.groups
+    page = [layout_page_bytes(g.spec, layout) for g in groups]
     # bytes of one more block in every group
-    stride = sum(g.spec.page_bytes * len(g.layers) for g in groups)
+    stride = sum(p * len(g.layers) for p, g in zip(page, groups))
     if scheme == "equal":
         blocks = [memory_bytes // stride] * len(groups)
         require(blocks[0] > 0, "memory_bytes",
@@ -195,8 +208,7 @@ def plan_memory(model: ModelKV, memory_bytes: int, max_model_len: int | None = N
     else:
         require(max_model_len is not None, "max_model_len", "the demand scheme needs it")
         demand = [g.spec.blocks_per_request(max_model_len, max_query_len) for g in groups]
-        per_request = sum(d * g.spec.page_bytes * len(g.layers)
-                          for d, g in zip(demand, groups))
+        per_request = sum(d * p * len(g.layers) for d, p, g in zip(demand, page, groups))
         requests = memory_bytes // per_request
         require(requests > 0, "memory_bytes",
                 f"must hold one request of max_model_len={max_model_len} "
@@ -204,7 +216,8 @@ def plan_memory(model: ModelKV, memory_bytes: int, max_model_len: int | None = N
         extra = (memory_bytes - requests * per_request) // stride
         blocks = [requests * d + extra for d in demand]
     plan = MemoryPlan(model, memory_bytes, scheme,
-                      tuple(GroupPlan(g.spec, g.layers, b) for g, b in zip(groups, blocks)),
+                      tuple(GroupPlan(g.spec, g.layers, b, p)
+                            for g, b, p in zip(groups, blocks, page)),
                       max_model_len, max_query_len)
     assert plan.used_bytes <= memory_bytes  # the contract; cheap to keep checking
     return plan

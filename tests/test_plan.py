@@ -254,3 +254,22 @@ def test_cli_errors(capsys, tmp_path):
         plan_cmd.run(parser.parse_args([str(tmp_path / "none.json")]))
     with pytest.raises(KVABIError, match="memory_bytes"):
         plan_cmd.run(parser.parse_args([str(CONFIGS / "llama-3-8b.json"), "--memory", "1KiB"]))
+
+
+def test_layout_padding_is_paid_for():
+    """tpu.combined pads head dim 64 to 128: a page costs twice the unpadded bytes, and the
+    plan still never exceeds the budget."""
+    from kvabi import KVSpec, LayerKV, ModelKV
+    from kvabi.plan import layout_page_bytes, plan_memory
+
+    spec = KVSpec(kind="full", block_size=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+    model = ModelKV([LayerKV(f"l{i}", spec) for i in range(3)])
+    assert layout_page_bytes(spec) == 16 * 4 * 2 * 64 * 2
+    assert layout_page_bytes(spec, "tpu.combined") == 16 * 4 * 2 * 128 * 2
+    assert layout_page_bytes(spec, "vllm.LHBNC") == layout_page_bytes(spec)
+    budget = 10**7
+    plain = plan_memory(model, budget)
+    tpu = plan_memory(model, budget, layout="tpu.combined")
+    assert tpu.groups[0].num_blocks == budget // (3 * 16 * 4 * 2 * 128 * 2)
+    assert plain.groups[0].num_blocks == budget // (3 * 16 * 4 * 2 * 64 * 2)
+    assert tpu.used_bytes <= budget and tpu.to_dict()["groups"][0]["page_bytes"] == 32768

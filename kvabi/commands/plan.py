@@ -43,6 +43,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheme", choices=SCHEMES, default="equal",
                         help="equal: same blocks in every group (default); demand: sized "
                              "for requests of --max-model-len")
+    parser.add_argument("--layout", default=None, metavar="PRESET",
+                        help="layout preset the caches will use, so its padding is paid "
+                             "for (e.g. tpu.combined pads the head dim to 128); default: "
+                             "unpadded pages")
     parser.add_argument("--json", action="store_true", help="print JSON (see below)")
 
 
@@ -61,8 +65,10 @@ def plan_config(path: str, args: argparse.Namespace) -> tuple[dict, MemoryPlan]:
     model = model_from_hf_config(raw, block_size=args.block_size, kv_dtype=args.kv_dtype)
     max_len = args.max_model_len if args.max_model_len is not None else hf_max_model_len(raw)
     plan = plan_memory(model, args.memory, max_model_len=max_len,
-                       max_query_len=args.max_query_len, scheme=args.scheme)
+                       max_query_len=args.max_query_len, scheme=args.scheme,
+                       layout=getattr(args, "layout", None))
     return {"config": path, "model_type": text_config(raw).get("model_type"),
+            "layout": getattr(args, "layout", None),
             **plan.to_dict()}, plan
 
 
@@ -97,7 +103,8 @@ def format_plan(d: dict) -> str:
     """A readable table of one plan's JSON object."""
     lines = [f"{d['config']}  ({d['model_type'] or 'unknown model_type'}, {d['layers']} layers)",
              f"  KV bytes per token: {d['kv_bytes_per_token']:,}   budget: "
-             f"{_size(d['memory_bytes'])}, used {_size(d['used_bytes'])} ({d['scheme']})"]
+             f"{_size(d['memory_bytes'])}, used {_size(d['used_bytes'])} ({d['scheme']}"
+             + (f", layout {d['layout']}" if d.get("layout") else "") + ")"]
     header = ("kind", "span", "heads x dim", "dtype", "layers", "page bytes", "blocks",
               "bytes")
     rows = []
