@@ -19,9 +19,15 @@ def _builtin_transforms(argv):
     return transforms.run(argv)
 
 
+def _builtin_layout(argv):
+    from ..bench import layout
+
+    return layout.run(argv)
+
+
 def suites() -> dict:
     """{name: callable(argv) -> int}: the built-in suites plus those of plugins."""
-    found = {"transforms": _builtin_transforms}
+    found = {"transforms": _builtin_transforms, "layout": _builtin_layout}
     try:
         from .. import registry
     except ImportError:  # registry not available: built-in suites only
