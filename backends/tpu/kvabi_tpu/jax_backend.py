@@ -10,8 +10,12 @@ class JaxBackend(TPUBackendBase):
 
     name = "tpu.jax"
     tile_size = 16
-    #: keys per softmax chunk (rounded to whole pages)
-    chunk_tokens = 256
+    #: query tokens per tile of requests with more than one query (decodes: one-row tiles)
+    prefill_rows = 32
+    #: keys per softmax chunk (rounded to whole pages), of prefill tiles and of decodes
+    chunk_tokens = 512
+    decode_chunk_tokens = 512
+    tail_chunk_tokens = 64
     notes = "plain jax.numpy (XLA) on any jax device; cross-checks tpu.pallas"
 
     def available(self) -> tuple[bool, str]:
@@ -26,8 +30,6 @@ class JaxBackend(TPUBackendBase):
         return scatter_slots, (plan.slots,), {}
 
     def _attend_impl(self, plan):
-        from .jax_attention import paged_attention
+        from .jax_attention import attend_impl
 
-        pages = max(1, min(plan.max_tile_pages, self.chunk_tokens // plan.spec.block_size))
-        return paged_attention, (plan.tile_info, plan.page_table, plan.q_index,
-                                 plan.out_index), dict(chunk_pages=pages)
+        return attend_impl(plan, self)
