@@ -97,6 +97,19 @@ class KVSpec:
         """Keys one query can see at most (window or chunk), None for unbounded."""
         return self.window if self.kind == "sliding_window" else self.chunk
 
+    def first_visible_key(self, positions):
+        """The lowest key position a query at each of ``positions`` sees (numpy int arrays
+        broadcast): 0, ``p - W + 1`` (window, floored at 0) or the start of p's chunk.
+        With causality the visible keys of a query at p are ``first_visible_key(p) <= j <= p``."""
+        import numpy as np
+
+        p = np.asarray(positions)
+        if self.kind == "sliding_window":
+            return np.maximum(0, p - self.window + 1)
+        if self.kind == "chunked_local":
+            return (p // self.chunk) * self.chunk
+        return np.zeros_like(p)
+
     def blocks_per_request(self, max_len: int, max_query_len: int = 1) -> int:
         """Blocks a request of up to ``max_len`` tokens must hold at once.
 

@@ -299,3 +299,4 @@ def test_sharing_chains_resolve_to_the_owner():
     assert m.prefill_skip_layers == ("b", "c", "d")
     assert [(g.spec, g.layers) for g in m.groups] == [(FULL, ("a",)), (SLIDE, ("s",))]
     assert m.kv_bytes_per_token == 2 * (2 * 2 * 8 * 2)
+

@@ -14,16 +14,9 @@ import weakref
 import numpy as np
 
 from .plan import (TILE_KVLEN, TILE_NPAGES, TILE_PAGE_LO, TILE_POS0, TILE_QLEN, TILE_REQ,
-                   next_pow2)
+                   _expand, next_pow2)
 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(group, index within group) of every element of groups of sizes ``counts``."""
-    owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    starts = np.cumsum(counts) - counts
-    return owner, np.arange(len(owner), dtype=np.int64) - starts[owner]
 
 
 def tile_bucket(reqs, rows: int, qsl, ctx, seq, spec):
@@ -38,12 +31,7 @@ def tile_bucket(reqs, rows: int, qsl, ctx, seq, spec):
     qlen = np.minimum(rows, q[k] - i * rows)
     pos0 = ctx[req] + i * rows
     hi = pos0 + qlen  # keys j < hi
-    if spec.kind == "sliding_window":
-        lo = np.maximum(0, pos0 - spec.window + 1)
-    elif spec.kind == "chunked_local":
-        lo = (pos0 // spec.chunk) * spec.chunk
-    else:
-        lo = np.zeros_like(pos0)
+    lo = spec.first_visible_key(pos0)
     bs = spec.block_size
     page_lo = lo // bs
     w = len(req)

@@ -92,12 +92,7 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
     qlen = np.minimum(tile_size, q[req] - i * tile_size)
     pos0 = c[req] + i * tile_size
     hi = pos0 + qlen  # one past the last query position: keys j < hi
-    if spec.kind == "sliding_window":
-        lo = np.maximum(0, pos0 - spec.window + 1)
-    elif spec.kind == "chunked_local":
-        lo = (pos0 // spec.chunk) * spec.chunk
-    else:
-        lo = np.zeros_like(pos0)
+    lo = spec.first_visible_key(pos0)
     page_lo = lo // bs
     npages = -(-hi // bs) - page_lo
     wpad = next_pow2(max(w, 1))

@@ -1,0 +1,17 @@
+"""KVSpec helpers against direct formulas from the semantics."""
+
+def test_first_visible_key_follows_the_masks():
+    """Direct from the semantics: window keeps j > p - W, chunk keeps j // C == p // C."""
+    import numpy as np
+
+    from kvabi import KVSpec
+
+    p = np.arange(0, 100)
+    sw = KVSpec(kind="sliding_window", block_size=4, num_kv_heads=1, head_dim=8, window=7)
+    ch = KVSpec(kind="chunked_local", block_size=4, num_kv_heads=1, head_dim=8, chunk=12)
+    full = KVSpec(kind="full", block_size=4, num_kv_heads=1, head_dim=8)
+    for pi, lo_w, lo_c, lo_f in zip(p, sw.first_visible_key(p), ch.first_visible_key(p),
+                                    full.first_visible_key(p)):
+        assert lo_w == min(j for j in range(pi + 1) if j > pi - 7)
+        assert lo_c == min(j for j in range(pi + 1) if j // 12 == pi // 12)
+        assert lo_f == 0
