@@ -1,5 +1,6 @@
 """KVSpec helpers against direct formulas from the semantics."""
 
+
 def test_first_visible_key_follows_the_masks():
     """Direct from the semantics: window keeps j > p - W, chunk keeps j // C == p // C."""
     import numpy as np
