@@ -38,12 +38,7 @@ class Pieces:
         start = qsl[req] + k * query_piece
         length = np.minimum(query_piece, qsl[req + 1] - start)
         pos0 = ctx[req] + k * query_piece
-        if spec.kind == "sliding_window":
-            key0 = np.maximum(0, pos0 - spec.window + 1)
-        elif spec.kind == "chunked_local":
-            key0 = pos0 // spec.chunk * spec.chunk
-        else:
-            key0 = np.zeros_like(pos0)
+        key0 = spec.first_visible_key(pos0)
         nkeys = pos0 + length - key0  # up to the piece's last (causal) position
         width = np.left_shift(1, np.ceil(np.log2(np.maximum(length, 1))).astype(np.int64))
         order = np.lexsort((nkeys, width))
