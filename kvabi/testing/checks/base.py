@@ -26,6 +26,29 @@ class Refused(float):
         return obj
 
 
+def step_or_refusal(backend, case: AttentionCase, what: str):
+    """Run one write + attention step of ``case`` on ``backend``: ``(out, lse, planes)``,
+    or :class:`Refused` when it raised a KVABIError.  Any other exception fails the check:
+    a backend must refuse what it cannot do with a KVABIError."""
+    from ..harness import Runner, step_inputs
+    from ..measure import ConformanceFailure
+
+    try:
+        b = Runner(backend, case, oracle=False)
+        plan = b.plan(case.meta)
+        k, v, q = step_inputs(case)
+        b.write(plan, k, v)
+        got, got_lse = b.attend(plan, q, lse=True)
+        return got, got_lse, b.planes()
+    except KVABIError as e:
+        return Refused(str(e))
+    except ConformanceFailure:
+        raise
+    except Exception as e:  # noqa: BLE001 - the point is to report what it raised
+        raise ConformanceFailure(f"{what} not refused with a KVABIError: "
+                                 f"{type(e).__name__}: {e}") from e
+
+
 @attrs.frozen
 class KitOptions:
     """Knobs of one conformance run.

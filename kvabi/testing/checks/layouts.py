@@ -10,11 +10,10 @@ from ...dtypes import numpy_dtype
 from ...errors import KVABIError
 from ...layout import Layout
 from ..cases import exact_values, input_dtype
-from ..harness import (Runner, UINT, raw_items, expect_same_cache, fill_meta, step_inputs,
-                       to_planes)
+from ..harness import UINT, expect_same_cache, fill_meta, raw_items, to_planes
 from ..measure import ConformanceFailure
 from .attention import compare_outputs, reference_step
-from .base import KitOptions, Refused, attention_cases, spec_strategy
+from .base import KitOptions, Refused, attention_cases, spec_strategy, step_or_refusal
 
 
 @attrs.frozen
@@ -126,20 +125,10 @@ def check_foreign_layouts(backend, reference, case, options: KitOptions = KitOpt
                           ) -> float:
     """A random layout (not necessarily preferred) is either refused with a KVABIError
     or written and attended exactly as the reference does."""
-    try:
-        b = Runner(backend, case, oracle=False)
-        plan = b.plan(case.meta)
-        k, v, q = step_inputs(case)
-        b.write(plan, k, v)
-        got, got_lse = b.attend(plan, q, lse=True)
-        planes = b.planes()
-    except KVABIError as e:
-        return Refused(str(e))
-    except ConformanceFailure:
-        raise
-    except Exception as e:  # noqa: BLE001 - the point is to report what it raised
-        raise ConformanceFailure(f"layout not refused with a KVABIError: "
-                                 f"{type(e).__name__}: {e}") from e
+    result = step_or_refusal(backend, case, "layout")
+    if isinstance(result, Refused):
+        return result
+    got, got_lse, planes = result
     r, want, want_lse = reference_step(reference, case)
     expect_same_cache("write_kv in a non-preferred layout", case.layout, case.spec, planes,
                       r.planes())

@@ -8,11 +8,11 @@ from hypothesis import strategies as st
 from ...dtypes import DTYPES
 from ...errors import KVABIError
 from ...spec import KINDS
-from ..harness import Runner, step_inputs
 from ..measure import ConformanceFailure, expect_close, lse_error, relative_l2, tolerance
 from ..strategies import SMALL_BLOCK_SIZES, SMALL_HEAD_DIMS, kv_specs, preset_layouts_for
 from .attention import reference_step
-from .base import KitOptions, NotApplicable, Refused, WithExtra, attention_cases
+from .base import (KitOptions, NotApplicable, Refused, WithExtra, attention_cases,
+                   step_or_refusal)
 
 #: head dims and block sizes tried when a backend restricts them
 ODD_HEAD_DIMS = SMALL_HEAD_DIMS + (12, 24, 40, 48, 64, 72, 96, 128)
@@ -96,19 +96,10 @@ def check_unsupported(backend, reference, params, options: KitOptions = KitOptio
     else:
         raise ConformanceFailure(f"check_supported accepted a spec its capabilities "
                                  f"exclude ({why})")
-    try:
-        b = Runner(backend, case, oracle=False)
-        plan = b.plan(case.meta)
-        k, v, q = step_inputs(case)
-        b.write(plan, k, v)
-        got, got_lse = b.attend(plan, q, lse=True)
-    except KVABIError as e:
-        return Refused(str(e))
-    except ConformanceFailure:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise ConformanceFailure(f"unsupported spec ({why}) not refused with a KVABIError: "
-                                 f"{type(e).__name__}: {e}") from e
+    result = step_or_refusal(backend, case, f"unsupported spec ({why})")
+    if isinstance(result, Refused):
+        return result
+    got, got_lse, _ = result
     _, want, want_lse = reference_step(reference, case)
     rows = np.arange(case.meta.num_actual_tokens)
     tol = tolerance(case.spec.dtype, options.tolerances)
