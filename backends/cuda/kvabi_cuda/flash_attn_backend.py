@@ -66,18 +66,11 @@ class FlashAttnBackend(LibraryBackend):
         return cache
 
     def attention(self, query, cache, layout, plan, *, layer: int = 0, return_lse=False):
-        import torch
-
         self.check_plan(plan, layout, FlashAttnPlan)
         spec, meta, args, t = plan.spec, plan.meta, plan.args, plan.tensors
         hq = check_query(query, meta, spec)
-        dev = self.device()
-        q = tensors.to_torch(query, dev, spec.dtype)
+        q, k_view, v_view, out, lse = self.step_tensors(query, cache, layout, plan, layer, hq)
         a = args["num_actual_tokens"]
-        k_view, v_view = self.views(layout, cache, layer, spec)
-        out = torch.zeros((meta.num_tokens, hq, spec.head_dim_v), dtype=q.dtype, device=dev)
-        lse = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32,
-                         device=dev)
         if a:
             o, l, _ = self.lib().flash_attn_varlen_func(
                 q[:a], k_view, v_view, cu_seqlens_q=t["cu_seqlens_q"],

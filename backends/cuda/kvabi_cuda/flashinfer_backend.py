@@ -124,20 +124,13 @@ class FlashInferBackend(LibraryBackend):
 
     # -- attention ---------------------------------------------------------------------
     def attention(self, query, cache, layout, plan, *, layer: int = 0, return_lse=False):
-        import torch
-
         self.check_plan(plan, layout, FlashInferPlan)
         spec, meta = plan.spec, plan.meta
         hq = check_query(query, meta, spec)
         plan.opts.check_heads(hq)
         args, wrapper, run = self._planned(plan, hq)
-        dev = self.device()
-        q = tensors.to_torch(query, dev, spec.dtype)
+        q, k_view, v_view, out, lse = self.step_tensors(query, cache, layout, plan, layer, hq)
         a = args["num_actual_tokens"]
-        k_view, v_view = self.views(layout, cache, layer, spec)
-        out = torch.zeros((meta.num_tokens, hq, spec.head_dim_v), dtype=q.dtype, device=dev)
-        lse = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32,
-                         device=dev)
         if a:
             o, l2 = wrapper.run(q[:a], paged_kv_tensors(k_view, v_view, plan.kv_layout), **run)
             out[:a] = o.to(out.dtype)

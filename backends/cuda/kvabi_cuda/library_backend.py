@@ -121,3 +121,16 @@ class LibraryBackend(Backend):
         if layout != plan.layout:
             raise KVABIError("layout: differs from the layout the plan was built for")
 
+    def step_tensors(self, query, cache, layout, plan, layer: int, hq: int):
+        """What an attention call needs: the query on the device, the layer's K and V views,
+        and the outputs to fill (zeros, lse -inf: padding tokens stay so)."""
+        import torch
+
+        spec, meta = plan.spec, plan.meta
+        dev = self.device()
+        q = tensors.to_torch(query, dev, spec.dtype)
+        k_view, v_view = self.views(layout, cache, layer, spec)
+        out = torch.zeros((meta.num_tokens, hq, spec.head_dim_v), dtype=q.dtype, device=dev)
+        lse = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32,
+                         device=dev)
+        return q, k_view, v_view, out, lse
