@@ -1,5 +1,6 @@
 """kvabi: a hardware-agnostic ABI for the KV cache of LLM inference engines."""
-from .abi import ABI_VERSION, Backend, Capabilities, UnsupportedError, hookimpl
+from .abi import ABI_VERSION, Backend, Capabilities, UnsupportedError, abi_at_least, hookimpl
+from .cache import KVCache, as_cache
 from .errors import KVABIError
 from .metadata import CommonAttentionMetadata
 from .spec import KVGroup, KVSpec, LayerKV, ModelKV
@@ -13,6 +14,7 @@ _LAZY = {
     "backend_names": ("kvabi.registry", "backend_names"),
     "merge_attention": ("kvabi.merge", "merge_attention"),
     "transforms": ("kvabi.transforms", None),
+    "tensors": ("kvabi.tensors", None),
 }
 
 
@@ -27,7 +29,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvabi' has no attribute {name!r}")
 
 
-__all__ = ["ABI_VERSION", "AttentionOptions", "Backend", "Capabilities", "CommonAttentionMetadata", "KVABIError",
+__all__ = ["ABI_VERSION", "AttentionOptions", "KVCache", "abi_at_least", "as_cache", "tensors", "Backend", "Capabilities", "CommonAttentionMetadata", "KVABIError",
            "KVGroup", "KVSpec", "LayerKV", "Layout", "ModelKV", "UnsupportedError",
            "backend_names", "check_kv", "check_query", "check_step", "get_backend", "hookimpl", "merge_attention", "transforms",
            "__version__"]

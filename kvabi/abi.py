@@ -15,7 +15,7 @@ import pluggy
 from .errors import KVABIError
 
 #: (major, minor) of the backend ABI and of the layout descriptor format.
-ABI_VERSION = (1, 0)
+ABI_VERSION = (1, 1)
 PROJECT = "kvabi"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -75,22 +75,37 @@ class Capabilities:
         return attrs.asdict(self)
 
 
+def abi_at_least(backend, version: tuple[int, int]) -> bool:
+    """Whether ``backend`` was built for ABI ``version`` or a later minor of its major:
+    callers pass the keywords a minor added (1.1: ``num_q_heads``, per-call ``sinks``,
+    ``out``) only to backends that declare it."""
+    v = tuple(getattr(backend, "abi_version", (1, 0)))
+    return v[0] == version[0] and v >= tuple(version)
+
+
 class Backend:
     """Base class of an attention backend.  Subclasses override the methods below.
 
-    Array arguments and results are in the backend's own framework (numpy, torch, jax);
-    :meth:`asarray` and :meth:`to_numpy` convert for the conformance kit.
+    Array arguments and results are in the backend's own framework (:attr:`framework`:
+    numpy, torch or jax); :mod:`kvabi.tensors` converts between frameworks.
 
     Shapes: ``key`` [T, H, D], ``value`` [T, H, Dv] (``None`` for MLA, whose latent is passed
-    as ``key`` [T, 1, D]); ``query`` [T, Hq, D]; output [T, Hq, Dv]; lse [T, Hq] (natural
-    log).  ``T`` is ``meta.num_tokens`` (padding included); outputs at padding tokens are
-    unspecified.  ``cache`` is the list of planes returned by :meth:`allocate`.
+    as ``key`` [T, 1, D]); ``query`` [T, Hq, D]; output [T, Hq, Dv] in the query's dtype;
+    lse [T, Hq] float32 (natural log; the numpy reference returns float64).  ``T`` is
+    ``meta.num_tokens`` (padding included); outputs at padding tokens are unspecified.
+
+    ``cache`` is a :class:`kvabi.KVCache` (ABI 1.1) or, as in ABI 1.0, a plain list of
+    planes; :func:`kvabi.as_cache` turns either into a checked handle and is the first
+    thing a backend does with it.  A plan holds no layer-specific state: one plan serves
+    every layer of its KV group, in any order.
     """
 
     #: dotted name, e.g. "cuda.triton"
     name: str = ""
     #: the ABI (major, minor) the backend was built for
     abi_version: tuple[int, int] = ABI_VERSION
+    #: the framework of the backend's arrays: "numpy", "torch" or "jax"
+    framework: str = "numpy"
 
     def available(self) -> tuple[bool, str]:
         """(usable here, reason or mode description)."""
@@ -109,27 +124,49 @@ class Backend:
         if why:
             raise UnsupportedError(f"{self.name}: unsupported: {why}")
 
-    def allocate(self, layout) -> list:
-        """Zeroed planes for ``layout``, each shaped ``layout.plane_shape``."""
-        raise NotImplementedError
+    def device(self):
+        """The device arrays are placed on (None: the framework's default)."""
+        return None
 
-    def plan(self, meta, spec, layout, *, scale=None, softcap=None, sinks=None):
-        """Per-step plan from metadata; reused by every layer of the group."""
+    def allocate(self, layout):
+        """A zeroed :class:`kvabi.KVCache` for ``layout`` in this backend's framework."""
+        from .cache import KVCache
+
+        return KVCache.allocate(layout, self.framework, device=self.device())
+
+    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
+             sinks=None):
+        """Per-step plan from metadata; reused by every layer of the group.
+
+        ``num_q_heads`` (1.1; None: learned from the query) lets a backend plan for the
+        GQA group size; ``sinks`` is the default of every layer (1.1 ``attention`` may
+        override it per layer)."""
         raise NotImplementedError
 
     def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
-        """Write new K/V at ``plan``'s slot mapping (slot -1 skipped); returns the cache."""
+        """Write new K/V at ``plan``'s slot mapping (slot -1 skipped); returns the cache.
+
+        numpy and torch caches are written in place.  A jax cache is consumed (its buffers
+        are donated to the update): use the returned cache, never the argument."""
         raise NotImplementedError
 
-    def attention(self, query, cache, layout, plan, *, layer: int = 0, return_lse=False):
-        """Attention of the step's queries over the cache; ``(out, lse)`` if return_lse."""
+    def attention(self, query, cache, layout, plan, *, layer: int = 0, sinks=None,
+                  out=None, return_lse=False):
+        """Attention of the step's queries over the cache; ``(out, lse)`` if return_lse.
+
+        ``sinks`` (1.1) overrides the plan's sinks for this layer; ``out`` (1.1), an array
+        [T, Hq, Dv] of the query's dtype, receives the output in place where the framework
+        allows (numpy, torch) and is returned."""
         raise NotImplementedError
 
     def asarray(self, x):
-        """A numpy array in this backend's framework (for tests)."""
-        return x
+        """``x`` in this backend's framework (ABI 1.0 compatibility; the kit now uses
+        :func:`kvabi.tensors.convert` with :attr:`framework`)."""
+        from .tensors import convert
+
+        return convert(x, self.framework, device=self.device())
 
     def to_numpy(self, x):
-        import numpy as np
+        from .tensors import to_numpy
 
-        return np.asarray(x)
+        return to_numpy(x)

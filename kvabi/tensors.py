@@ -1,0 +1,145 @@
+"""Tensor conversion between numpy, torch and jax, in one public place.
+
+Bit-exact for every cache dtype: numpy holds bfloat16 and float8 through ``ml_dtypes``;
+torch and jax hold them natively.  Where a zero-copy path exists it is taken (numpy ->
+torch via ``from_numpy``, torch <-> jax via DLPack on the CPU); otherwise the data is copied
+once.  torch and jax are imported only when an argument or a request needs them, so the
+core stays free of both at import time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .dtypes import DTYPE_BITS, numpy_dtype
+from .errors import KVABIError
+
+FRAMEWORKS = ("numpy", "torch", "jax")
+# numpy cannot hand ml_dtypes arrays to torch: they cross as same-width integers, bit for bit.
+_RAW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+def framework(x) -> str | None:
+    """``"numpy"``, ``"torch"`` or ``"jax"`` for an array of that framework, else None
+    (decided from the type's module: nothing is imported)."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        return "torch"
+    if mod in ("jax", "jaxlib"):
+        return "jax"
+    return None
+
+
+def dtype_name(x) -> str:
+    """The kvabi dtype name of an array (or a numpy/torch/jax dtype, or a name)."""
+    dt = getattr(x, "dtype", x)
+    s = str(dt).replace("torch.", "").replace("dtype(", "").strip("')\"")
+    s = {"<class 'ml_dtypes.bfloat16'>": "bfloat16"}.get(s, s)
+    if s not in DTYPE_BITS:
+        raise KVABIError(f"dtype: {s!r} is not a kvabi cache dtype "
+                         f"({', '.join(DTYPE_BITS)})")
+    return s
+
+
+def to_numpy(x) -> np.ndarray:
+    """A numpy array of ``x`` (a view where the framework allows; bf16/fp8 as ml_dtypes)."""
+    fw = framework(x)
+    if fw == "torch":
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        name = str(t.dtype).replace("torch.", "")
+        if name in _RAW:
+            import torch
+
+            raw = t.view(getattr(torch, _RAW[name])) if t.is_contiguous() else \
+                t.contiguous().view(getattr(torch, _RAW[name]))
+            return raw.numpy().view(numpy_dtype(name))
+        return t.numpy()
+    return np.asarray(x)
+
+
+def to_torch(x, device=None, dtype: str | None = None):
+    """A torch tensor of ``x`` on ``device`` (default: the input's, or the CPU), optionally
+    converted to the kvabi dtype ``dtype``."""
+    import torch
+
+    fw = framework(x)
+    if fw == "torch":
+        t = x
+    elif fw == "jax" and device in (None, "cpu") and _jax_on_cpu(x):
+        try:  # zero copy on the CPU
+            t = torch.from_dlpack(x)
+        except Exception:  # noqa: BLE001 - dtypes DLPack lacks: take the numpy path
+            t = _torch_from_numpy(np.asarray(x))
+    else:
+        t = _torch_from_numpy(np.asarray(x))
+    if device is not None:
+        t = t.to(device)
+    if dtype is not None:
+        t = t.to(torch_dtype(dtype))
+    return t
+
+
+def to_jax(x, dtype: str | None = None):
+    """A jax array of ``x`` (DLPack from CPU torch tensors, no copy), optionally converted
+    to the kvabi dtype ``dtype``."""
+    import jax
+    import jax.numpy as jnp
+
+    fw = framework(x)
+    if fw == "jax":
+        a = x
+    elif fw == "torch" and x.device.type == "cpu" and x.is_contiguous():
+        try:
+            a = jax.dlpack.from_dlpack(x.detach())
+        except Exception:  # noqa: BLE001
+            a = jnp.asarray(to_numpy(x))
+    else:
+        a = jnp.asarray(to_numpy(x))
+    if dtype is not None and str(a.dtype) != dtype:
+        a = a.astype(numpy_dtype(dtype))
+    return a
+
+
+def convert(x, to: str, *, device=None):
+    """``x`` in framework ``to`` (one of :data:`FRAMEWORKS`)."""
+    if to == "numpy":
+        return to_numpy(x)
+    if to == "torch":
+        return to_torch(x, device)
+    if to == "jax":
+        return to_jax(x)
+    raise KVABIError(f"framework: must be one of {FRAMEWORKS}, got {to!r}")
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a kvabi dtype name."""
+    import torch
+
+    if name not in DTYPE_BITS:
+        raise KVABIError(f"dtype: unknown dtype {name!r}; expected one of "
+                         f"{', '.join(DTYPE_BITS)}")
+    return getattr(torch, name)
+
+
+def _torch_from_numpy(a: np.ndarray):
+    import torch
+
+    name = str(a.dtype)
+    if name in _RAW:
+        raw = np.ascontiguousarray(a).view(_RAW[name])
+        return torch.from_numpy(raw).view(torch_dtype(name))
+    if a.dtype.kind not in "fiub":
+        raise KVABIError(f"array: dtype {a.dtype} cannot become a torch tensor")
+    if not a.flags.writeable or not (a.flags.c_contiguous or a.flags.f_contiguous):
+        a = np.array(a)
+    return torch.from_numpy(a)
+
+
+def _jax_on_cpu(x) -> bool:
+    try:
+        return all(d.platform == "cpu" for d in x.devices())
+    except Exception:  # noqa: BLE001
+        return False
