@@ -22,7 +22,8 @@ DTYPES = tuple(DTYPE_BITS)
 
 
 def check_dtype(name: str, field: str = "dtype") -> str:
-    if name not in DTYPE_BITS:
+    """``name`` if it is a kvabi cache dtype name, else KVABIError naming ``field``."""
+    if not isinstance(name, str) or name not in DTYPE_BITS:
         raise KVABIError(f"{field}: unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
     return name
 

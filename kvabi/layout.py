@@ -11,12 +11,15 @@ regions holding a set of blocks, without importing the backend that chose it.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator
 from typing import Iterable, Mapping
 
 import attrs
 import numpy as np
 
 from .abi import ABI_VERSION
+from .coerce import as_int, checked, int_array
 from .dtypes import check_dtype, itemsize, numpy_dtype, tpu_packing
 from .errors import KVABIError, require
 
@@ -25,32 +28,77 @@ PLANE_AXES = ("L", "KV")
 _ARG = {"L": "layer", "B": "block", "KV": "kv", "N": "token", "H": "head", "D": "dim"}
 
 
-def _frozen_map(x) -> Mapping[str, int] | None:
-    if x is None:
-        return None
-    return dict(sorted(dict(x).items(), key=lambda kv: AXES.index(kv[0])
-                       if kv[0] in AXES else 99))
+def _axis_list(field):
+    """Converter: a list or tuple of axis names (a bare string is not one)."""
+    def convert(x):
+        if isinstance(x, (str, bytes)) or not isinstance(x, (list, tuple)) or \
+                not all(isinstance(a, str) for a in x):
+            raise KVABIError(f"{field}: must be a list of axis names, got {x!r:.80}")
+        return tuple(x)
+
+    return convert
+
+
+def _axis_map(field):
+    """Converter: None, or a mapping axis -> value sorted in AXES order (values are
+    checked in validation, where the axis is known)."""
+    def convert(x):
+        if x is None:
+            return None
+        if not isinstance(x, Mapping):
+            raise KVABIError(f"{field}: must be an object of axis -> integer, got {x!r:.80}")
+        return dict(sorted(x.items(), key=lambda kv: AXES.index(kv[0])
+                           if kv[0] in AXES else 99))
+
+    return convert
+
+
+def _folds(x):
+    if isinstance(x, (str, bytes)) or not isinstance(x, (list, tuple)):
+        raise KVABIError(f"folds: must be a list of lists of axis names, got {x!r:.80}")
+    return tuple(_axis_list(f"folds[{i}]")(f) for i, f in enumerate(x))
+
+
+def _int64(v: int, field: str, what: str) -> int:
+    """``v`` (exact Python int arithmetic) if it fits int64, else KVABIError naming
+    ``field`` and what ``v`` is."""
+    try:
+        return checked(v, field)
+    except KVABIError:
+        raise KVABIError(f"{field}: {what} ({v} bytes) does not fit in int64") from None
 
 
 @attrs.frozen(eq=True, hash=False)
 class Layout:
-    """An immutable, validated physical layout.  Build with :meth:`preset` or directly."""
+    """An immutable, validated physical layout.  Build with :meth:`preset` or directly.
 
-    order: tuple[str, ...] = attrs.field(converter=tuple)
-    sizes: Mapping[str, int] = attrs.field(converter=_frozen_map)
+    Every size, stride, offset and byte count a layout can produce fits in int64: a
+    layout whose planes (or all planes together) would not is refused when built.
+    """
+
+    order: tuple[str, ...] = attrs.field(converter=_axis_list("order"))
+    sizes: Mapping[str, int] = attrs.field(converter=_axis_map("sizes"))
     dtype: str = attrs.field()
-    planes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    extents: Mapping[str, int] | None = attrs.field(default=None, converter=_frozen_map)
-    strides: Mapping[str, int] | None = attrs.field(default=None, converter=_frozen_map)
+    planes: tuple[str, ...] = attrs.field(default=(), converter=_axis_list("planes"))
+    extents: Mapping[str, int] | None = attrs.field(default=None, converter=_axis_map("extents"))
+    strides: Mapping[str, int] | None = attrs.field(default=None, converter=_axis_map("strides"))
     plane_bytes: int | None = attrs.field(default=None)
-    folds: tuple[tuple[str, ...], ...] = attrs.field(
-        default=(), converter=lambda f: tuple(tuple(x) for x in f))
+    folds: tuple[tuple[str, ...], ...] = attrs.field(default=(), converter=_folds)
     packing: int | None = attrs.field(default=None)
     name: str | None = attrs.field(default=None)
+    # Derived once at construction (exact, checked): byte stride per axis, the natural
+    # span of a plane, bytes per plane and in all planes, number of planes.
+    _stride: dict = attrs.field(init=False, eq=False, repr=False)
+    _natural: int = attrs.field(init=False, eq=False, repr=False)
+    _plane_nbytes: int = attrs.field(init=False, eq=False, repr=False)
+    _num_planes: int = attrs.field(init=False, eq=False, repr=False)
 
     # -- validation --------------------------------------------------------------------
     def __attrs_post_init__(self):
+        require(self.name is None or isinstance(self.name, str), "name",
+                "must be a string or null", self.name)
         check_dtype(self.dtype)
+        isz = itemsize(self.dtype)
         seen = list(self.order) + list(self.planes)
         for a in seen:
             require(a in AXES, "order", f"unknown axis {a!r}; axes are {AXES}")
@@ -61,45 +109,62 @@ class Layout:
                     self.order)
         for a in self.planes:
             require(a in PLANE_AXES, "planes", f"only {PLANE_AXES} may be plane axes", a)
-        for a in seen:
-            v = self.sizes.get(a)
-            require(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"sizes.{a}",
-                    "must be a positive int", v)
         extra = set(self.sizes) - set(seen)
-        require(not extra, "sizes", "names axes not in the layout", sorted(extra))
+        require(not extra, "sizes", "names axes not in the layout", sorted(map(str, extra)))
+        sizes = {a: as_int(self.sizes.get(a), f"sizes.{a}", lo=1) for a in self.sizes}
+        for a in seen:
+            require(a in sizes, f"sizes.{a}", "must be a positive int (missing)")
+        object.__setattr__(self, "sizes", sizes)
         if "KV" in seen:
-            require(self.sizes["KV"] == 2, "sizes.KV", "must be 2 (key, value)",
-                    self.sizes["KV"])
-        ext = self.extents or {}
-        for a, v in ext.items():
-            require(a in self.order, f"extents.{a}", "only memory-order axes have extents")
-            require(isinstance(v, int) and v >= self.sizes[a], f"extents.{a}",
-                    f"must be an int >= size {self.sizes[a]}", v)
-        if self.strides is not None:
+            require(sizes["KV"] == 2, "sizes.KV", "must be 2 (key, value)", sizes["KV"])
+        if self.extents is not None:
+            ext = {}
+            for a, v in self.extents.items():
+                require(a in self.order, f"extents.{a}", "only memory-order axes have extents")
+                ext[a] = as_int(v, f"extents.{a}", lo=sizes[a])
+            object.__setattr__(self, "extents", ext or None)
+        # Strides and spans in exact Python ints, each checked against int64.
+        if self.strides is None:
+            stride, s = {}, isz
+            for a in reversed(self.order):
+                stride[a] = s
+                s = _int64(s * self.extent(a), "sizes", f"the bytes spanned by axes up "
+                           f"to {a}")
+        else:
             require(set(self.strides) == set(self.order), "strides",
-                    f"must give a byte stride for each of {self.order}", sorted(self.strides))
-            for a, s in self.strides.items():
-                require(isinstance(s, int) and s > 0 and s % self.itemsize == 0,
-                        f"strides.{a}", f"must be a positive multiple of itemsize "
-                        f"{self.itemsize}", s)
+                    f"must give a byte stride for each of {self.order}",
+                    sorted(map(str, self.strides)))
+            stride = {a: as_int(self.strides[a], f"strides.{a}", lo=1) for a in self.order}
+            for a, s in stride.items():
+                require(s % isz == 0, f"strides.{a}",
+                        f"must be a positive multiple of itemsize {isz}", s)
             # Memory order is `order`: each axis must step over the whole of the next one.
             for outer, inner in zip(self.order, self.order[1:]):
-                need = self.extent(inner) * self.strides[inner]
-                require(self.strides[outer] >= need, f"strides.{outer}",
-                        f"overlaps axis {inner} (needs >= {need})", self.strides[outer])
-            require(self.strides[self.order[-1]] >= self.itemsize, f"strides.{self.order[-1]}",
-                    "smaller than one element", self.strides[self.order[-1]])
-        natural = self._span()
-        if self.plane_bytes is not None:
-            require(isinstance(self.plane_bytes, int) and self.plane_bytes >= natural,
-                    "plane_bytes", f"must be an int >= {natural} (the bytes the strides reach)",
-                    self.plane_bytes)
+                need = self.extent(inner) * stride[inner]
+                require(stride[outer] >= need, f"strides.{outer}",
+                        f"overlaps axis {inner} (needs >= {need})", stride[outer])
+            object.__setattr__(self, "strides", stride)
+        object.__setattr__(self, "_stride", stride)
+        natural = _int64(sum((self.extent(a) - 1) * stride[a] for a in self.order) + isz,
+                         "strides" if self.strides is not None else "sizes",
+                         "the bytes one plane spans")
+        object.__setattr__(self, "_natural", natural)
+        if self.plane_bytes is None:
+            nbytes = natural
+        else:
+            nbytes = as_int(self.plane_bytes, "plane_bytes", lo=1)
+            require(nbytes >= natural, "plane_bytes",
+                    f"must be an int >= {natural} (the bytes the strides reach)", nbytes)
+            object.__setattr__(self, "plane_bytes", nbytes)
+        object.__setattr__(self, "_plane_nbytes", nbytes)
+        nplanes = math.prod(sizes[a] for a in self.planes)
+        object.__setattr__(self, "_num_planes", nplanes)
+        _int64(nplanes * nbytes, "sizes", f"the bytes of all {nplanes} planes")
         self._check_folds()
-        require(self.packing is None or (isinstance(self.packing, int) and self.packing >= 1),
-                "packing", "must be a positive int or null", self.packing)
         if self.packing is not None:
+            object.__setattr__(self, "packing", as_int(self.packing, "packing", lo=1))
             hdim = self._view_groups()[self._h_group()]
-            e = int(np.prod([self.extent(a) for a in hdim]))
+            e = math.prod(self.extent(a) for a in hdim)
             require(e % self.packing == 0, "packing",
                     f"must divide the {'*'.join(hdim)} dimension ({e}); heads are never "
                     f"padded silently", self.packing)
@@ -134,17 +199,14 @@ class Layout:
 
     def stride(self, axis: str) -> int:
         """Byte stride of a memory-order axis."""
-        if self.strides is not None:
-            return self.strides[axis]
-        s = self.itemsize
-        for a in reversed(self.order):
-            if a == axis:
-                return s
-            s *= self.extent(a)
-        raise KVABIError(f"axis: {axis!r} is not in the memory order {self.order}")
+        s = self._stride.get(axis)
+        if s is None:
+            raise KVABIError(f"axis: {axis!r} is not in the memory order {self.order}")
+        return s
 
     def _span(self) -> int:
-        return sum((self.extent(a) - 1) * self.stride(a) for a in self.order) + self.itemsize
+        """Bytes from a plane's first byte to the end of its last element."""
+        return self._natural
 
     @property
     def num_layers(self) -> int:
@@ -161,21 +223,22 @@ class Layout:
 
     @property
     def num_planes(self) -> int:
-        return int(np.prod([self.sizes[a] for a in self.planes], dtype=np.int64))
+        return self._num_planes
 
     @property
     def plane_nbytes(self) -> int:
         """Bytes of each plane tensor."""
-        return self.plane_bytes if self.plane_bytes is not None else self._span()
+        return self._plane_nbytes
 
     @property
     def total_nbytes(self) -> int:
-        return self.num_planes * self.plane_nbytes
+        """Bytes of all planes together (fits int64: checked at construction)."""
+        return self._num_planes * self._plane_nbytes
 
     @property
     def is_c_contiguous(self) -> bool:
         """Each plane is exactly a C-contiguous array of :attr:`plane_shape`."""
-        n = int(np.prod(self.plane_shape)) * self.itemsize
+        n = math.prod(self.plane_shape) * self.itemsize
         return self.plane_nbytes == n and self.plane_strides == _c_strides(self.plane_shape)
 
     # -- the view a backend sees ---------------------------------------------------------
@@ -206,7 +269,7 @@ class Layout:
         """Shape of each plane tensor as the backend sees it (extents, folds, packing)."""
         shape = []
         for i, g in enumerate(self._view_groups()):
-            e = int(np.prod([self.extent(a) for a in g]))
+            e = math.prod(self.extent(a) for a in g)
             if self.packing is not None and i == self._h_group():
                 shape += [e // self.packing, self.packing]
             else:
@@ -227,29 +290,42 @@ class Layout:
 
     # -- addressing ----------------------------------------------------------------------
     def plane_index(self, layer=0, kv=0):
-        """Index of the plane holding (layer, kv); vectorized over numpy arrays."""
-        idx = {"L": layer, "KV": kv}
-        p = 0
-        for a in self.planes:
-            p = p * self.sizes[a] + np.asarray(idx[a])
+        """Index of the plane holding (layer, kv); vectorized over integer arrays."""
+        vals = self._indices({"L": layer, "KV": kv})
+        p = self._plane_of(vals["L"], vals["KV"])
         return p if np.ndim(p) else int(p)
 
-    def byte_offset(self, layer=0, block=0, kv=0, token=0, head=0, dim=0):
-        """(plane, byte offset within the plane) of one logical element.
+    def _plane_of(self, layer, kv):
+        idx = {"L": layer, "KV": kv}
+        p = np.int64(0)
+        for a in self.planes:
+            p = p * self.sizes[a] + idx[a]
+        return p
 
-        Arguments broadcast as numpy integer arrays; out-of-range indices raise KVABIError.
-        """
-        args = {"L": layer, "B": block, "KV": kv, "N": token, "H": head, "D": dim}
+    def _indices(self, args: dict) -> dict:
+        """Strict int64 arrays of logical indices, each inside its axis (KVABIError naming
+        the argument otherwise: no float, no bool, no wrap)."""
         vals = {}
         for a, v in args.items():
-            v = np.asarray(v, dtype=np.int64)
+            v = int_array(v, _ARG[a], ndim=None)
             hi = self.size(a)
             if v.size and (v.min() < 0 or v.max() >= hi):
                 bad = v[(v < 0) | (v >= hi)].ravel()[0]
                 raise KVABIError(f"{_ARG[a]}: index {int(bad)} out of range [0, {hi})")
             vals[a] = v
-        off = sum(vals[a] * self.stride(a) for a in self.order)
-        plane = self.plane_index(vals["L"], vals["KV"])
+        return vals
+
+    def byte_offset(self, layer=0, block=0, kv=0, token=0, head=0, dim=0):
+        """(plane, byte offset within the plane) of one logical element.
+
+        Arguments broadcast as integer arrays (lists, numpy, torch); floats, bools and
+        out-of-range indices raise KVABIError.  Offsets are int64 and always inside the
+        plane (indices in range and a checked layout cannot reach past its span).
+        """
+        vals = self._indices({"L": layer, "B": block, "KV": kv, "N": token, "H": head,
+                              "D": dim})
+        off = sum(vals[a] * self._stride[a] for a in self.order)
+        plane = self._plane_of(vals["L"], vals["KV"])
         if np.ndim(off) == 0 and np.ndim(plane) == 0:
             return int(plane), int(off)
         plane, off = np.broadcast_arrays(plane, off)
@@ -271,14 +347,16 @@ class Layout:
     def layer_view(self, planes, layer: int) -> tuple:
         """Per-layer tensors: ``(t,)`` when K and V share a plane (or MLA), ``(k, v)`` when
         KV is a plane axis.  The L dimension, if in a plane, is indexed away (no copy for
-        numpy and torch; jax slices)."""
+        numpy and torch; jax slices).  ``planes`` (a KVCache or a list) is checked against
+        the layout first: count, shape, dtype, strides and memory."""
         self._check_planes(planes)
+        layer = as_int(layer, "layer")
         require(0 <= layer < self.num_layers, "layer", f"out of range [0, {self.num_layers})",
                 layer)
         kvs = range(2) if "KV" in self.planes else range(1)
         out = []
         for kv in kvs:
-            t = planes[self.plane_index(layer, kv)]
+            t = planes[int(self._plane_of(layer, kv))]
             if "L" in self.order:
                 dim = self.view_axes.index(("L",)) if ("L",) in self.view_axes else None
                 if dim is None:
@@ -289,7 +367,8 @@ class Layout:
 
     def kv_view(self, planes, layer: int, kv: int):
         """Strided view [B, N, H, D] (logical sizes, no copy) of the keys (kv=0) or values
-        (kv=1) of one layer; numpy arrays and torch tensors; writes go through."""
+        (kv=1) of one layer; numpy arrays and torch tensors; writes go through.  ``planes``
+        is checked first (see :meth:`layer_view`): a view never reaches past the memory."""
         self._check_planes(planes)
         plane_no, base = self.byte_offset(layer=layer, kv=kv)
         plane = planes[plane_no]
@@ -305,11 +384,13 @@ class Layout:
         raise KVABIError(f"planes: kv_view needs numpy or torch arrays, got {type(plane)}")
 
     def _check_planes(self, planes):
-        require(len(planes) == self.num_planes, "planes",
-                f"layout has {self.num_planes} planes", len(planes))
-        for i, p in enumerate(planes):
-            require(tuple(p.shape) == self.plane_shape, f"planes[{i}].shape",
-                    f"must be {self.plane_shape}", tuple(p.shape))
+        """Plane memory against this layout, in the one core check (kvabi.cache); a
+        KVCache of this layout was checked when it was made."""
+        from .cache import KVCache, check_planes
+
+        if isinstance(planes, KVCache) and (planes.layout is self or planes.layout == self):
+            return
+        check_planes(self, planes)
 
     # -- block regions -------------------------------------------------------------------
     @property
@@ -321,33 +402,50 @@ class Layout:
         """Fewest contiguous byte regions ``(plane, offset, nbytes)`` holding the blocks.
 
         Regions of adjacent blocks merge (padding between them included); sorted by plane
-        and offset.  Vectorized over blocks and the axes outside B.
+        and offset.  Vectorized over blocks and the axes outside B; time and memory are
+        proportional to the regions enumerated (blocks asked times the planes and outer
+        axes), never to ``num_blocks``.  Every region lies inside its plane.
         """
-        blocks = np.unique(np.asarray(block_ids, dtype=np.int64).ravel())
+        blocks = np.unique(int_array(block_ids, "block_ids", ndim=None).ravel())
         if blocks.size and (blocks[0] < 0 or blocks[-1] >= self.num_blocks):
-            raise KVABIError(f"block_ids: out of range [0, {self.num_blocks})")
-        lay = np.arange(self.num_layers) if layers is None else np.unique(
-            np.asarray(list(layers), dtype=np.int64))
-        if lay.size and (lay[0] < 0 or lay[-1] >= self.num_layers):
-            raise KVABIError(f"layers: out of range [0, {self.num_layers})")
-        if not blocks.size or not lay.size:
+            bad = blocks[0] if blocks[0] < 0 else blocks[-1]
+            raise KVABIError(f"block_ids: {int(bad)} out of range [0, {self.num_blocks})")
+        if layers is None:
+            lay = None
+        else:
+            if isinstance(layers, (Iterator, range, set, frozenset)):
+                layers = sorted(layers) if isinstance(layers, (set, frozenset)) else \
+                    list(layers)
+            lay = np.unique(int_array(layers, "layers", ndim=None).ravel())
+            if lay.size and (lay[0] < 0 or lay[-1] >= self.num_layers):
+                bad = lay[0] if lay[0] < 0 else lay[-1]
+                raise KVABIError(f"layers: {int(bad)} out of range [0, {self.num_layers})")
+            if not lay.size:
+                return []
+        if not blocks.size:
             return []
         # Enumerate plane axes and memory axes down to the innermost one we select on
         # (B, or L when only some layers are wanted and L lies inside B).
         cut = self.order.index("B")
-        if layers is not None and "L" in self.order and len(lay) < self.num_layers:
+        if lay is not None and "L" in self.order and len(lay) < self.num_layers:
             cut = max(cut, self.order.index("L"))
         outer = self.order[:cut + 1]
         inner = self.order[cut + 1:]
         span = sum((self.extent(a) - 1) * self.stride(a) for a in inner) + self.itemsize
         step = self.stride(self.order[cut])
-        ranges = {"L": lay, "B": blocks}
         dims = list(self.planes) + list(outer)
-        grids = np.meshgrid(*[ranges.get(a, np.arange(self.size(a))) for a in dims],
-                            indexing="ij")
+
+        def values(a):  # only the axes enumerated are materialized
+            if a == "B":
+                return blocks
+            if a == "L" and lay is not None:
+                return lay
+            return np.arange(self.size(a), dtype=np.int64)
+
+        grids = np.meshgrid(*[values(a) for a in dims], indexing="ij")
         g = {a: x.ravel() for a, x in zip(dims, grids)}
         n = g["B"].size
-        plane = np.broadcast_to(np.asarray(self.plane_index(g.get("L", 0), g.get("KV", 0)),
+        plane = np.broadcast_to(np.asarray(self._plane_of(g.get("L", 0), g.get("KV", 0)),
                                            dtype=np.int64), (n,))
         off = sum((g[a] * self.stride(a) for a in outer), np.zeros(n, np.int64))
         order = np.lexsort((off, plane))
@@ -385,7 +483,8 @@ class Layout:
     def from_json(cls, text, *, max_bytes: int | None = None) -> "Layout":
         """Parse an untrusted descriptor.  Refuses another ABI major, accepts a newer minor
         (ignoring unknown fields); any malformed field raises KVABIError naming it.
-        ``max_bytes`` additionally bounds each plane (e.g. the receiver's buffer size)."""
+        ``max_bytes`` bounds the bytes of the whole descriptor (all planes together, e.g.
+        the receiver's buffers); the text goes through :func:`kvabi.safe_json.loads`."""
         from .layout_json import layout_from_json
 
         return layout_from_json(cls, text, max_bytes=max_bytes)

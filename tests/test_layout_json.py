@@ -74,13 +74,17 @@ def test_garbage_is_refused(text, match):
         Layout.from_json(text)
 
 
-def test_regions_must_fit_the_receivers_buffer():
-    d = _doc()
-    text = json.dumps(d)
-    n = Layout.from_json(text).plane_nbytes
-    assert Layout.from_json(text, max_bytes=n).plane_nbytes == n
-    with pytest.raises(KVABIError, match="plane_bytes"):
-        Layout.from_json(text, max_bytes=n - 1)
+def test_max_bytes_bounds_the_whole_descriptor():
+    spec = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+    text = Layout.preset("flashinfer.NHD", spec, 3, num_layers=5).to_json()
+    layout = Layout.from_json(text)
+    total = 5 * layout.plane_nbytes  # one plane per layer
+    assert layout.total_nbytes == total
+    assert Layout.from_json(text, max_bytes=total).total_nbytes == total
+    with pytest.raises(KVABIError, match="total_nbytes"):
+        Layout.from_json(text, max_bytes=total - 1)
+    with pytest.raises(KVABIError, match="total_nbytes"):  # one plane fits, five do not
+        Layout.from_json(text, max_bytes=layout.plane_nbytes)
 
 
 def test_explicit_strides_and_padding_round_trip():

@@ -1,0 +1,123 @@
+"""The one JSON reader for untrusted documents (``specs/security.md``).
+
+Layout descriptors from peers, ``config.json`` files from model hubs and transfer handshakes
+all go through :func:`loads`, which either returns plain Python data or raises a
+:class:`~kvabi.KVABIError` naming the document.  Unlike :func:`json.loads` it refuses:
+
+- documents larger than ``max_bytes`` (checked before parsing);
+- bytes that are not UTF-8 (no ``UnicodeDecodeError`` escapes);
+- nesting deeper than ``max_depth`` (measured before parsing, so the parser never recurses
+  far enough for a ``RecursionError``);
+- duplicate keys in an object (the key is named: "last one wins" lets two readers of one
+  document disagree about it);
+- ``NaN``, ``Infinity`` and ``-Infinity`` (not JSON) and numbers that overflow to infinity;
+- integers beyond int64 (no kvabi quantity is larger; a 5,000-digit integer would
+  otherwise cost quadratic time to convert).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+
+from .coerce import INT64_MAX
+from .errors import KVABIError
+
+#: Default size limit: 16 MiB (the largest public config.json files are well under 1 MiB).
+MAX_BYTES = 16 * 2**20
+#: Default nesting limit (descriptors nest 3 deep, configs 4 or 5).
+MAX_DEPTH = 64
+#: int64's range: the default for ``max_int``.
+MAX_INT = INT64_MAX
+
+# A JSON string token (what the parser treats as one): strings may hold brackets.
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_OPEN = np.frombuffer(b"[{", np.uint8)
+_CLOSE = np.frombuffer(b"]}", np.uint8)
+
+
+def nesting_depth(text: str) -> int:
+    """Deepest nesting of arrays and objects in ``text`` (linear time, no recursion).
+
+    For a malformed document the count up to the first syntax error matches the parser's,
+    which is all the depth guard needs: the parser stops there.
+    """
+    stripped = _STRING.sub("", text).encode("utf-8", "surrogatepass")
+    a = np.frombuffer(stripped, np.uint8)
+    step = np.isin(a, _OPEN).astype(np.int64) - np.isin(a, _CLOSE).astype(np.int64)
+    return int(np.cumsum(step).max(initial=0))
+
+
+def loads(data, *, what: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
+          max_int: int | None = MAX_INT):
+    """Parse ``data`` (``str``, ``bytes`` or ``bytearray``) as one strict JSON document.
+
+    ``what`` names the document in every error (e.g. ``"descriptor"``, ``"config
+    'x.json'"``).  ``max_int`` bounds the magnitude of integers (None: no bound beyond the
+    size limit).  Returns dicts, lists, str, int, float, bool and None.
+    """
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        raw = bytes(data)
+        if len(raw) > max_bytes:
+            raise KVABIError(f"{what}: {len(raw)} bytes, more than the limit of {max_bytes}")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise KVABIError(f"{what}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset "
+                             f"{e.start})") from None
+    elif isinstance(data, str):
+        # A character is at least one byte: cheap bound first, then the exact size.
+        if len(data) > max_bytes or len(data.encode("utf-8", "surrogatepass")) > max_bytes:
+            raise KVABIError(f"{what}: more than the limit of {max_bytes} bytes")
+        text = data
+    else:
+        raise KVABIError(f"{what}: must be JSON text (str or bytes), got {type(data).__name__}")
+    if text.startswith("\ufeff"):
+        raise KVABIError(f"{what}: starts with a byte-order mark; JSON text must not")
+    depth = nesting_depth(text)
+    if depth > max_depth:
+        raise KVABIError(f"{what}: nested {depth} deep, more than the limit of {max_depth}")
+
+    def pairs(items):
+        out = {}
+        for k, v in items:
+            if k in out:
+                raise KVABIError(f"{what}: duplicate key {_short(k)} in one object")
+            out[k] = v
+        return out
+
+    def integer(s: str) -> int:
+        digits = len(s) - s.startswith("-")
+        if max_int is not None and digits > len(str(max_int)):
+            raise KVABIError(f"{what}: integer {_short(s)} is beyond +-{max_int}")
+        v = int(s)
+        if max_int is not None and abs(v) > max_int:
+            raise KVABIError(f"{what}: integer {v} is beyond +-{max_int}")
+        return v
+
+    def real(s: str) -> float:
+        v = float(s)
+        if not math.isfinite(v):
+            raise KVABIError(f"{what}: number {_short(s)} overflows a double")
+        return v
+
+    def constant(s: str):
+        raise KVABIError(f"{what}: {s} is not a JSON value")
+
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_int=integer, parse_float=real,
+                          parse_constant=constant)
+    except KVABIError:
+        raise
+    except json.JSONDecodeError as e:
+        raise KVABIError(f"{what}: not valid JSON ({e.msg} at line {e.lineno} column "
+                         f"{e.colno})") from None
+    except (ValueError, RecursionError) as e:  # defence in depth; the guards above cover it
+        raise KVABIError(f"{what}: not valid JSON ({type(e).__name__})") from None
+
+
+def _short(s: str, limit: int = 40) -> str:
+    r = repr(s)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
