@@ -153,3 +153,33 @@ def checked(value: int, field: str) -> int:
     if not -INT64_MAX - 1 <= value <= INT64_MAX:
         raise KVABIError(f"{field}: {value} does not fit in int64")
     return value
+
+
+def _dtype_bounds(dt: np.dtype) -> tuple[int, int]:
+    info = np.iinfo(dt)
+    return int(info.min), int(info.max)
+
+
+def index_array(x, field: str, dtype=np.int32, *, ndim: int = 1, lo: int | None = None,
+                hi: int | None = None) -> np.ndarray:
+    """``x`` as a C-contiguous numpy array of the integer ``dtype`` (int32 or int64 index
+    arrays), refusing what :func:`int_array` refuses and any value outside ``[lo, hi]`` or
+    the dtype's range, so the cast never wraps.  An array already of that dtype, shape rank
+    and contiguity is returned as it is (no copy); its range is checked only where
+    ``lo``/``hi`` are narrower than the dtype's."""
+    dt = np.dtype(dtype)
+    dlo, dhi = _dtype_bounds(dt)
+    lo = dlo if lo is None else max(lo, dlo)
+    hi = dhi if hi is None else min(hi, dhi)
+    if isinstance(x, np.ndarray) and x.dtype == dt and x.ndim == ndim and \
+            x.flags.c_contiguous:
+        a = x
+    else:
+        a = int_array(x, field, ndim=ndim)
+    if a.size and (a.dtype != dt or lo > dlo or hi < dhi):
+        mn, mx = int(a.min()), int(a.max())
+        if mn < lo:
+            raise KVABIError(f"{field}: values must be >= {lo}, got {mn}")
+        if mx > hi:
+            raise KVABIError(f"{field}: values must be <= {hi}, got {mx}")
+    return np.ascontiguousarray(a, dt)

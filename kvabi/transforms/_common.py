@@ -1,36 +1,33 @@
-"""Helpers shared by the transforms: argument checks and vectorized segment expansion."""
+"""Helpers shared by the transforms: argument checks, vectorized segment expansion, and the
+trusted assembly of their outputs."""
 from __future__ import annotations
 
 import numpy as np
 
-from ..errors import KVABIError, require
+from .. import coerce
+from ..errors import KVABIError
 from ..metadata import CommonAttentionMetadata
 
 
 def check_meta(meta) -> CommonAttentionMetadata:
-    """The transforms take CommonAttentionMetadata only (it validated itself when built)."""
+    """The transforms take CommonAttentionMetadata only (it was checked when built)."""
     if not isinstance(meta, CommonAttentionMetadata):
         raise KVABIError(f"meta: must be CommonAttentionMetadata, got {type(meta).__name__}")
     return meta
 
 
-def check_int(value, field: str, *, lo: int | None = None) -> int:
-    """An integer argument (numpy integers accepted, bool refused), optionally >= lo."""
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-    require(ok, field, "must be an int", value)
-    if lo is not None:
-        require(int(value) >= lo, field, f"must be >= {lo}", value)
-    return int(value)
+def check_int(value, field: str, *, lo: int | None = None,
+              hi: int | None = coerce.INT32_MAX) -> int:
+    """An integer argument (numpy integers accepted; bool, float, str refused) in
+    ``[lo, hi]``; ``hi`` defaults to int32's maximum, the range of token and request
+    counts."""
+    return coerce.as_int(value, field, lo=lo, hi=hi)
 
 
 def int_array(x, field: str) -> np.ndarray:
-    """A 1-D integer array (empty lists accepted) as int64."""
-    a = np.asarray(x)
-    require(a.ndim == 1, field, "must be 1-D", a.shape)
-    if a.size == 0:
-        return a.astype(np.int64)
-    require(np.issubdtype(a.dtype, np.integer), field, "must be integers", a.dtype)
-    return a.astype(np.int64)
+    """A 1-D integer array (empty lists accepted) as int64; floats, bools, complex, strings
+    and ragged lists refused."""
+    return coerce.int_array(x, field, ndim=1)
 
 
 def expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -41,7 +38,7 @@ def expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     counts = np.asarray(counts, np.int64)
     owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     starts = np.cumsum(counts) - counts
-    return owner, np.arange(len(owner), dtype=np.int64) - starts[owner]
+    return owner, np.arange(len(owner), dtype=np.int64) - np.repeat(starts, counts)
 
 
 def query_bounds(meta: CommonAttentionMetadata):
@@ -51,12 +48,20 @@ def query_bounds(meta: CommonAttentionMetadata):
             qsl)
 
 
-def rebuild(meta: CommonAttentionMetadata, query_lens, context_lens, block_table, positions,
-            slot_mapping) -> CommonAttentionMetadata:
-    """New metadata with meta's block size and pool size; validated by construction."""
+def assemble(meta: CommonAttentionMetadata, query_lens, context_lens, block_table,
+             positions, slot_mapping) -> CommonAttentionMetadata:
+    """New metadata with ``meta``'s block size and pool size, built without validation.
+
+    The caller (a transform) derives every argument from ``meta``, which was checked, so
+    lengths stay within int32 and block ids within the pool; the transforms' property tests
+    show every output passes :meth:`~kvabi.CommonAttentionMetadata.validate`.  Arrays are
+    made C-contiguous in the field dtypes (no copy where they already are).
+    """
     q = np.asarray(query_lens, np.int64)
     c = np.asarray(context_lens, np.int64)
-    qsl = np.zeros(len(q) + 1, np.int64)
-    np.cumsum(q, out=qsl[1:])
-    return CommonAttentionMetadata(qsl, c + q, c, positions, slot_mapping, block_table,
-                                   meta.block_size, meta.num_blocks)
+    qsl = np.zeros(len(q) + 1, np.int32)
+    np.cumsum(q, out=qsl[1:], dtype=np.int32)
+    return CommonAttentionMetadata._trusted(
+        qsl, (c + q).astype(np.int32), c.astype(np.int32),
+        np.ascontiguousarray(positions, np.int64), np.ascontiguousarray(slot_mapping, np.int64),
+        np.ascontiguousarray(block_table, np.int32), meta.block_size, meta.num_blocks)

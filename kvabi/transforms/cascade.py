@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import KVABIError
 from ..metadata import CommonAttentionMetadata
-from ._common import check_int, check_meta, query_bounds, rebuild
+from ._common import assemble, check_int, check_meta, query_bounds
 
 
 def cascade_split(meta: CommonAttentionMetadata, common_prefix_blocks: int
@@ -61,13 +61,13 @@ def cascade_split(meta: CommonAttentionMetadata, common_prefix_blocks: int
     ctx2 = np.where(q > 0, c - prefix_len, 0)
     pos2 = meta.positions.copy()
     pos2[:total] -= prefix_len
-    suffix = rebuild(meta, q, ctx2, bt[:, pb:].copy(), pos2, meta.slot_mapping.copy())
+    suffix = assemble(meta, q, ctx2, bt[:, pb:], pos2, meta.slot_mapping)
     if prefix_len == 0:
         return 0, None, suffix
     row = bt[active[0], :pb]
     last = int(row[-1]) * bs + bs - 1  # slot of the last prefix key
     real = np.arange(n) < total
-    prefix = rebuild(meta, np.ones(total, np.int64), np.full(total, prefix_len - 1),
+    prefix = assemble(meta, np.ones(total, np.int64), np.full(total, prefix_len - 1),
                      np.repeat(row[None, :], total, axis=0),
                      np.where(real, prefix_len - 1, 0), np.where(real, last, -1))
     return prefix_len, prefix, suffix

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import require
 from ..metadata import CommonAttentionMetadata
-from ._common import check_int, check_meta, expand, query_bounds, rebuild
+from ._common import assemble, check_int, check_meta, expand, query_bounds
 
 
 def local_virtual_batches(meta: CommonAttentionMetadata, chunk: int
@@ -49,5 +49,5 @@ def local_virtual_batches(meta: CommonAttentionMetadata, chunk: int
     total = int(qsl[-1])
     pos = meta.positions.copy()
     pos[:total] -= np.repeat(lo, end - start)
-    meta2 = rebuild(meta, end - start, start - lo, bt2, pos, meta.slot_mapping.copy())
+    meta2 = assemble(meta, end - start, start - lo, bt2, pos, meta.slot_mapping)
     return meta2, vreq

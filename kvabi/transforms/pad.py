@@ -5,7 +5,7 @@ import numpy as np
 
 from ..errors import require
 from ..metadata import CommonAttentionMetadata
-from ._common import check_int, check_meta, query_bounds, rebuild
+from ._common import assemble, check_int, check_meta, query_bounds
 
 
 def pad(meta: CommonAttentionMetadata, num_tokens: int, num_reqs: int
@@ -34,4 +34,4 @@ def pad(meta: CommonAttentionMetadata, num_tokens: int, num_reqs: int
     pos[:total] = meta.positions[:total]
     slots = np.full(nt, -1, np.int64)
     slots[:total] = meta.slot_mapping[:total]
-    return rebuild(meta, q2, c2, bt2, pos, slots)
+    return assemble(meta, q2, c2, bt2, pos, slots)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import KVABIError, require
 from ..metadata import CommonAttentionMetadata
-from ._common import check_meta, int_array, query_bounds, rebuild
+from ._common import assemble, check_meta, int_array, query_bounds
 
 
 def prefill_skip(meta: CommonAttentionMetadata, keep=None
@@ -53,5 +53,5 @@ def prefill_skip(meta: CommonAttentionMetadata, keep=None
                              f"token {t} is kept with only {int(k[r])} kept in total")
     pos = meta.positions[idx]
     slots = meta.slot_mapping[idx]
-    meta2 = rebuild(meta, k, s - k, meta.block_table.copy(), pos, slots)
+    meta2 = assemble(meta, k, s - k, meta.block_table, pos, slots)
     return meta2, idx.astype(np.int64)

@@ -5,7 +5,7 @@ import numpy as np
 
 from ..errors import KVABIError, require
 from ..metadata import CommonAttentionMetadata
-from ._common import check_int, check_meta, expand, int_array, query_bounds, rebuild
+from ._common import assemble, check_int, check_meta, expand, int_array, query_bounds
 
 
 def _is_decode(meta, decode_threshold) -> np.ndarray:
@@ -61,6 +61,6 @@ def permute_requests(meta: CommonAttentionMetadata, perm
     owner, i = expand(q2)
     token_perm = np.concatenate([qsl[p][owner] + i,
                                  np.arange(meta.num_actual_tokens, meta.num_tokens)])
-    meta2 = rebuild(meta, q2, c[p], meta.block_table[p], meta.positions[token_perm],
+    meta2 = assemble(meta, q2, c[p], meta.block_table[p], meta.positions[token_perm],
                     meta.slot_mapping[token_perm])
     return meta2, token_perm.astype(np.int64)

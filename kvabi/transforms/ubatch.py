@@ -5,7 +5,7 @@ import numpy as np
 
 from ..errors import require
 from ..metadata import CommonAttentionMetadata
-from ._common import check_meta, int_array, query_bounds, rebuild
+from ._common import assemble, check_meta, int_array, query_bounds
 
 
 def split_ubatches(meta: CommonAttentionMetadata, token_boundaries
@@ -45,6 +45,6 @@ def split_ubatches(meta: CommonAttentionMetadata, token_boundaries
         sel = np.nonzero(starts_before_end & ends_after_start)[0]
         lo = np.maximum(first[sel], a)
         hi = np.minimum(last[sel], b)
-        out.append(rebuild(meta, hi - lo, c[sel] + (lo - first[sel]), meta.block_table[sel],
-                           meta.positions[a:b].copy(), meta.slot_mapping[a:b].copy()))
+        out.append(assemble(meta, hi - lo, c[sel] + (lo - first[sel]), meta.block_table[sel],
+                           meta.positions[a:b], meta.slot_mapping[a:b]))
     return out
