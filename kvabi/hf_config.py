@@ -30,13 +30,20 @@ are not part of the decoder and are not counted.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping
 
+from .coerce import as_bool, as_int
 from .dtypes import DTYPES
 from .errors import KVABIError, require
+from .safe_json import MAX_BYTES, loads
 from .spec import KVSpec, LayerKV, ModelKV
+
+#: The most decoder layers a config may declare (the largest public models have ~200):
+#: bounds the time and memory a hostile config can cost (``specs/security.md``).
+MAX_LAYERS = 65536
+#: Size limit of a config.json (public ones are at most a few hundred KiB).
+MAX_CONFIG_BYTES = MAX_BYTES
 
 #: Defaults the Hugging Face config classes fill in for KV-relevant fields that public
 #: config.json files leave out (e.g. gemma-3-27b omits ``sliding_window_pattern``).
@@ -66,21 +73,26 @@ _LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window",
 
 
 def load_hf_config(config: Mapping | str | os.PathLike) -> dict:
-    """The config as a dict: a mapping as is, or a ``config.json`` path (or its folder)."""
+    """The config as a dict: a mapping as is, or a ``config.json`` path (or its folder),
+    read as bytes through the strict JSON reader (:mod:`kvabi.safe_json`): at most
+    :data:`MAX_CONFIG_BYTES`, UTF-8, no duplicate keys, bounded nesting."""
     if isinstance(config, Mapping):
         return dict(config)
     if not isinstance(config, (str, os.PathLike)):
         raise KVABIError(f"config: expected a mapping or a path, got {type(config).__name__}")
     path = os.fspath(config)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
+    if not isinstance(path, str):
+        raise KVABIError(f"config: path must be text, got {path!r:.80}")
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)  # never more: /dev/zero is a "file" too
     except OSError as e:
-        raise KVABIError(f"config: cannot read {path!r}: {e.strerror or e}") from e
-    except json.JSONDecodeError as e:
-        raise KVABIError(f"config: {path!r} is not valid JSON: {e}") from e
+        raise KVABIError(f"config: cannot read {path!r}: {e.strerror or e}") from None
+    except ValueError as e:  # e.g. an embedded NUL in the path
+        raise KVABIError(f"config: cannot read {path!r}: {e}") from None
+    data = loads(raw, what=f"config {path!r}", max_bytes=MAX_CONFIG_BYTES)
     require(isinstance(data, dict), "config", f"{path!r} must hold a JSON object",
             type(data).__name__)
     return data
@@ -100,6 +112,8 @@ def text_config(config: Mapping) -> dict:
             if cfg.get(key) is None and config.get(key) is not None:
                 cfg[key] = config[key]
     model_type = cfg.get("model_type")
+    require(model_type is None or isinstance(model_type, str), "model_type",
+            "must be a string", model_type)
     for key, value in MODEL_TYPE_DEFAULTS.get(model_type, {}).items():
         cfg.setdefault(key, value)
     return cfg
@@ -133,16 +147,22 @@ def config_kv_dtype(cfg: Mapping) -> str:
 
 
 def _int_or_none(value, field: str, minimum: int = 1) -> int | None:
+    """None, or an int >= ``minimum`` (no bool, no float, no string; int64 at most)."""
     if value is None:
         return None
-    require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-            field, f"must be an int >= {minimum}", value)
-    return value
+    return as_int(value, field, lo=minimum)
 
 
 def _need_int(cfg: Mapping, field: str, minimum: int = 1) -> int:
     require(field in cfg and cfg[field] is not None, field, "is required")
     return _int_or_none(cfg[field], field, minimum)
+
+
+def _bool(cfg: Mapping, field: str, default: bool) -> bool:
+    """A JSON boolean field; absent or null gives ``default`` (the string "false" is not
+    a boolean: it is refused, never read as true)."""
+    value = cfg.get(field)
+    return default if value is None else as_bool(value, field)
 
 
 def _layer_kinds(cfg: Mapping, n: int) -> list[str]:
@@ -152,9 +172,11 @@ def _layer_kinds(cfg: Mapping, n: int) -> list[str]:
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
         require(isinstance(layer_types, list) and len(layer_types) == n, "layer_types",
-                f"must be a list of num_hidden_layers={n} entries", layer_types)
+                f"must be a list of num_hidden_layers={n} entries",
+                layer_types if not isinstance(layer_types, list) else
+                f"a list of {len(layer_types)}")
         for i, t in enumerate(layer_types):
-            require(t in _LAYER_KINDS, f"layer_types[{i}]",
+            require(isinstance(t, str) and t in _LAYER_KINDS, f"layer_types[{i}]",
                     f"unsupported layer type (kvabi knows {', '.join(_LAYER_KINDS)})", t)
         return list(layer_types)
     if model_type == "gemma2":
@@ -167,17 +189,19 @@ def _layer_kinds(cfg: Mapping, n: int) -> list[str]:
                 for i in range(n)]
     if cfg.get("attention_chunk_size") is not None:
         rope = cfg.get("no_rope_layers")
-        if not rope:  # absent or empty: HF derives it from the interval
+        if rope is None or rope == []:  # absent or empty: HF derives it from the interval
             interval = _int_or_none(cfg.get("no_rope_layer_interval", 4),
                                     "no_rope_layer_interval", minimum=1)
             rope = [int((i + 1) % interval != 0) for i in range(n)]
         require(isinstance(rope, list) and len(rope) >= n, "no_rope_layers",
-                f"must list at least num_hidden_layers={n} entries", rope)
+                f"must list at least num_hidden_layers={n} entries",
+                rope if not isinstance(rope, list) else f"a list of {len(rope)}")
         for i in range(n):
-            require(rope[i] in (0, 1) and not isinstance(rope[i], float), f"no_rope_layers[{i}]",
-                    "must be 1 (RoPE, chunked) or 0 (NoPE, full)", rope[i])
+            r = rope[i]
+            require(isinstance(r, int) and not isinstance(r, bool) and r in (0, 1),
+                    f"no_rope_layers[{i}]", "must be 1 (RoPE, chunked) or 0 (NoPE, full)", r)
         return ["chunked_attention" if rope[i] else "full_attention" for i in range(n)]
-    if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
+    if cfg.get("sliding_window") is not None and _bool(cfg, "use_sliding_window", True):
         # Qwen 2 style: with use_sliding_window, only layers from max_window_layers slide.
         first = cfg.get("max_window_layers") if "use_sliding_window" in cfg else None
         first = _int_or_none(first, "max_window_layers", minimum=0) or 0
@@ -186,26 +210,43 @@ def _layer_kinds(cfg: Mapping, n: int) -> list[str]:
 
 
 def _shared_targets(kinds: list[str], num_shared: int) -> list[int | None]:
-    """For each layer, the index of the layer whose cache it reads (None: its own)."""
+    """For each layer, the index of the layer whose cache it reads (None: its own).
+
+    One pass: the last non-shared layer of each type is all a shared layer needs."""
     n = len(kinds)
     first = n - num_shared
     out: list[int | None] = [None] * n
-    if num_shared == 0:
-        return out
+    last: dict[str, int] = {}
+    for j in range(first):
+        last[kinds[j]] = j
     for i in range(first, n):
-        earlier = [j for j in range(first) if kinds[j] == kinds[i]]
         # No earlier layer of that type: the layer keeps its own cache (as HF does).
-        out[i] = earlier[-1] if earlier else None
+        out[i] = last.get(kinds[i])
     return out
+
+
+def _divides(heads: int, kv_heads: int, field: str) -> int:
+    require(heads % kv_heads == 0, field,
+            f"must divide num_attention_heads={heads} (each KV head serves a whole group of "
+            f"query heads)", kv_heads)
+    return kv_heads
 
 
 def model_from_hf_config(config: Mapping | str | os.PathLike, block_size: int = 16,
                          kv_dtype: str | None = None) -> ModelKV:
     """The :class:`ModelKV` of a Hugging Face config (a dict, a config.json path, or the
-    folder holding it).  ``kv_dtype`` defaults to the config's dtype (bfloat16 if none)."""
+    folder holding it).  ``kv_dtype`` defaults to the config's dtype (bfloat16 if none).
+
+    Every field is type-checked (ints are ints, booleans are booleans) and every error
+    names the config field.  Linear in the number of layers, which is at most
+    :data:`MAX_LAYERS`.
+    """
+    block_size = as_int(block_size, "block_size", lo=1)
     cfg = text_config(load_hf_config(config))
     dtype = config_kv_dtype(cfg) if kv_dtype is None else resolve_kv_dtype(kv_dtype)
     n = _need_int(cfg, "num_hidden_layers")
+    require(n <= MAX_LAYERS, "num_hidden_layers", f"must be <= {MAX_LAYERS} (kvabi's "
+            f"limit on decoder layers)", n)
 
     if cfg.get("kv_lora_rank") is not None:
         rank = _need_int(cfg, "kv_lora_rank")
@@ -215,6 +256,7 @@ def model_from_hf_config(config: Mapping | str | os.PathLike, block_size: int = 
 
     heads = _need_int(cfg, "num_attention_heads")
     kv_heads = _int_or_none(cfg.get("num_key_value_heads"), "num_key_value_heads") or heads
+    _divides(heads, kv_heads, "num_key_value_heads")
     head_dim = _int_or_none(cfg.get("head_dim"), "head_dim")
     if head_dim is None:
         hidden = _need_int(cfg, "hidden_size")
@@ -226,8 +268,9 @@ def model_from_hf_config(config: Mapping | str | os.PathLike, block_size: int = 
     full_head_dim = _int_or_none(cfg.get("global_head_dim"), "global_head_dim") or head_dim
     full_kv_heads = (_int_or_none(cfg.get("num_global_key_value_heads"),
                                   "num_global_key_value_heads") or kv_heads)
-    require(not cfg.get("attention_k_eq_v"), "attention_k_eq_v",
-            "layers whose keys are their values are not supported", cfg.get("attention_k_eq_v"))
+    _divides(heads, full_kv_heads, "num_global_key_value_heads")
+    require(not _bool(cfg, "attention_k_eq_v", False), "attention_k_eq_v",
+            "layers whose keys are their values are not supported", True)
 
     kinds = _layer_kinds(cfg, n)
     specs: dict[str, KVSpec] = {}
@@ -243,8 +286,8 @@ def model_from_hf_config(config: Mapping | str | os.PathLike, block_size: int = 
         else:
             specs[t] = KVSpec(kind, block_size, kv_heads, head_dim, dtype=dtype, **extra)
 
-    num_shared = _int_or_none(cfg.get("num_kv_shared_layers", 0) or 0,
-                              "num_kv_shared_layers", minimum=0) or 0
+    num_shared = _int_or_none(cfg.get("num_kv_shared_layers"), "num_kv_shared_layers",
+                              minimum=0) or 0
     require(num_shared < n, "num_kv_shared_layers",
             f"must be < num_hidden_layers={n} (some layer must own a cache)", num_shared)
     targets = _shared_targets(kinds, num_shared)

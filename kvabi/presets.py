@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from .coerce import as_int
 from .dtypes import tpu_packing
 from .errors import KVABIError
 from .layout import Layout
@@ -48,13 +49,12 @@ def preset_names(spec: KVSpec) -> tuple[str, ...]:
 
 
 def make_preset(name: str, spec: KVSpec, num_blocks: int, num_layers: int = 1) -> Layout:
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise KVABIError(f"name: unknown layout preset {name!r}; presets are {', '.join(PRESETS)}")
     if not isinstance(spec, KVSpec):
         raise KVABIError(f"spec: must be a KVSpec, got {type(spec).__name__}")
-    for field, v in (("num_blocks", num_blocks), ("num_layers", num_layers)):
-        if not isinstance(v, int) or v <= 0:
-            raise KVABIError(f"{field}: must be a positive int, got {v!r}")
+    num_blocks = as_int(num_blocks, "num_blocks", lo=1)
+    num_layers = as_int(num_layers, "num_layers", lo=1)
     if name in _VLLM:
         order, planes, folds = _VLLM[name], (), (("KV", "D"),)
     else:

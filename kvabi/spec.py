@@ -15,9 +15,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive(field):
     def check(inst, attr, value):
-        require(isinstance(value, int) and value > 0, field, "must be a positive int", value)
+        require(_is_int(value) and value > 0, field, "must be a positive int", value)
 
     return check
 
@@ -46,22 +50,22 @@ class KVSpec:
 
     @kind.validator
     def _check_kind(self, attr, value):
-        require(value in KINDS, "kind", f"must be one of {', '.join(KINDS)}", value)
+        require(isinstance(value, str) and value in KINDS, "kind", f"must be one of {', '.join(KINDS)}", value)
 
     def __attrs_post_init__(self):
         check_dtype(self.dtype)
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
-        require(isinstance(self.head_dim_v, int) and 0 < self.head_dim_v, "head_dim_v",
+        require(_is_int(self.head_dim_v) and 0 < self.head_dim_v, "head_dim_v",
                 "must be a positive int", self.head_dim_v)
         if self.kind == "sliding_window":
-            require(isinstance(self.window, int) and self.window > 0, "window",
+            require(_is_int(self.window) and self.window > 0, "window",
                     "sliding_window needs a positive window", self.window)
         else:
             require(self.window is None, "window", f"only for sliding_window, not {self.kind}",
                     self.window)
         if self.kind == "chunked_local":
-            require(isinstance(self.chunk, int) and self.chunk > 0, "chunk",
+            require(_is_int(self.chunk) and self.chunk > 0, "chunk",
                     "chunked_local needs a positive chunk", self.chunk)
         else:
             require(self.chunk is None, "chunk", f"only for chunked_local, not {self.kind}",
@@ -116,7 +120,7 @@ class KVSpec:
         A sliding window or chunk needs only the blocks covering the last
         ``span - 1 + max_query_len`` positions (plus one for misalignment).
         """
-        require(isinstance(max_len, int) and max_len > 0, "max_len", "must be a positive int",
+        require(_is_int(max_len) and max_len > 0, "max_len", "must be a positive int",
                 max_len)
         full = cdiv(max_len, self.block_size)
         if self.span is None:
@@ -146,44 +150,57 @@ class ModelKV:
     """The KV caches of a model: ordered layers, their groups, and KV sharing."""
 
     layers: tuple[LayerKV, ...] = attrs.field(converter=tuple)
+    # name -> index, and each layer's owner index: built once, so lookups are O(1) and the
+    # whole model is linear in its layers (sharing chains resolve through earlier layers).
+    _index: dict = attrs.field(init=False, eq=False, repr=False)
+    _owner: tuple = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         require(len(self.layers) > 0, "layers", "a model needs at least one layer")
         index: dict[str, int] = {}
+        owner: list[int] = []
         for i, layer in enumerate(self.layers):
             require(isinstance(layer, LayerKV), f"layers[{i}]", "must be a LayerKV", layer)
+            require(isinstance(layer.name, str), f"layers[{i}].name", "must be a string",
+                    layer.name)
             require(layer.name not in index, f"layers[{i}].name", "duplicate layer name",
                     layer.name)
+            require(isinstance(layer.spec, KVSpec), f"layers[{i}].spec", "must be a KVSpec",
+                    layer.spec)
             if layer.shares is not None:
-                j = index.get(layer.shares)
+                j = index.get(layer.shares) if isinstance(layer.shares, str) else None
                 if j is None:
                     raise KVABIError(f"layers[{i}].shares: {layer.name!r} shares "
                                      f"{layer.shares!r}, which is not an earlier layer")
                 if self.layers[j].spec != layer.spec:
                     raise KVABIError(f"layers[{i}].spec: {layer.name!r} shares "
                                      f"{layer.shares!r} but their specs differ")
+                owner.append(owner[j])
+            else:
+                owner.append(i)
             index[layer.name] = i
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_owner", tuple(owner))
 
     def __len__(self):
         return len(self.layers)
 
     def layer(self, name: str) -> LayerKV:
-        for layer in self.layers:
-            if layer.name == name:
-                return layer
-        raise KVABIError(f"layer: no layer named {name!r}")
+        i = self._index.get(name) if isinstance(name, str) else None
+        if i is None:
+            raise KVABIError(f"layer: no layer named {name!r}")
+        return self.layers[i]
 
     def owner(self, name: str) -> str:
         """The layer whose cache ``name`` reads (itself when it owns one); chains resolve."""
-        layer = self.layer(name)
-        while layer.shares is not None:
-            layer = self.layer(layer.shares)
-        return layer.name
+        self.layer(name)
+        return self.layers[self._owner[self._index[name]]].name
 
     @property
     def shared_layers(self) -> dict[str, str]:
         """layer name -> owner name, for every layer that reads another layer's cache."""
-        return {l.name: self.owner(l.name) for l in self.layers if l.shares is not None}
+        return {l.name: self.layers[o].name for l, o in zip(self.layers, self._owner)
+                if l.shares is not None}
 
     @property
     def owners(self) -> tuple[LayerKV, ...]:
