@@ -171,8 +171,10 @@ class CommonAttentionMetadata:
                                 ("positions", pos, np.int64, 1),
                                 ("slot_mapping", slots, np.int64, 1),
                                 ("block_table", bt, np.int32, 2)):
-            if not (isinstance(a, np.ndarray) and a.dtype == dt and a.ndim == nd):
-                raise KVABIError(f"{name}: must be a {nd}-D numpy {np.dtype(dt)} array, got "
+            if not (isinstance(a, np.ndarray) and a.dtype == dt and a.ndim == nd
+                    and a.flags.c_contiguous):
+                raise KVABIError(f"{name}: must be a C-contiguous {nd}-D numpy "
+                                 f"{np.dtype(dt)} array, got "
                                  f"{type(a).__name__} {getattr(a, 'dtype', '')} of shape "
                                  f"{getattr(a, 'shape', None)}")
         bs = _block_size(self.block_size)
@@ -231,7 +233,7 @@ def check_blocks(bt: np.ndarray, seq: np.ndarray, block_size: int, num_blocks) -
     if not len(need) or bt.size == 0:
         return
     # Fast path, no mask: ids as unsigned are >= hi exactly when negative or too large.
-    hi = num_blocks if num_blocks is not None else 1 << 31
+    hi = 1 << 31 if num_blocks is None else min(num_blocks, 1 << 31)
     if bool((bt.view(np.uint32) >= hi).any()):
         used = np.arange(bt.shape[1])[None, :] < need[:, None]
         bad = used & ((bt < 0) | (bt >= hi))

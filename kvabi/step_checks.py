@@ -8,21 +8,33 @@ import math
 import attrs
 import numpy as np
 
+from .coerce import INT32_MAX, INT64_MAX, as_float, as_int, real_array
 from .errors import KVABIError
 from .metadata import CommonAttentionMetadata
 from .spec import KVSpec
 
 
 def _positive(x, field):
-    if x is None:
+    return None if x is None else as_float(x, field, positive=True)
+
+
+def check_sinks(sinks, num_q_heads: int | None = None) -> np.ndarray | None:
+    """Attention sinks as float64, one logit per query head (``num_q_heads`` when known),
+    or None.  Real numbers only (complex, bool, str refused); NaN and +inf refused (-inf is
+    a head without a sink)."""
+    if sinks is None:
         return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        raise KVABIError(f"{field}: must be a number or None, got {x!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise KVABIError(f"{field}: must be a positive finite number, got {x!r}")
-    return v
+    a = real_array(sinks, "sinks")
+    if a.ndim != 1:
+        raise KVABIError(f"sinks: must be 1-D, one logit per query head, got shape "
+                         f"{a.shape}")
+    a = np.asarray(a, np.float64)
+    if np.isnan(a).any() or np.isposinf(a).any():
+        raise KVABIError("sinks: must not be NaN or +inf")
+    if num_q_heads is not None and a.shape != (num_q_heads,):
+        raise KVABIError(f"sinks: must have one logit per query head ({num_q_heads}), "
+                         f"got shape {a.shape}")
+    return a
 
 
 @attrs.frozen(eq=False)
@@ -35,17 +47,15 @@ class AttentionOptions:
     sinks: np.ndarray | None
 
     @classmethod
-    def resolve(cls, spec: KVSpec, scale=None, softcap=None, sinks=None) -> "AttentionOptions":
+    def resolve(cls, spec: KVSpec, scale=None, softcap=None, sinks=None, *,
+                num_q_heads: int | None = None) -> "AttentionOptions":
+        """Check and resolve the plan-time options (``num_q_heads``, when given, must be a
+        positive multiple of the spec's KV heads and fixes the sinks' length)."""
+        if num_q_heads is not None:
+            num_q_heads = check_num_q_heads(num_q_heads, spec)
         scale = 1.0 / math.sqrt(spec.head_dim) if scale is None else _positive(scale, "scale")
         softcap = _positive(softcap, "softcap")
-        if sinks is not None:
-            sinks = np.asarray(sinks, dtype=np.float64)
-            if sinks.ndim != 1:
-                raise KVABIError(f"sinks: must be 1-D, one logit per query head, got shape "
-                                 f"{sinks.shape}")
-            if np.isnan(sinks).any():
-                raise KVABIError("sinks: must not be NaN")
-        return cls(scale, softcap, sinks)
+        return cls(scale, softcap, check_sinks(sinks, num_q_heads))
 
     def check_heads(self, num_q_heads: int) -> None:
         """Sinks, when given, hold one logit per query head."""
@@ -54,9 +64,35 @@ class AttentionOptions:
                              f"got shape {self.sinks.shape}")
 
 
+def check_num_q_heads(num_q_heads, spec: KVSpec) -> int:
+    """``num_q_heads`` (ABI 1.1 ``plan`` keyword): a positive multiple of the KV heads."""
+    hq = as_int(num_q_heads, "num_q_heads", lo=1, hi=INT32_MAX)
+    if hq % spec.num_kv_heads:
+        raise KVABIError(f"num_q_heads: must be a positive multiple of the "
+                         f"{spec.num_kv_heads} KV heads, got {hq}")
+    return hq
+
+
+def index_dtype(layout, spec: KVSpec | None = None) -> np.dtype:
+    """The narrowest index dtype holding every slot of ``layout`` (``num_blocks *
+    block_size``) and every token count: int32 when the slots stay below 2**31, int64
+    otherwise.  Backends that index in 32 bits use this, never a silent cast."""
+    bs = layout.size("N") if spec is None else spec.block_size
+    return np.dtype(np.int32) if layout.num_blocks * bs <= INT32_MAX + 1 else \
+        np.dtype(np.int64)
+
+
 def check_step(meta, spec, layout) -> None:
     """Metadata, spec and layout belong together: types, block size, dtype, heads, head dim,
-    and block ids inside the layout's blocks."""
+    and block ids inside the layout's blocks.
+
+    What a backend may rely on after it (before any kernel runs): every used block id is in
+    ``[0, layout.num_blocks)``, so every real token's slot is in ``[0, layout.num_blocks *
+    block_size)`` and fits the dtype :func:`index_dtype` gives (int64 always; int32 when
+    that says so); ``seq_lens``, ``context_lens``, ``query_start_loc`` and ``num_tokens``
+    fit in int32 (the metadata refuses longer ones when built).  Cheap: it runs per plan,
+    in O(block table) vectorized work with no per-request loop.
+    """
     if not isinstance(meta, CommonAttentionMetadata):
         raise KVABIError(f"meta: must be a CommonAttentionMetadata, got {type(meta).__name__}")
     if not isinstance(spec, KVSpec):
@@ -64,6 +100,10 @@ def check_step(meta, spec, layout) -> None:
     if meta.block_size != spec.block_size:
         raise KVABIError(f"meta.block_size: must equal spec.block_size {spec.block_size}, "
                          f"got {meta.block_size}")
+    from .layout import Layout  # lazy: `import kvabi` stays cheap
+
+    if not isinstance(layout, Layout):
+        raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
     if layout.dtype != spec.dtype:
         raise KVABIError(f"layout.dtype: must equal spec.dtype {spec.dtype!r}, got "
                          f"{layout.dtype!r}")
@@ -75,13 +115,24 @@ def check_step(meta, spec, layout) -> None:
         raise KVABIError(f"layout.sizes.D: must be >= head_dim {spec.head_dim}, got "
                          f"{layout.size('D')}")
     n = layout.num_blocks
-    need = -(-meta.seq_lens.astype(np.int64) // spec.block_size)
-    used = np.arange(meta.block_table.shape[1])[None, :] < need[:, None]
-    bad = used & ((meta.block_table < 0) | (meta.block_table >= n))
-    if bad.any():
-        r, c = (int(x[0]) for x in np.nonzero(bad))
-        raise KVABIError(f"block_table: entry [{r}, {c}] = {int(meta.block_table[r, c])} is "
-                         f"outside the layout's {n} blocks")
+    if n * spec.block_size - 1 > INT64_MAX:
+        raise KVABIError(f"layout.num_blocks: {n} blocks of {spec.block_size} slots cannot "
+                         f"be indexed in int64")
+    if meta.num_tokens > INT32_MAX:
+        raise KVABIError(f"meta.num_tokens: must fit in int32, got {meta.num_tokens}")
+    bt = meta.block_table
+    if not bt.size:
+        return
+    # Fast path without the used-columns mask: as unsigned, an id is >= n exactly when it
+    # is negative or too large; only then find whether a used entry is the culprit.
+    if bool((bt.view(np.uint32) >= min(n, 1 << 31)).any()):
+        need = -(-meta.seq_lens.astype(np.int64) // spec.block_size)
+        used = np.arange(bt.shape[1])[None, :] < need[:, None]
+        bad = used & ((bt < 0) | (bt >= n))
+        if bad.any():
+            r, c = (int(x[0]) for x in np.nonzero(bad))
+            raise KVABIError(f"block_table: entry [{r}, {c}] = {int(bt[r, c])} is "
+                             f"outside the layout's {n} blocks")
 
 
 def check_query(query, meta, spec) -> int:
