@@ -8,6 +8,7 @@ import attrs
 from ..abi import ABI_VERSION
 from ..dtypes import DTYPES
 from ..spec import KINDS, KVSpec
+from .argtypes import positive_int
 
 
 def configure(parser) -> None:
@@ -15,9 +16,9 @@ def configure(parser) -> None:
     g = parser.add_argument_group("typical spec", "the spec whose preferred layouts are shown")
     g.add_argument("--kind", default="full", choices=KINDS)
     g.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-heads", type=int, default=8)
-    g.add_argument("--head-dim", type=int, default=128)
+    g.add_argument("--block-size", type=positive_int, default=16)
+    g.add_argument("--kv-heads", type=positive_int, default=8)
+    g.add_argument("--head-dim", type=positive_int, default=128)
 
 
 def _typical_spec(args) -> KVSpec:

@@ -4,8 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..hf_config import hf_max_model_len, load_hf_config, model_from_hf_config, text_config
+from ..hf_config import (hf_max_model_len, load_hf_config, model_from_hf_config,
+                         resolve_kv_dtype, text_config)
 from ..plan import SCHEMES, MemoryPlan, parse_bytes, plan_memory
+from ..presets import PRESETS
+from .argtypes import from_kvabi, positive_int
 
 EPILOG = """\
 With --json, one config prints one JSON object and several print a JSON array of
@@ -29,34 +32,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="Hugging Face config.json files (or folders holding one)")
     parser.add_argument("--memory", default="16GiB", type=_bytes_arg,
                         help="KV cache budget, e.g. 16GiB, 80GB, 512MiB (default 16GiB)")
-    parser.add_argument("--block-size", type=int, default=16,
+    parser.add_argument("--block-size", type=positive_int, default=16,
                         help="tokens per block (default 16)")
     parser.add_argument("--kv-dtype", default=None,
+                        type=from_kvabi(resolve_kv_dtype, "dtype"),
                         help="cache dtype (bfloat16, float16, float32, float8_e4m3fn, "
                              "float8_e5m2, int8; aliases fp8, bf16, ...); default: the "
                              "config's torch_dtype, else bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=None,
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="request length for max_concurrent_requests (default: the "
                              "config's max_position_embeddings)")
-    parser.add_argument("--max-query-len", type=int, default=1,
+    parser.add_argument("--max-query-len", type=positive_int, default=1,
                         help="new tokens per request per step (default 1, decode)")
     parser.add_argument("--scheme", choices=SCHEMES, default="equal",
                         help="equal: same blocks in every group (default); demand: sized "
                              "for requests of --max-model-len")
-    parser.add_argument("--layout", default=None, metavar="PRESET",
+    parser.add_argument("--layout", default=None, metavar="PRESET", choices=PRESETS,
                         help="layout preset the caches will use, so its padding is paid "
                              "for (e.g. tpu.combined pads the head dim to 128); default: "
                              "unpadded pages")
     parser.add_argument("--json", action="store_true", help="print JSON (see below)")
 
 
-def _bytes_arg(text: str) -> int:
-    from ..errors import KVABIError
-
-    try:
-        return parse_bytes(text)
-    except KVABIError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
+_bytes_arg = from_kvabi(parse_bytes, "size")
 
 
 def plan_config(path: str, args: argparse.Namespace) -> tuple[dict, MemoryPlan]:
