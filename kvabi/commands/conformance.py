@@ -1,69 +1,96 @@
 """``kvabi conformance``: run the conformance kit against backends, outside pytest.
 
 Prints one progress line per check to stderr as it runs, then a table (check, examples,
-result, worst error) to stdout, and the minimal failing example of every failure.  Exit
-status 1 when any check fails, 2 on bad usage (unknown or unavailable backend).
+result, worst error) to stdout, and the report of every failure: its details, the seed,
+and the path of a standalone reproducer (``python FILE``).  ``--json`` prints the results
+as JSON instead of the table; ``--junit-xml PATH`` also writes them as JUnit XML.  Exit
+status 0 when no check failed, 1 when one did, 2 on bad usage (unknown or unavailable
+backend, invalid option value).
 """
 from __future__ import annotations
 
-import random
+import argparse
+import math
 import sys
 
 from ..dtypes import DTYPES
+
+PROFILES = ("ci", "thorough", "quick")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0 "
+                                         f"(0: no limit), got {text!r}")
+    return x
+
+
+def _seed(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
+    return n
+
+
+def _check_name(text: str) -> str:
+    try:
+        from ..testing.checks import CHECK_NAMES
+    except ImportError:  # reported by run() with the install hint
+        return text
+    if text not in CHECK_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown check {text!r}; checks are "
+                                         f"{', '.join(CHECK_NAMES)}")
+    return text
 
 
 def configure(parser) -> None:
     parser.add_argument("names", nargs="*", metavar="NAME", help="backend names")
     parser.add_argument("--all", action="store_true",
                         help="every registered backend (unavailable ones are skipped)")
-    parser.add_argument("--max-examples", type=int, default=None, metavar="N",
+    parser.add_argument("--max-examples", type=_positive_int, default=None, metavar="N",
                         help="examples per check (default: the profile's)")
-    parser.add_argument("--seed", type=int, default=None, metavar="S",
-                        help="Hypothesis seed (default: random, printed for reruns)")
+    parser.add_argument("--seed", type=_seed, default=None, metavar="S",
+                        help="seed (default: $KVABI_SEED, else the profile's: 0 for ci and "
+                             "quick, random for thorough; always printed)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: few examples per check")
-    parser.add_argument("--profile", default=None,
-                        help="Hypothesis profile: ci, thorough, quick (default: "
-                             "$KVABI_HYPOTHESIS_PROFILE or ci)")
-    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="a smoke test: few examples per check (profile quick)")
+    parser.add_argument("--profile", default=None, choices=PROFILES,
+                        help="kit profile (default: $KVABI_HYPOTHESIS_PROFILE or ci)")
+    parser.add_argument("--time-budget", type=_seconds, default=None, metavar="SECONDS",
                         help="per check, stop starting examples after this long "
                              "(default: the profile's; 0: no limit)")
     parser.add_argument("--no-shrink", action="store_true",
                         help="report the first failing example without shrinking it")
     parser.add_argument("--check", action="append", default=None, metavar="CHECK",
-                        help="run only this check (repeatable)")
+                        type=_check_name, help="run only this check (repeatable)")
     parser.add_argument("--dtype", action="append", default=None, choices=DTYPES,
                         help="draw only this cache dtype (repeatable)")
-
-
-def _fmt_err(r) -> str:
-    if r.status in ("n/a", "skipped") or r.examples == 0:
-        return "-"
-    if r.refused == r.examples:
-        return "- (all refused)"
-    if r.exact:
-        return "0 (byte-exact)" if r.worst == 0 else f"{r.worst:.2e}"
-    if r.closest is None:
-        return f"{r.worst:.2e}"
-    err, tol, dtype = r.closest
-    return f"{err:.2e} (tol {tol:.0e} {dtype})"
-
-
-def _fmt_examples(r) -> str:
-    if r.budget_hit:
-        return f"{r.examples}/{r.max_examples}"
-    return str(r.examples)
-
-
-def _result(r) -> str:
-    if r.status == "passed" and r.refused:
-        return f"passed ({r.refused} refused)"
-    return r.status
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    parser.add_argument("--replay", default=None, metavar="DIR",
+                        help="write the reproducer of each failure into DIR (default: "
+                             "$KVABI_REPLAY_DIR, else a new temporary directory)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as JSON (one object per backend and check) "
+                             "instead of the table")
+    parser.add_argument("--junit-xml", default=None, metavar="PATH",
+                        help="also write the results as JUnit XML (one test case per "
+                             "backend and check)")
 
 
 def run(args) -> int:
@@ -72,12 +99,15 @@ def run(args) -> int:
     try:
         from .. import registry
         from ..testing import checks as kit
-        from ..testing.profiles import load_profile
-        from ..testing.runner import run_backend
+        from ..testing import report_json, report_junit, report_table
+        from ..testing.failure import failure_report
+        from ..testing.profiles import kit_profile, kit_seed
+        from ..testing.runner import DEFAULT, run_backend
     except ImportError as e:  # hypothesis is in the test extra
         raise KVABIError(f"conformance: the kit needs the test extra "
                          f"(pip install 'kvabi[test]'): {e}") from None
-    profile = load_profile("quick" if args.quick and not args.profile else args.profile)
+    profile = kit_profile(args.profile or ("quick" if args.quick else None))
+    seed = kit_seed(args.seed, profile)
     if args.all:
         backends = registry.all_backends()
     else:
@@ -90,7 +120,6 @@ def run(args) -> int:
                 raise KVABIError(f"backend: {b.name!r} is unavailable here: {why}")
     checks = kit.CHECKS if not args.check else tuple(kit.get_check(c) for c in args.check)
     options = kit.KitOptions(dtypes=tuple(args.dtype) if args.dtype else None)
-    seed = args.seed if args.seed is not None else random.randrange(2**31)
     print(f"kvabi conformance: profile {profile}, seed {seed} "
           f"(rerun with --seed {seed})", file=sys.stderr)
 
@@ -99,7 +128,8 @@ def run(args) -> int:
             if res is None:
                 print(f"  {backend_name}  {check} ...", end="", file=sys.stderr, flush=True)
             else:
-                print(f" {_result(res)} ({_fmt_examples(res)} examples, {res.seconds:.1f} s)",
+                print(f" {report_table.result_cell(res)} "
+                      f"({report_table.examples_cell(res)} examples, {res.seconds:.1f} s)",
                       file=sys.stderr, flush=True)
         return show
 
@@ -107,24 +137,28 @@ def run(args) -> int:
     results = []
     for b in backends:
         results += run_backend(b, checks=checks, options=options,
-                               max_examples=args.max_examples, seed=seed, time_budget=budget,
-                               shrink=not args.no_shrink, progress=progress(b.name))
-    rows = [["BACKEND", "CHECK", "EXAMPLES", "RESULT", "WORST ERROR", "SECONDS"]]
-    for r in results:
-        rows.append([r.backend, r.check, _fmt_examples(r), _result(r), _fmt_err(r),
-                     f"{r.seconds:.1f}"])
-    print(_table(rows))
-    print("(worst error: the example closest to its tolerance; relative L2 of the output or "
-          "absolute lse error; n/m examples: the time budget stopped the check early)")
+                               max_examples=args.max_examples, seed=seed, profile=profile,
+                               time_budget=budget, shrink=not args.no_shrink,
+                               replay=args.replay or DEFAULT, progress=progress(b.name))
     failed = [r for r in results if r.failed]
+    if args.junit_xml:
+        path = report_junit.write(args.junit_xml, results, profile=profile, seed=seed)
+        print(f"kvabi conformance: JUnit XML written to {path}", file=sys.stderr)
+    if args.json:
+        print(report_json.dumps(results, profile=profile, seed=seed))
+        for r in failed:
+            print(failure_report(r), file=sys.stderr)
+        return 1 if failed else 0
+    print(report_table.table(results))
+    print(report_table.LEGEND)
     for r in results:
         if r.status in ("n/a", "skipped"):
             print(f"\n{r.backend} {r.check}: {r.status}: {r.message}")
     for r in failed:
-        print(f"\nFAILED {r.backend} {r.check}: {r.message}")
-        if r.example:
-            print(r.example)
+        print()
+        print(failure_report(r))
     n = len([r for r in results if r.status == "passed"])
     print(f"\n{n} passed, {len(failed)} failed, "
-          f"{len(results) - n - len(failed)} not applicable or skipped (seed {seed})")
+          f"{len(results) - n - len(failed)} not applicable or skipped "
+          f"(profile {profile}, seed {seed})")
     return 1 if failed else 0

@@ -9,6 +9,12 @@
         dtypes = ("float16", "bfloat16")   # optional: narrow what is drawn
         max_examples = 20                  # optional: per check (default: the profile's)
 
+It runs under the kit's profile and seed (``ci`` and seed 0 unless ``--kvabi-profile``,
+``--kvabi-seed``, ``$KVABI_HYPOTHESIS_PROFILE``, ``$KVABI_SEED`` or the class's ``profile``/
+``seed`` say otherwise), whatever Hypothesis profile the surrounding project loads: the
+same examples as ``kvabi conformance`` and ``pytest --kvabi-backend``.  A failure reports
+the seed, the minimal example, and the path of a standalone reproducer.
+
 Each ``test_*`` method runs one check of :data:`kvabi.testing.checks.CHECKS` against the
 reference backend over Hypothesis examples of every spec the backend claims
 (``capabilities(spec)``).  The backend is looked up by name in the plugin registry, or
@@ -16,8 +22,14 @@ returned by :meth:`make_backend` when a subclass overrides it.
 """
 from __future__ import annotations
 
+import sys
+
+import attrs
+
 from .checks import KitOptions, get_check
-from .runner import NOT_APPLICABLE, reference_backend, run_check
+from .failure import failure_report
+from .measure import ConformanceFailure
+from .runner import FAILED, NOT_APPLICABLE, reference_backend, run_check
 
 
 class BackendConformance:
@@ -25,8 +37,11 @@ class BackendConformance:
 
     #: the registered name of the backend under test
     backend_name: str = ""
-    #: examples per check (None: the Hypothesis profile's, see kvabi.testing.profiles)
+    #: examples per check (None: the kit profile's, see kvabi.testing.profiles)
     max_examples: int | None = None
+    #: the kit profile and seed (None: the selected ones, see kvabi.testing.profiles)
+    profile: str | None = None
+    seed: int | None = None
     #: narrow the kinds / dtypes / head dims drawn (None: all the backend claims)
     kinds: tuple[str, ...] | None = None
     dtypes: tuple[str, ...] | None = None
@@ -64,17 +79,23 @@ class BackendConformance:
         return backend
 
     def run_kit_check(self, name: str) -> None:
-        """Run one check; a failure propagates with Hypothesis' minimal example attached."""
+        """Run one check.  A failure raises :class:`ConformanceFailure` whose message is the
+        kit's report (the failure and its details, the seed, the reproducer's path) and
+        whose notes hold the minimal failing example; a backend's own exception is chained
+        as its cause, so pytest shows where it was raised."""
         import pytest
 
+        __tracebackhide__ = True
         if name in self.skip_checks:
             pytest.skip(f"{name} skipped by {type(self).__name__}.skip_checks")
         backend = self._backend()
         res = run_check(get_check(name), backend, reference_backend(),
                         options=self.kit_options(), max_examples=self.max_examples,
-                        reraise=True)
+                        profile=self.profile, seed=self.seed)
         if res.status == NOT_APPLICABLE:
             pytest.skip(f"{name}: {res.message}")
+        if res.status == FAILED:
+            raise_failure(res)
 
     # -- the tests --------------------------------------------------------------------------
     def test_registered(self):
@@ -126,3 +147,17 @@ class BackendConformance:
 
     def test_kv_sharing(self):
         self.run_kit_check("kv_sharing")
+
+
+def raise_failure(res) -> None:
+    """Raise a failed result as a :class:`ConformanceFailure` carrying the kit's report."""
+    __tracebackhide__ = True
+    notes = sys.version_info >= (3, 11)  # pytest shows notes from 3.11 on
+    err = ConformanceFailure(failure_report(attrs.evolve(res, example="") if notes else res))
+    err.details = dict(res.details)
+    if notes and res.example:
+        err.add_note(res.example)
+    cause = res.exception
+    if isinstance(cause, ConformanceFailure):
+        cause = cause.__cause__  # the kit's own failure needs no traceback
+    raise err from cause

@@ -2,13 +2,15 @@
 
 ``pytest --kvabi-backend NAME`` (repeatable) adds the :class:`BackendConformance` tests of
 each named backend to the session, as if a test file subclassed it.  ``--kvabi-profile``
-(or ``KVABI_HYPOTHESIS_PROFILE``) picks the Hypothesis profile (``ci``, ``thorough``,
-``quick``).  The plugin loads a profile only when one of these is given, so it does not
-change other projects' Hypothesis settings.  Nothing heavy is imported until then.
+(or ``$KVABI_HYPOTHESIS_PROFILE``) picks the kit's profile (``ci``, the default,
+``thorough``, ``quick``) and ``--kvabi-seed`` (or ``$KVABI_SEED``) its seed, for these tests
+and for ``BackendConformance`` subclasses alike.  The kit's settings never come from the
+Hypothesis profile loaded in the session, and the plugin loads none, so other projects'
+Hypothesis settings are left alone.  Nothing heavy is imported unless a kvabi option is
+given.
 """
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -22,25 +24,34 @@ def pytest_addoption(parser):
                     help="run the kvabi conformance checks against backend NAME "
                          "(repeatable)")
     group.addoption("--kvabi-profile", default=None, metavar="PROFILE",
-                    help=f"Hypothesis profile of the kvabi kit: ci (default), thorough, "
-                         f"quick; also ${_ENV}")
+                    help=f"profile of the kvabi kit: ci (default), thorough, quick; also "
+                         f"${_ENV}")
+    group.addoption("--kvabi-seed", default=None, metavar="SEED",
+                    help="seed of the kvabi kit, an integer in [0, 2**32) (default: the "
+                         "profile's; ci: 0); also $KVABI_SEED")
 
 
 def pytest_configure(config):
-    requested = config.getoption("kvabi_profile", None)
-    if requested or config.getoption("kvabi_backend", None) or os.environ.get(_ENV):
-        from .profiles import load_profile
+    profile = config.getoption("kvabi_profile", None)
+    seed = config.getoption("kvabi_seed", None)
+    if profile or seed is not None:
+        from ..errors import KVABIError
+        from .profiles import parse_seed, select
 
-        load_profile(requested)
+        try:
+            select(profile, None if seed is None else parse_seed(seed, "--kvabi-seed"))
+        except KVABIError as e:
+            raise pytest.UsageError(str(e)) from None
 
 
 def pytest_report_header(config):
     names = config.getoption("kvabi_backend", None)
-    if names:
-        from .profiles import current_profile
+    if names or config.getoption("kvabi_profile", None) or \
+            config.getoption("kvabi_seed", None) is not None:
+        from .profiles import kit_profile, kit_seed
 
-        return [f"kvabi conformance: {', '.join(names)} (hypothesis profile "
-                f"{current_profile()})"]
+        what = f"{', '.join(names)}, " if names else ""
+        return [f"kvabi conformance: {what}profile {kit_profile()}, seed {kit_seed()}"]
     return None
 
 
