@@ -1,0 +1,109 @@
+"""A pool of KV blocks in host memory: offload a request's blocks from a device cache,
+onload them back later (the CPU-cache-hit path).
+
+The pool has its own layout, by default ``kvbm.fully_contiguous`` (cross-layer blocks: a
+run of blocks is one region for all layers), so the plans between the device layout and the
+pool are computed by :func:`~kvabi.transfer.plan_block_transfer` like any other.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..cache import KVCache
+from ..coerce import as_int, int_array
+from ..errors import KVABIError
+from ..layout import Layout
+from ..spec import KVSpec
+from .execute import execute
+from .plan import check_compatible, plan_block_transfer
+
+DEFAULT_PRESET = "kvbm.fully_contiguous"
+
+
+def spec_of(layout: Layout) -> KVSpec:
+    """The KVSpec whose per-token data ``layout`` holds (full attention, or MLA)."""
+    if layout.has_kv:
+        return KVSpec("full", block_size=layout.size("N"), num_kv_heads=layout.size("H"),
+                      head_dim=layout.size("D"), dtype=layout.dtype)
+    return KVSpec("mla", block_size=layout.size("N"), num_kv_heads=1,
+                  head_dim=layout.size("D"), dtype=layout.dtype)
+
+
+class HostPool:
+    """``num_blocks`` host blocks for caches of ``source`` (a device Layout, or a KVSpec
+    with ``num_layers``).
+
+    ``offload(cache, blocks) -> host_ids`` copies the blocks into free host blocks;
+    ``onload(cache, host_ids, blocks)`` copies them back (into any device blocks);
+    ``free(host_ids)`` returns host blocks to the pool.  ``layout`` overrides the preset.
+    """
+
+    def __init__(self, source, num_blocks: int, *, num_layers: int | None = None,
+                 preset: str = DEFAULT_PRESET, layout: Layout | None = None,
+                 framework: str = "numpy"):
+        num_blocks = as_int(num_blocks, "num_blocks", lo=1)
+        if isinstance(source, Layout):
+            spec = spec_of(source)
+            layers = source.num_layers if num_layers is None else as_int(
+                num_layers, "num_layers", lo=1)
+        elif isinstance(source, KVSpec):
+            spec = source
+            layers = as_int(1 if num_layers is None else num_layers, "num_layers", lo=1)
+        else:
+            raise KVABIError(f"source: must be a Layout or a KVSpec, got "
+                             f"{type(source).__name__}")
+        if layout is None:
+            layout = Layout.preset(preset, spec, num_blocks, layers)
+        elif not isinstance(layout, Layout):
+            raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
+        if isinstance(source, Layout):
+            check_compatible(source, layout)
+        self.layout = layout
+        self.cache = KVCache.allocate(layout, framework)
+        self._free = np.ones(layout.num_blocks, bool)
+
+    @property
+    def num_free(self) -> int:
+        return int(self._free.sum())
+
+    def offload(self, cache, blocks) -> np.ndarray:
+        """Copy ``blocks`` of ``cache`` (a KVCache) into free host blocks; returns their
+        ids (int64, in the order of ``blocks``)."""
+        layout = _layout_of(cache)
+        blocks = int_array(blocks, "blocks", lo=0, hi=layout.num_blocks - 1)
+        free = np.flatnonzero(self._free)
+        if blocks.size > free.size:
+            raise KVABIError(f"blocks: {blocks.size} blocks to offload, the host pool has "
+                             f"{free.size} free")
+        ids = free[:blocks.size]
+        plan = plan_block_transfer(layout, self.layout, blocks, ids)
+        execute(plan, cache, self.cache)
+        self._free[ids] = False
+        return ids
+
+    def onload(self, cache, host_ids, blocks):
+        """Copy host blocks ``host_ids`` into ``blocks`` of ``cache``; returns the cache
+        (a new handle for jax)."""
+        layout = _layout_of(cache)
+        ids = self._held(host_ids)
+        blocks = int_array(blocks, "blocks", lo=0, hi=layout.num_blocks - 1)
+        plan = plan_block_transfer(self.layout, layout, ids, blocks)
+        return execute(plan, self.cache, cache)
+
+    def free(self, host_ids) -> None:
+        """Return host blocks to the pool."""
+        self._free[self._held(host_ids)] = True
+
+    def _held(self, host_ids) -> np.ndarray:
+        ids = int_array(host_ids, "host_ids", lo=0, hi=self.layout.num_blocks - 1)
+        if ids.size and self._free[ids].any():
+            raise KVABIError(f"host_ids: block {int(ids[self._free[ids]][0])} holds no "
+                             "offloaded data")
+        return ids
+
+
+def _layout_of(cache) -> Layout:
+    if not isinstance(cache, KVCache):
+        raise KVABIError(f"cache: must be a KVCache (it carries its layout), got "
+                         f"{type(cache).__name__}")
+    return cache.layout

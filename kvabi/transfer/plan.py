@@ -1,0 +1,285 @@
+"""Copy plans: the byte regions that move given tokens of given layers from one layout to
+another (``specs/transfer.md``).
+
+A plan is data: an int64 array of regions ``(src_plane, src_offset, dst_plane, dst_offset,
+nbytes)``, each a contiguous byte range in both layouts holding the same logical elements in
+the same order.  It is computed from the two layouts alone, so the same plan serves a local
+copy, a host offload and a NIXL READ from another process.
+
+How the regions are found, without a Python loop per token, block or layer:
+
+1. The *atom*: walking both memory orders from the innermost axis, take every axis that is
+   the same in both, contiguous with what was taken so far in both, and wholly selected.
+   Padding (an extent beyond the size) ends the walk, so a region never spans padding.
+   Tokens enter the atom as *runs*: consecutive source slots going to consecutive
+   destination slots inside one block of each layout.
+2. Enumerate the atoms (runs x the axes not taken) with numpy broadcasting and compute their
+   byte offsets in both layouts.
+3. Sort by source address and merge neighbours that are contiguous in both layouts: runs of
+   adjacent blocks, and for cross-layer layouts (B outermost) all layers of a run of blocks,
+   become one region.
+"""
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from ..coerce import int_array
+from ..errors import KVABIError
+from ..layout import Layout
+
+#: the logical axes one token of one layer holds, besides the token itself
+_ELEMENT_AXES = ("KV", "H", "D")
+
+
+@attrs.frozen(eq=False)
+class TransferPlan:
+    """Byte regions moving tokens from ``src_layout`` to ``dst_layout``.
+
+    ``regions`` is an int64 array [n, 5] of ``(src_plane, src_offset, dst_plane,
+    dst_offset, nbytes)``, sorted by source plane and offset; destination ranges never
+    overlap.
+    """
+
+    regions: np.ndarray
+    src_layout: Layout
+    dst_layout: Layout
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the plan moves."""
+        return int(self.regions[:, 4].sum())
+
+    def __len__(self) -> int:
+        return int(self.regions.shape[0])
+
+    def __repr__(self) -> str:
+        return (f"TransferPlan({self.src_layout.name or 'custom'} -> "
+                f"{self.dst_layout.name or 'custom'}: {len(self)} regions, {self.nbytes} bytes)")
+
+    def check(self, src_nbytes=None, dst_nbytes=None) -> "TransferPlan":
+        """Prove every region lies inside its planes; returns the plan.
+
+        ``src_nbytes``/``dst_nbytes``: the bytes of each plane actually there (one int for
+        all planes, or one per plane; default: the layouts' ``plane_nbytes`` and plane
+        counts).  Also refuses empty or negative regions and overlapping destination ranges.
+        KVABIError names the first bad region.
+        """
+        r = self.regions
+        if not (isinstance(r, np.ndarray) and r.dtype == np.int64 and r.ndim == 2
+                and r.shape[1] == 5):
+            raise KVABIError(f"regions: must be an int64 array [n, 5], got "
+                             f"{getattr(r, 'dtype', type(r).__name__)} "
+                             f"{getattr(r, 'shape', '')}")
+        _check_side(r[:, 0], r[:, 1], r[:, 4], src_nbytes, self.src_layout, "src")
+        _check_side(r[:, 2], r[:, 3], r[:, 4], dst_nbytes, self.dst_layout, "dst")
+        if len(r) > 1:
+            o = np.lexsort((r[:, 3], r[:, 2]))
+            p, off, n = r[o, 2], r[o, 3], r[o, 4]
+            bad = np.flatnonzero((p[1:] == p[:-1]) & (off[1:] < off[:-1] + n[:-1]))
+            if bad.size:
+                i = int(o[bad[0] + 1])
+                raise KVABIError(f"regions[{i}]: destination bytes overlap another region "
+                                 f"(plane {int(r[i, 2])}, offset {int(r[i, 3])})")
+        return self
+
+
+def _sizes(nbytes, layout: Layout, side: str) -> np.ndarray:
+    if nbytes is None:
+        return np.full(layout.num_planes, layout.plane_nbytes, np.int64)
+    if isinstance(nbytes, (list, tuple, np.ndarray)):
+        return int_array(nbytes, f"{side}_nbytes", lo=0)
+    return np.full(layout.num_planes, int_array([nbytes], f"{side}_nbytes", lo=0)[0],
+                   np.int64)
+
+
+def _check_side(plane, off, n, nbytes, layout, side):
+    sizes = _sizes(nbytes, layout, side)
+    if not len(plane):
+        return
+    bad = np.flatnonzero((plane < 0) | (plane >= len(sizes)))
+    if bad.size:
+        i = int(bad[0])
+        raise KVABIError(f"regions[{i}]: {side} plane {int(plane[i])} out of range "
+                         f"[0, {len(sizes)})")
+    bad = np.flatnonzero(n <= 0)
+    if bad.size:
+        i = int(bad[0])
+        raise KVABIError(f"regions[{i}]: nbytes must be > 0, got {int(n[i])}")
+    # off + n cannot overflow: off <= size and n <= size, both below 2**62 in practice;
+    # compare without adding to stay exact anyway.
+    bad = np.flatnonzero((off < 0) | (off > sizes[plane]) | (n > sizes[plane] - off))
+    if bad.size:
+        i = int(bad[0])
+        raise KVABIError(f"regions[{i}]: {side} bytes [{int(off[i])}, {int(off[i]) + int(n[i])})"
+                         f" lie outside plane {int(plane[i])} of {int(sizes[plane[i]])} bytes")
+
+
+def check_compatible(src: Layout, dst: Layout) -> None:
+    """KVABIError naming the difference unless the layouts hold the same per-token data
+    (KV heads, head dim, dtype, K/V or MLA latent); block size, block count, layer count
+    and the physical arrangement may differ."""
+    for name, x in (("src_layout", src), ("dst_layout", dst)):
+        if not isinstance(x, Layout):
+            raise KVABIError(f"{name}: must be a kvabi.Layout, got {type(x).__name__}")
+    if src.dtype != dst.dtype:
+        raise KVABIError(f"dst_layout.dtype: {dst.dtype} differs from the source's {src.dtype} "
+                         "(a plan copies bytes; convert dtypes separately)")
+    if src.has_kv != dst.has_kv:
+        kind = lambda x: "K/V" if x.has_kv else "MLA latent"  # noqa: E731
+        raise KVABIError(f"dst_layout.sizes.KV: the destination holds {kind(dst)}, the source "
+                         f"{kind(src)}")
+    for a, what in (("H", "KV heads"), ("D", "head dim")):
+        if src.size(a) != dst.size(a):
+            raise KVABIError(f"dst_layout.sizes.{a}: {dst.size(a)} {what}, the source has "
+                             f"{src.size(a)}")
+
+
+def _layers(layers, src: Layout, dst: Layout) -> np.ndarray:
+    if layers is None:
+        if src.num_layers != dst.num_layers:
+            raise KVABIError(f"layers: the source has {src.num_layers} layers, the destination "
+                             f"{dst.num_layers}; name the layers to move")
+        return np.arange(src.num_layers, dtype=np.int64)
+    lay = np.unique(int_array(layers, "layers", lo=0))
+    for name, x in (("source", src), ("destination", dst)):
+        if lay.size and lay[-1] >= x.num_layers:
+            raise KVABIError(f"layers: layer {int(lay[-1])} is not in the {name} layout "
+                             f"({x.num_layers} layers)")
+    return lay
+
+
+def _slots(x, field, layout: Layout) -> np.ndarray:
+    n = layout.num_blocks * layout.size("N")
+    return int_array(x, field, lo=0, hi=n - 1)
+
+
+def _runs(s, t, bs_s, bs_t):
+    """Maximal runs of consecutive source slots going to consecutive destination slots,
+    inside one block of each layout: (src start, dst start, length), sorted by source."""
+    o = np.lexsort((t, s))
+    s, t = s[o], t[o]
+    brk = np.ones(len(s), bool)
+    brk[1:] = ((s[1:] != s[:-1] + 1) | (t[1:] != t[:-1] + 1)
+               | (s[1:] % bs_s == 0) | (t[1:] % bs_t == 0))
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(np.r_[starts, len(s)])
+    return s[starts], t[starts], lengths
+
+
+def _atom(src: Layout, dst: Layout, lay: np.ndarray, full_blocks: bool):
+    """The axes (innermost first) both layouts hold contiguously in the same order."""
+    taken = []
+    so, do = src.order[::-1], dst.order[::-1]
+    nbytes = src.itemsize
+    for a, b in zip(so, do):
+        if a != b or a == "B" or src.stride(a) != nbytes or dst.stride(a) != nbytes:
+            break
+        if a == "L":
+            if lay[-1] - lay[0] + 1 != len(lay):  # layers not one range: enumerate them
+                break
+            count = len(lay)
+        else:
+            count = src.size(a)
+        taken.append(a)
+        if a == "N" and not full_blocks:
+            break  # runs of varying length: nothing outside N can join the atom
+        nbytes *= count
+        if src.extent(a) != count or dst.extent(a) != count:
+            break  # padding (or layers not selected) follows: the atom ends here
+    return tuple(taken)
+
+
+def plan_transfer(src_layout: Layout, dst_layout: Layout, src_slots, dst_slots, *,
+                  layers=None) -> TransferPlan:
+    """The fewest byte regions moving token ``src_slots[i]`` of ``src_layout`` to
+    ``dst_slots[i]`` of ``dst_layout`` for every layer of ``layers`` (default: all; they
+    must exist in both).
+
+    Slots are ``block * block_size + offset`` (equal-length integer arrays; destination
+    slots distinct).  Padding bytes are never read into real data nor written.  KVABIError
+    for layouts that hold different data, slots out of range, or bad types.
+    """
+    src, dst = src_layout, dst_layout
+    check_compatible(src, dst)
+    s = _slots(src_slots, "src_slots", src)
+    t = _slots(dst_slots, "dst_slots", dst)
+    if s.shape != t.shape:
+        raise KVABIError(f"dst_slots: {t.size} slots, but src_slots has {s.size}")
+    if t.size and np.unique(t).size != t.size:
+        u, c = np.unique(t, return_counts=True)
+        raise KVABIError(f"dst_slots: slot {int(u[c > 1][0])} appears twice (a destination "
+                         "byte would be written twice)")
+    lay = _layers(layers, src, dst)
+    empty = np.zeros((0, 5), np.int64)
+    if not s.size or not lay.size:
+        return TransferPlan(empty, src, dst)
+
+    bs_s, bs_t = src.size("N"), dst.size("N")
+    r_s, r_t, r_n = _runs(s, t, bs_s, bs_t)
+    full = bs_s == bs_t and bool(np.all(r_n == bs_s))
+    atom = _atom(src, dst, lay, full)
+    if "N" not in atom:  # tokens one at a time
+        r_s, r_t, r_n = np.sort(s), t[np.argsort(s, kind="stable")], np.ones(s.size, np.int64)
+    unit = src.itemsize * int(np.prod([len(lay) if a == "L" else src.size(a)
+                                       for a in atom if a != "N"], dtype=np.int64))
+
+    # Coordinates of every atom, broadcast over (run, layer, kv, head, dim).
+    kv_n = 2 if src.has_kv else 1
+    axes = {"L": lay, "KV": np.arange(kv_n), "H": np.arange(src.size("H")),
+            "D": np.arange(src.size("D"))}
+    coords = {}
+    for i, a in enumerate(("L",) + _ELEMENT_AXES):
+        v = axes[a][:1] if a in atom else axes[a]
+        shape = [1] * 5
+        shape[i + 1] = v.size
+        coords[a] = v.reshape(shape)
+    run = lambda x: x.reshape(-1, 1, 1, 1, 1)  # noqa: E731
+    shape = (r_n.size,) + tuple(coords[a].shape[i + 1]
+                                for i, a in enumerate(("L",) + _ELEMENT_AXES))
+    nb = np.broadcast_to(run(r_n) * unit, shape).ravel()
+
+    def address(layout, slots):
+        bsz = layout.size("N")
+        idx = dict(coords, B=run(slots // bsz), N=run(slots % bsz))
+        off = sum(idx[a] * layout.stride(a) for a in layout.order)
+        plane = layout._plane_of(idx["L"], idx["KV"] if layout.has_kv else 0)
+        return (np.broadcast_to(plane, shape).ravel().astype(np.int64),
+                np.broadcast_to(off, shape).ravel().astype(np.int64))
+
+    sp, so = address(src, r_s)
+    dp, do = address(dst, r_t)
+    return TransferPlan(merge_regions(sp, so, dp, do, nb, src.plane_nbytes), src, dst)
+
+
+def merge_regions(sp, so, dp, do, nb, src_plane_nbytes: int) -> np.ndarray:
+    """Sort atoms by source address and merge neighbours contiguous in both layouts."""
+    key = sp * np.int64(src_plane_nbytes) + so
+    if key.size > 1 and np.any(key[1:] < key[:-1]):
+        o = np.argsort(key, kind="stable")
+        sp, so, dp, do, nb = sp[o], so[o], dp[o], do[o], nb[o]
+    new = np.ones(sp.size, bool)
+    new[1:] = ((sp[1:] != sp[:-1]) | (dp[1:] != dp[:-1])
+               | (so[1:] != so[:-1] + nb[:-1]) | (do[1:] != do[:-1] + nb[:-1]))
+    starts = np.flatnonzero(new)
+    return np.stack([sp[starts], so[starts], dp[starts], do[starts],
+                     np.add.reduceat(nb, starts)], axis=1).astype(np.int64)
+
+
+def plan_block_transfer(src_layout: Layout, dst_layout: Layout, src_blocks, dst_blocks, *,
+                        layers=None) -> TransferPlan:
+    """The plan moving the tokens of ``src_blocks`` (in order) to those of ``dst_blocks``:
+    block ``src_blocks[i]`` to ``dst_blocks[i]`` when block sizes match; with different
+    block sizes the token sequences must have the same length."""
+    sb = int_array(src_blocks, "src_blocks", lo=0, hi=src_layout.num_blocks - 1) \
+        if isinstance(src_layout, Layout) else src_blocks
+    db = int_array(dst_blocks, "dst_blocks", lo=0, hi=dst_layout.num_blocks - 1) \
+        if isinstance(dst_layout, Layout) else dst_blocks
+    check_compatible(src_layout, dst_layout)
+    bs_s, bs_t = src_layout.size("N"), dst_layout.size("N")
+    if sb.size * bs_s != db.size * bs_t:
+        raise KVABIError(f"dst_blocks: {db.size} blocks of {bs_t} tokens do not hold the "
+                         f"{sb.size} source blocks of {bs_s} tokens")
+    s = (sb[:, None] * bs_s + np.arange(bs_s)).ravel()
+    t = (db[:, None] * bs_t + np.arange(bs_t)).ravel()
+    return plan_transfer(src_layout, dst_layout, s, t, layers=layers)
