@@ -6,14 +6,22 @@ backends register the same way), and plugins registered programmatically with
 :func:`register`.  The environment variable ``KVABI_PLUGINS`` (comma-separated entry-point
 names) restricts which entry points load; unset loads all.
 
-A plugin that fails to import, a hook that raises, an object that is not a
-:class:`~kvabi.abi.Backend`, a backend built for another ABI major version, and a second
-backend with an already-taken name are all *refused*: kvabi keeps working, and the reason is
-listed by :func:`refused` and ``kvabi backends`` and raised by :func:`get_backend`.
+A plugin that fails to import, an entry point that loads but implements no kvabi hook, a
+hook that raises, an object that is not a :class:`~kvabi.abi.Backend`, a backend built for
+another ABI major version, and a second backend with an already-taken name are all
+*refused*: kvabi keeps working, and the reason is listed by :func:`refused` and ``kvabi
+backends`` and raised by :func:`get_backend`.
+
+Mistakes that register nothing without failing are *warnings* (:func:`warnings`, listed by
+``kvabi backends``): a ``kvabi_*`` function without ``@kvabi.hookimpl`` (pluggy ignores
+it), a ``kvabi_*`` name that is no kvabi hook (``def kvabi_backend``: a misspelling), and a
+``kvabi_backends`` hook that returns no backend.
 """
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
+import inspect
 import os
 import re
 import threading
@@ -47,6 +55,46 @@ class Refused:
     reason: str
 
 
+@attrs.frozen
+class RegistryWarning:
+    """Something in a plugin that looks meant for kvabi but registers nothing, and why."""
+
+    plugin: str
+    reason: str
+
+
+#: the hooks a kvabi plugin may implement
+HOOK_NAMES = tuple(n for n in vars(HookSpecs) if n.startswith(PROJECT + "_"))
+
+
+def _marked(fn) -> bool:
+    """Whether ``fn`` carries ``@kvabi.hookimpl`` (pluggy's marker attribute)."""
+    return hasattr(fn, PROJECT + "_impl")
+
+
+def plugin_problems(plugin) -> list[str]:
+    """What in a plugin object looks meant for kvabi but registers nothing: ``kvabi_*``
+    functions that are no kvabi hook (misspellings) or lack ``@kvabi.hookimpl``."""
+    out = []
+    for attr in sorted(dir(plugin)):
+        if not attr.startswith(PROJECT + "_") or attr == PROJECT + "_impl":
+            continue
+        try:
+            fn = getattr(plugin, attr)
+        except Exception:  # noqa: BLE001 - a property of foreign code may raise
+            continue
+        if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+            continue
+        if attr not in HOOK_NAMES:
+            close = difflib.get_close_matches(attr, HOOK_NAMES, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else \
+                f" (kvabi hooks: {', '.join(HOOK_NAMES)})"
+            out.append(f"{attr} is not a kvabi hook{hint}; it is never called")
+        elif not _marked(fn):
+            out.append(f"{attr} lacks @kvabi.hookimpl, so pluggy ignores it")
+    return out
+
+
 class _State:
     """The process-wide plugin manager and what it produced; rebuilt by :func:`reset`."""
 
@@ -56,6 +104,8 @@ class _State:
         self.load_refused: list[Refused] = []  # plugins that failed to load/register
         self.backend_refused: list[Refused] = []  # from the last backend collection
         self.disabled: list[str] = []  # entry points left out by the allow-list
+        self.load_warnings: list[RegistryWarning] = []  # from loading/registering plugins
+        self.backend_warnings: list[RegistryWarning] = []  # from the last collection
 
 
 _STATE = _State()
@@ -103,7 +153,26 @@ def _build() -> pluggy.PluginManager:
             pm.set_blocked(name)  # do not retry it, and never half-register it
             _STATE.load_refused.append(Refused(name, name, f"plugin failed to load: "
                                                f"{type(e).__name__}: {e}"))
+            continue
+        _diagnose(pm, name)
     return pm
+
+
+def _diagnose(pm: pluggy.PluginManager, name: str) -> None:
+    """Record what a just-registered plugin does wrong: an entry point implementing no kvabi
+    hook is refused (with the likely reason); misspelled or unmarked hooks are warnings."""
+    plugin = pm.get_plugin(name)
+    if plugin is None:
+        return
+    problems = plugin_problems(plugin)
+    hooks = [h.name for h in (pm.get_hookcallers(plugin) or ()) if h.name in HOOK_NAMES]
+    if not hooks:
+        module = getattr(plugin, "__name__", type(plugin).__name__)
+        why = "; ".join(problems) or "it defines no kvabi_backends function"
+        _STATE.load_refused.append(Refused(name, name, f"plugin {module} loads but provides "
+                                           f"no backend and implements no kvabi hook: {why}"))
+        return
+    _STATE.load_warnings.extend(RegistryWarning(name, p) for p in problems)
 
 
 def plugin_manager() -> pluggy.PluginManager:
@@ -135,6 +204,7 @@ def register(plugin, name: str | None = None) -> str:
             raise KVABIError(f"plugin: cannot register {name or plugin!r}: {e}") from e
         if got is None:
             raise KVABIError(f"plugin: {name!r} is blocked (not in {ENV_ALLOW}?)")
+        _STATE.load_warnings.extend(RegistryWarning(got, p) for p in plugin_problems(plugin))
         _STATE.backends = None
         return got
 
@@ -158,6 +228,7 @@ def _collect() -> dict[str, Backend]:
     pm = plugin_manager()
     backends: dict[str, Backend] = {}
     refused: list[Refused] = []
+    warned: list[RegistryWarning] = []
     # Call each plugin's hook separately so that one raising cannot hide the others;
     # get_hookimpls() lists them in registration order (the core plugin first).
     for impl in pm.hook.kvabi_backends.get_hookimpls():
@@ -169,6 +240,10 @@ def _collect() -> dict[str, Backend]:
             refused.append(Refused(plugin, plugin, f"kvabi_backends() raised "
                                    f"{type(e).__name__}: {e}"))
             continue
+        if not items:
+            warned.append(RegistryWarning(plugin, "kvabi_backends() returned no backend (a "
+                                          "backend that cannot run here should still be "
+                                          "returned, saying why in available())"))
         for b in items:
             name = getattr(b, "name", None)
             label = name if isinstance(name, str) and name else plugin
@@ -180,6 +255,7 @@ def _collect() -> dict[str, Backend]:
             else:
                 backends[name] = b
     _STATE.backend_refused = refused
+    _STATE.backend_warnings = warned
     return backends
 
 
@@ -207,6 +283,12 @@ def refused() -> list[Refused]:
     return list(_STATE.load_refused) + list(_STATE.backend_refused)
 
 
+def warnings() -> list[RegistryWarning]:
+    """Plugin mistakes that register nothing without failing (see the module docstring)."""
+    _backends()
+    return list(_STATE.load_warnings) + list(_STATE.backend_warnings)
+
+
 def disabled_plugins() -> list[str]:
     """Entry-point names left out by ``KVABI_PLUGINS``."""
     plugin_manager()
@@ -224,7 +306,10 @@ def get_backend(name: str) -> Backend:
     msg = f"backend: no backend named {name!r}; known: {', '.join(backends) or '(none)'}"
     failed = [f"{r.name} ({r.reason})" for r in _STATE.load_refused]
     if failed:
-        msg += f"; plugins that failed to load: {'; '.join(failed)}"
+        msg += f"; plugins that failed to load or provide nothing: {'; '.join(failed)}"
+    warned = [f"{w.plugin}: {w.reason}" for w in warnings()]
+    if warned:
+        msg += f"; plugin warnings: {'; '.join(warned)}"
     if _STATE.disabled:
         msg += f"; not in {ENV_ALLOW}: {', '.join(_STATE.disabled)}"
     raise KVABIError(msg)

@@ -20,7 +20,8 @@ from kvabi.commands import backends as backends_cmd
 from kvabi.reference import ReferenceBackend
 
 PLUGINS = Path(__file__).parent / "plugins"
-PLUGIN_MODULES = ("kvabi_fake_plugin", "kvabi_broken_plugin", "kvabi_future_plugin")
+PLUGIN_MODULES = ("kvabi_fake_plugin", "kvabi_broken_plugin", "kvabi_future_plugin",
+                  "kvabi_unmarked_plugin", "kvabi_misspelled_plugin", "kvabi_empty_plugin")
 #: entry points really installed here (built-in backends may add some beside "reference")
 REAL = {ep.name for ep in importlib.metadata.entry_points(group="kvabi")}
 
@@ -152,7 +153,7 @@ def test_broken_plugin_does_not_break_kvabi(install):
     assert not registry.plugin_manager().has_plugin("broken")
     with pytest.raises(KVABIError, match="failed to load"):
         registry.get_backend("broken")
-    with pytest.raises(KVABIError, match="plugins that failed to load: broken"):
+    with pytest.raises(KVABIError, match="plugins that failed to load or provide nothing: broken"):
         registry.get_backend("cuda.nothing")
 
 
@@ -293,3 +294,101 @@ def test_backends_command_survives_a_raising_backend(capsys, monkeypatch):
     assert ranged[5:8] == ["8..256/8", "any", "(x256)"]
     assert "boom.caps" in out and "capabilities() raised RuntimeError: caps exploded" in out
     assert "preferred_layouts() raised RuntimeError: layouts exploded" in out
+
+
+# -- plugins that register nothing: refused or warned, never silent ---------------------------
+def test_misregistered_entry_points_are_refused_with_the_reason(install, capsys):
+    install(("unmarked", "kvabi_unmarked_plugin"), ("misspelled", "kvabi_misspelled_plugin"),
+            ("empty", "kvabi_empty_plugin"), ("fake", "kvabi_fake_plugin"))
+    names = registry.backend_names()
+    assert "fake.one" in names
+    assert "unmarked.one" not in names and "misspelled.one" not in names
+    refused = refused_by_name()
+    assert "kvabi_backends lacks @kvabi.hookimpl" in refused["unmarked"].reason
+    assert "kvabi_unmarked_plugin loads but provides no backend" in refused["unmarked"].reason
+    assert "kvabi_backend is not a kvabi hook (did you mean kvabi_backends?)" in \
+        refused["misspelled"].reason
+    assert "no kvabi_backends function" in refused["empty"].reason
+    assert "fake" not in refused
+    # The author's next step, asking for the backend by name, names the cause.
+    with pytest.raises(KVABIError, match=r"no backend named 'unmarked.one'.*unmarked \(plugin "
+                                         r"kvabi_unmarked_plugin loads but provides no "
+                                         r"backend.*lacks @kvabi.hookimpl"):
+        registry.get_backend("unmarked.one")
+    out = run_cmd([], capsys)
+    refused_section = out.split("\nrefused:\n", 1)[1]
+    for name, why in (("unmarked", "lacks @kvabi.hookimpl"),
+                      ("misspelled", "did you mean kvabi_backends?"),
+                      ("empty", "implements no kvabi hook")):
+        line = next(l for l in refused_section.splitlines() if l.startswith(f"  {name}: "))
+        assert why in line, line
+    data = json.loads(run_cmd(["--json"], capsys))
+    assert {"unmarked", "misspelled", "empty"} <= {r["name"] for r in data["refused"]}
+
+
+class HalfRight:
+    """One real hook beside a misspelled and an unmarked one."""
+
+    @kvabi.hookimpl
+    def kvabi_backends(self):
+        return [backend("half.right")]
+
+    @kvabi.hookimpl
+    def kvabi_bench_suite(self):  # should be kvabi_bench_suites
+        return {}
+
+    def kvabi_bench_suites(self):  # not marked
+        return {}
+
+
+class Empty:
+    @kvabi.hookimpl
+    def kvabi_backends(self):
+        return []
+
+
+def test_half_right_plugins_warn(capsys, monkeypatch):
+    monkeypatch.setenv(registry.ENV_ALLOW, "")
+    registry.register(HalfRight(), name="half")
+    registry.register(Empty(), name="empty")
+    assert "half.right" in registry.backend_names()
+    warned = {(w.plugin, w.reason) for w in registry.warnings()}
+    assert ("half", "kvabi_bench_suite is not a kvabi hook (did you mean kvabi_bench_suites?); "
+                    "it is never called") in warned
+    assert ("half", "kvabi_bench_suites lacks @kvabi.hookimpl, so pluggy ignores it") in warned
+    assert any(p == "empty" and "returned no backend" in r for p, r in warned)
+    assert registry.refused() == []
+    out = run_cmd([], capsys)
+    section = out.split("\nwarnings:\n", 1)[1]
+    assert "  half: kvabi_bench_suite is not a kvabi hook" in section
+    assert "  empty: kvabi_backends() returned no backend" in section
+    assert json.loads(run_cmd(["--json"], capsys))["warnings"]
+
+
+class Float32Only(kvabi.Backend):
+    name = "f32.only"
+
+    def capabilities(self, spec=None):
+        return kvabi.Capabilities(kinds=("sliding_window",), dtypes=("float32",),
+                                  head_dims=(64,), block_sizes=(8, 32))
+
+    def preferred_layouts(self, spec):
+        return (f"flash_attn-for-{spec.kind}-{spec.dtype}-{spec.head_dim}-{spec.block_size}",)
+
+
+def test_backends_shows_layouts_for_a_spec_each_backend_claims(capsys, monkeypatch):
+    monkeypatch.setenv(registry.ENV_ALLOW, "")
+    registry.register(Plugin(Float32Only()), name="f32")
+    out = run_cmd([], capsys)
+    assert "preferred layouts for full bfloat16" not in out
+    block = out.split("  f32.only:", 1)[1]
+    assert "spec: sliding_window float32, 8 kv heads x 64, block 8" in block
+    assert "flash_attn-for-sliding_window-float32-64-8" in block
+    assert "not claimed" not in block
+    # A spec asked for explicitly is kept, and said to be unclaimed.
+    out = run_cmd(["--dtype", "bfloat16"], capsys)
+    block = out.split("  f32.only:", 1)[1]
+    assert "sliding_window bfloat16" in block and "not claimed: dtype 'bfloat16'" in block
+    data = json.loads(run_cmd(["--json"], capsys))
+    f32 = next(b for b in data["backends"] if b["name"] == "f32.only")
+    assert f32["spec"]["dtype"] == "float32" and f32["unclaimed"] is None

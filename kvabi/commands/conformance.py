@@ -10,43 +10,12 @@ backend, invalid option value).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from ..dtypes import DTYPES
+from .argtypes import float_arg, int_arg, positive_int
 
 PROFILES = ("ci", "thorough", "quick")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return n
-
-
-def _seconds(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not math.isfinite(x) or x < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0 "
-                                         f"(0: no limit), got {text!r}")
-    return x
-
-
-def _seed(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 0 <= n < 2**32:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
-    return n
 
 
 def _check_name(text: str) -> str:
@@ -64,16 +33,16 @@ def configure(parser) -> None:
     parser.add_argument("names", nargs="*", metavar="NAME", help="backend names")
     parser.add_argument("--all", action="store_true",
                         help="every registered backend (unavailable ones are skipped)")
-    parser.add_argument("--max-examples", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--max-examples", type=positive_int, default=None, metavar="N",
                         help="examples per check (default: the profile's)")
-    parser.add_argument("--seed", type=_seed, default=None, metavar="S",
+    parser.add_argument("--seed", type=int_arg(0, 2**32 - 1, name="seed"), default=None, metavar="S",
                         help="seed (default: $KVABI_SEED, else the profile's: 0 for ci and "
                              "quick, random for thorough; always printed)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: few examples per check (profile quick)")
     parser.add_argument("--profile", default=None, choices=PROFILES,
                         help="kit profile (default: $KVABI_HYPOTHESIS_PROFILE or ci)")
-    parser.add_argument("--time-budget", type=_seconds, default=None, metavar="SECONDS",
+    parser.add_argument("--time-budget", type=float_arg(lo=0, name="seconds"), default=None, metavar="SECONDS",
                         help="per check, stop starting examples after this long "
                              "(default: the profile's; 0: no limit)")
     parser.add_argument("--no-shrink", action="store_true",
