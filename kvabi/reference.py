@@ -1,33 +1,43 @@
-"""The ``reference`` backend: the numpy float64 oracle of ``specs/semantics.md``.
+"""The ``reference`` backend: the numpy float64 oracle of ``specs/semantics.md`` (ABI 1.1).
 
 Caches are held in the layout's own dtype (numpy, or ``ml_dtypes`` for bfloat16 and
-float8), written and read through :meth:`kvabi.Layout.kv_view` strided views, so the
-oracle works on every preset layout byte for byte.  Attention upcasts to float64 and is
-computed densely with a written-out masked softmax (``reference_attention``): slow by
-design, obvious by design, memory bounded.
+float8), written and read through the strided per-layer views of a :class:`kvabi.KVCache`
+(computed once per cache), so the oracle works on every preset layout byte for byte.
+Attention upcasts to float64 and is computed densely with a written-out masked softmax
+(``reference_attention``): slow by design, obvious by design, memory bounded.
+
+Per-step work (which rows each write and each query touches, the masks) is done once in
+:meth:`ReferenceBackend.plan`; a layer's ``write_kv`` or ``attention`` checks its own
+arguments (shapes, the cache against the plan's layout) and does the arithmetic.
 """
 from __future__ import annotations
 
+import threading
 
 import attrs
 import numpy as np
 
 from .abi import Backend, Capabilities
+from .cache import as_cache
+from .coerce import real_array
 from .dtypes import DTYPES, numpy_dtype
 from .errors import KVABIError, require
 from .metadata import CommonAttentionMetadata
-from .reference_attention import Pieces, attend
+from .reference_attention import Pieces, attend, step_work
 from .spec import KINDS, KVSpec
-from .step_checks import AttentionOptions, check_kv, check_query, check_step
+from .step_checks import AttentionOptions, check_kv, check_query, check_sinks, check_step
 
 
 @attrs.frozen(eq=False)
 class ReferencePlan:
-    """The reference backend's per-step plan: the metadata plus the attention options.
+    """The reference backend's per-step plan: the metadata, the attention options and the
+    step's precomputed work.
 
     ``scale`` multiplies q.k (default ``1/sqrt(spec.head_dim)``); ``softcap`` (or None)
     caps the scaled logits as ``cap * tanh(x / cap)``; ``sinks`` (or None) holds one
-    float64 logit per query head.  ``pieces`` is the batched work list, built once per step.
+    float64 logit per query head, the default of every layer; ``num_q_heads`` (or None:
+    taken from each query).  ``pieces`` is the batched work list; ``write_rows`` the
+    (token, block, row) of every real token.  Nothing in a plan depends on the layer.
     """
 
     meta: CommonAttentionMetadata
@@ -37,16 +47,44 @@ class ReferencePlan:
     softcap: float | None = None
     sinks: np.ndarray | None = None
     pieces: Pieces | None = None
+    num_q_heads: int | None = None
+    query_piece: int = 64
+    chunk_elements: int = 1 << 23
+    write_rows: tuple | None = None
+    # {num_q_heads: [ChunkWork]}: built on first use per head count (layer-independent)
+    _work: dict = attrs.field(init=False, factory=dict, repr=False)
+    _lock: object = attrs.field(init=False, factory=threading.Lock, repr=False)
 
     def __attrs_post_init__(self):
         if self.pieces is None:
-            object.__setattr__(self, "pieces", Pieces.from_meta(self.meta, self.spec, 64))
+            object.__setattr__(self, "pieces",
+                               Pieces.from_meta(self.meta, self.spec, self.query_piece))
+        if self.write_rows is None:
+            slots = self.meta.slot_mapping
+            real = np.nonzero(slots >= 0)[0]
+            tokens = None if len(real) == len(slots) else real  # None: every token
+            s = slots[real]
+            bs = self.spec.block_size
+            object.__setattr__(self, "write_rows", (tokens, s // bs, s % bs))
+
+    def work(self, num_q_heads: int):
+        """The step's chunks for ``num_q_heads`` query heads (built once, then shared)."""
+        w = self._work.get(num_q_heads)
+        if w is None:
+            with self._lock:
+                w = self._work.get(num_q_heads)
+                if w is None:
+                    w = step_work(self.meta, self.spec, self.pieces, num_q_heads,
+                                  self.chunk_elements)
+                    self._work[num_q_heads] = w
+        return w
 
 
 class ReferenceBackend(Backend):
     """numpy float64 attention over caches in their native dtype; every spec, every layout."""
 
     name = "reference"
+    framework = "numpy"
 
     def __init__(self, *, query_piece: int = 64, chunk_elements: int = 1 << 23):
         """``query_piece``: most query tokens of one request batched together;
@@ -81,77 +119,110 @@ class ReferenceBackend(Backend):
             out.append(name)
         return tuple(out)
 
-    # -- arrays ----------------------------------------------------------------------
-    def asarray(self, x):
-        return np.asarray(x)
-
-    def to_numpy(self, x):
-        return np.asarray(x)
-
-    def allocate(self, layout) -> list:
-        return layout.allocate_numpy(0)
-
     # -- plan --------------------------------------------------------------------------
-    def plan(self, meta, spec, layout, *, scale=None, softcap=None, sinks=None):
+    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
+             sinks=None):
         check_step(meta, spec, layout)
-        opts = AttentionOptions.resolve(spec, scale, softcap, sinks)
-        return ReferencePlan(meta, spec, layout, opts.scale, opts.softcap, opts.sinks,
-                             Pieces.from_meta(meta, spec, self.query_piece))
+        opts = AttentionOptions.resolve(spec, scale, softcap, sinks, num_q_heads=num_q_heads)
+        hq = None if num_q_heads is None else int(num_q_heads)
+        plan = ReferencePlan(meta, spec, layout, opts.scale, opts.softcap, opts.sinks,
+                             Pieces.from_meta(meta, spec, self.query_piece), hq,
+                             self.query_piece, self.chunk_elements)
+        if hq is not None:
+            plan.work(hq)  # the per-step work belongs to plan time when the heads are known
+        return plan
 
     # -- cache views -------------------------------------------------------------------
-    def _views(self, cache, layout, spec, layer):
-        """(key view, value view) of ``layer``: [B, N, H, D] and [B, N, H, Dv] numpy views."""
-        if spec.is_mla:
-            lat = layout.kv_view(cache, layer, 0)
-            self._check_view(lat, spec, spec.head_dim, "latent")
-            return lat[..., :spec.head_dim], lat[..., :spec.head_dim_v]
-        k = layout.kv_view(cache, layer, 0)
-        v = layout.kv_view(cache, layer, 1)
-        self._check_view(k, spec, spec.head_dim, "key")
-        self._check_view(v, spec, spec.head_dim_v, "value")
-        return k[..., :spec.head_dim], v[..., :spec.head_dim_v]
-
     @staticmethod
-    def _check_view(view, spec, d, what):
-        want = (spec.block_size, spec.num_kv_heads)
-        if view.ndim != 4 or tuple(view.shape[1:3]) != want or view.shape[3] < d:
-            raise KVABIError(f"layout: {what} view has shape {tuple(view.shape)}, expected "
-                             f"[B, {want[0]}, {want[1]}, >= {d}] for this spec")
+    def _views(cache, layout, plan, layer):
+        """(handle, key view, value view) of ``layer``: [B, N, H, D] and [B, N, H, Dv].
+
+        ``check_step`` at plan time fixed the layout's N, H and D against the spec; here
+        the cache is checked against the plan's layout (a lookup for a KVCache of it)."""
+        if layout is not plan.layout and layout != plan.layout:
+            raise KVABIError("layout: differs from the layout the plan was made for")
+        handle = as_cache(cache, plan.layout)
+        spec = plan.spec
+        if spec.is_mla:
+            lat = handle.kv_view(layer, 0)
+            return handle, lat[..., :spec.head_dim], lat[..., :spec.head_dim_v]
+        k = handle.kv_view(layer, 0)
+        v = handle.kv_view(layer, 1)
+        if k.shape[3] != spec.head_dim:
+            k = k[..., :spec.head_dim]
+        if v.shape[3] != spec.head_dim_v:
+            v = v[..., :spec.head_dim_v]
+        return handle, k, v
 
     # -- write -------------------------------------------------------------------------
     def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
-        spec, meta = plan.spec, plan.meta
-        key = np.asarray(key)
-        value = None if value is None else np.asarray(value)
-        check_kv(key, value, meta, spec)
-        kview, vview = self._views(cache, layout, spec, layer)
-        slots = meta.slot_mapping
-        real = np.nonzero(slots >= 0)[0]
-        blk = slots[real] // spec.block_size
-        off = slots[real] % spec.block_size
+        """Write new K/V at the plan's slots, in place; returns ``cache`` as given."""
+        spec = plan.spec
+        key = real_array(key, "key")
+        value = None if value is None else real_array(value, "value")
+        check_kv(key, value, plan.meta, spec)
+        _, kview, vview = self._views(cache, layout, plan, _layer(layer, plan.layout))
+        tokens, blk, off = plan.write_rows
         dt = numpy_dtype(spec.dtype)
-        kview[blk, off] = to_cache_dtype(key[real], dt)
+        kview[blk, off] = to_cache_dtype(key if tokens is None else key[tokens], dt)
         if not spec.is_mla:
-            vview[blk, off] = to_cache_dtype(value[real], dt)
+            vview[blk, off] = to_cache_dtype(value if tokens is None else value[tokens], dt)
         return cache
 
     # -- attention ---------------------------------------------------------------------
-    def attention(self, query, cache, layout, plan, *, layer: int = 0, return_lse=False):
+    def attention(self, query, cache, layout, plan, *, layer: int = 0, sinks=None,
+                  out=None, return_lse=False):
+        """Attention in float64: returns float64 ``out`` [T, Hq, Dv] (and lse [T, Hq]),
+        the oracle's precision; with ``out=`` the result is written there (in its dtype)
+        and ``out`` is returned.  ``sinks`` overrides the plan's for this call."""
         spec, meta = plan.spec, plan.meta
-        query = np.asarray(query)
-        t, h = meta.num_tokens, spec.num_kv_heads
+        query = real_array(query, "query")
         hq = check_query(query, meta, spec)
-        AttentionOptions(plan.scale, plan.softcap, plan.sinks).check_heads(hq)
-        g = hq // h
-        if plan.sinks is not None:
-            sink = plan.sinks.reshape(h, g)
+        if plan.num_q_heads is not None and hq != plan.num_q_heads:
+            raise KVABIError(f"query: the plan was made for num_q_heads={plan.num_q_heads}, "
+                             f"got {hq} query heads")
+        h = spec.num_kv_heads
+        s = check_sinks(sinks, hq) if sinks is not None else plan.sinks
+        if s is None:
+            sink = np.full((h, hq // h), -np.inf)
         else:
-            sink = np.full((h, g), -np.inf)
-        kview, vview = self._views(cache, layout, spec, layer)
-        out = np.zeros((t, hq, spec.head_dim_v), np.float64)
+            if s.shape != (hq,):
+                AttentionOptions(plan.scale, plan.softcap, s).check_heads(hq)
+            sink = s.reshape(h, hq // h)
+        t = meta.num_tokens
+        dst = None if out is None else _check_out(out, (t, hq, spec.head_dim_v))
+        _, kview, vview = self._views(cache, layout, plan, _layer(layer, plan.layout))
+        res = np.zeros((t, hq, spec.head_dim_v), np.float64)
         lse = np.full((t, hq), -np.inf, np.float64)
-        attend(query, kview, vview, plan, sink, out, lse, budget=self.chunk_elements)
-        return (out, lse) if return_lse else out
+        attend(query, kview, vview, spec, plan.work(hq), plan.scale, plan.softcap, sink,
+               res, lse)
+        if dst is not None:
+            dst[...] = res
+            res = out
+        return (res, lse) if return_lse else res
+
+
+def _layer(layer, layout) -> int:
+    # The common case (a Python int in range) costs one comparison.
+    if type(layer) is int and 0 <= layer < layout.num_layers:
+        return layer
+    from .coerce import as_int
+
+    return as_int(layer, "layer", lo=0, hi=layout.num_layers - 1)
+
+
+def _check_out(out, shape) -> np.ndarray:
+    """``out=``: a writable numpy array of the output's shape and a real float dtype."""
+    if not isinstance(out, np.ndarray):
+        raise KVABIError(f"out: must be a numpy array for the reference backend, got "
+                         f"{type(out).__name__}")
+    if out.shape != shape:
+        raise KVABIError(f"out: must have shape {list(shape)}, got {list(out.shape)}")
+    if not (out.dtype.kind == "f" or (out.dtype.kind == "V" and out.dtype.itemsize in (1, 2))):
+        raise KVABIError(f"out: must have a floating dtype, got {out.dtype}")
+    if not out.flags.writeable:
+        raise KVABIError("out: must be writable")
+    return out
 
 
 def to_cache_dtype(x: np.ndarray, dt: np.dtype) -> np.ndarray:
@@ -161,4 +232,4 @@ def to_cache_dtype(x: np.ndarray, dt: np.dtype) -> np.ndarray:
         return np.clip(np.rint(np.asarray(x, np.float64)), -128, 127).astype(np.int8)
     if dt == np.int8:
         return np.clip(x, -128, 127).astype(np.int8)
-    return np.asarray(x).astype(dt)
+    return np.asarray(x).astype(dt, copy=False)

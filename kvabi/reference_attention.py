@@ -8,11 +8,18 @@ processed in bounded chunks: gather keys and values by block table into ``[v, S,
 batched matmul for the logits ``[v, H, width*g, S]``, mask from positions, written-out
 softmax with sinks, batched matmul for the output.  Python loops run over widths and chunks
 only, never over tokens or requests.
+
+Everything that depends on the step alone (pieces, chunk bounds, token rows, cache rows,
+masks) is a :class:`ChunkWork`, built once per plan and query head count; a layer's call only
+gathers its cache rows and does the arithmetic.
 """
 from __future__ import annotations
 
 import attrs
 import numpy as np
+
+#: masks up to this many elements per plan are kept; larger ones are rebuilt per call
+MASK_KEEP_ELEMENTS = 1 << 22
 
 
 @attrs.frozen(eq=False)
@@ -65,22 +72,53 @@ def _chunks(pieces: Pieces, per_key: int, per_query_key: int, budget: int):
             i = e
 
 
-def attend(query, kview, vview, plan, sink, out, lse, *, budget: int) -> None:
-    """Fill ``out`` [T, Hq, Dv] and ``lse`` [T, Hq] at the real tokens of ``plan``.
+@attrs.frozen(eq=False)
+class ChunkWork:
+    """The step-only part of one chunk of pieces: ``v`` pieces of width ``w`` over ``s``
+    keys.  ``tok`` [v, w] query rows; ``rows`` the real (piece, column) entries and
+    ``out_rows`` their tokens; ``blk``/``off`` [v, s] cache rows of the keys; ``mask``
+    [v, w, s] which key each query sees (None when too large to keep: see
+    :meth:`visible`)."""
 
-    ``kview``/``vview``: numpy [B, N, H, D] / [B, N, H, Dv] cache views; ``sink``: float64
-    [H, g] (``-inf`` without sinks).
-    """
-    meta, spec, pieces = plan.meta, plan.spec, plan.pieces
+    v: int
+    w: int
+    s: int
+    tok: np.ndarray
+    rows: np.ndarray
+    out_rows: np.ndarray
+    blk: np.ndarray
+    off: np.ndarray
+    pos: np.ndarray
+    j: np.ndarray
+    kvalid: np.ndarray
+    tvalid: np.ndarray
+    mask: np.ndarray | None
+
+    def visible(self, spec) -> np.ndarray:
+        """The [v, w, s] visibility mask (semantics section 3)."""
+        if self.mask is not None:
+            return self.mask
+        return _mask(spec, self.j, self.pos, self.kvalid, self.tvalid)
+
+
+def _mask(spec, j, pos, kvalid, tvalid):
+    mask = (j[:, None, :] <= pos[:, :, None]) & kvalid[:, None, :] & tvalid[:, :, None]
+    if spec.kind == "sliding_window":
+        mask &= j[:, None, :] > pos[:, :, None] - spec.window
+    elif spec.kind == "chunked_local":
+        mask &= j[:, None, :] // spec.chunk == pos[:, :, None] // spec.chunk
+    return mask
+
+
+def step_work(meta, spec, pieces: Pieces, num_q_heads: int, budget: int) -> list[ChunkWork]:
+    """The chunks of a step for ``num_q_heads`` query heads, each under ``budget`` float64
+    elements, with everything that does not depend on the layer precomputed."""
     h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
-    hq = query.shape[1]
-    g = hq // h
+    per_key = h * (d + (0 if spec.is_mla else dv))
     bs = spec.block_size
     bt = meta.block_table
-    kv_same = spec.is_mla  # values are a prefix of the latent: gather once
-    per_key = h * (d + (0 if kv_same else dv))
-    for idx, w, s in _chunks(pieces, per_key, 3 * hq, budget):
-        v = len(idx)
+    out, kept = [], 0
+    for idx, w, s in _chunks(pieces, per_key, 3 * num_q_heads, budget):
         r = pieces.req[idx]
         seq = meta.seq_lens[r].astype(np.int64)
         # Query tokens [v, w]; padding columns of a piece repeat its first token.
@@ -89,40 +127,61 @@ def attend(query, kview, vview, plan, sink, out, lse, *, budget: int) -> None:
         tok = np.where(tvalid, pieces.start[idx][:, None] + col[None, :],
                        pieces.start[idx][:, None])
         pos = meta.positions[tok]
-        # Key positions [v, s] and their cache rows; rows past seq_len read block 0 row 0..
+        # Key positions [v, s] and their cache rows; rows past seq_len read block 0 row 0.
         j = pieces.key0[idx][:, None] + np.arange(s, dtype=np.int64)[None, :]
         kvalid = j < seq[:, None]
         jc = np.where(kvalid, j, 0)
         blk = np.where(kvalid, bt[r[:, None], jc // bs], 0)
-        keys = kview[blk, jc % bs].astype(np.float64)  # [v, s, H, D]
-        vals = keys[..., :dv] if kv_same else vview[blk, jc % bs].astype(np.float64)
+        mask = None
+        if kept + len(idx) * w * s <= MASK_KEEP_ELEMENTS:
+            mask = _mask(spec, j, pos, kvalid, tvalid)
+            kept += mask.size
+        out.append(ChunkWork(len(idx), w, s, tok, np.nonzero(tvalid), tok[tvalid], blk,
+                             jc % bs, pos, j, kvalid, tvalid, mask))
+    return out
+
+
+def attend(query, kview, vview, spec, work: list[ChunkWork], scale: float, softcap,
+           sink, out, lse) -> None:
+    """Fill ``out`` [T, Hq, Dv] and ``lse`` [T, Hq] (float64) at the real tokens.
+
+    ``kview``/``vview``: numpy [B, N, H, D] / [B, N, H, Dv] cache views; ``sink``: float64
+    [H, g] (``-inf`` without sinks); ``work`` from :func:`step_work`.
+    """
+    h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
+    hq = query.shape[1]
+    g = hq // h
+    kv_same = spec.is_mla  # values are a prefix of the latent: gather once
+    sk = sink[None, :, None, :]  # [1, H, 1, g]
+    for c in work:
+        v, w, s = c.v, c.w, c.s
+        keys = kview[c.blk, c.off].astype(np.float64)  # [v, s, H, D]
+        vals = keys[..., :dv] if kv_same else vview[c.blk, c.off].astype(np.float64)
         # Logits [v, H, w*g, s]: query heads h*g .. h*g+g-1 read KV head h (GQA).
-        q = query[tok].astype(np.float64).reshape(v, w, h, g, d).transpose(0, 2, 1, 3, 4)
+        q = query[c.tok].astype(np.float64).reshape(v, w, h, g, d).transpose(0, 2, 1, 3, 4)
         logits = np.matmul(q.reshape(v, h, w * g, d), keys.transpose(0, 2, 3, 1))
-        logits *= plan.scale
-        if plan.softcap is not None:
-            logits = plan.softcap * np.tanh(logits / plan.softcap)
-        mask = (j[:, None, :] <= pos[:, :, None]) & kvalid[:, None, :] & tvalid[:, :, None]
-        if spec.kind == "sliding_window":
-            mask &= j[:, None, :] > pos[:, :, None] - spec.window
-        elif spec.kind == "chunked_local":
-            mask &= j[:, None, :] // spec.chunk == pos[:, :, None] // spec.chunk
+        logits *= scale
+        if softcap is not None:
+            logits = softcap * np.tanh(logits / softcap)
         logits = logits.reshape(v, h, w, g, s)
-        logits = np.where(mask[:, None, :, None, :], logits, -np.inf)
-        sk = sink[None, :, None, :]  # [1, H, 1, g]
+        # Masked by select, never by adding -inf: invisible rows may hold NaN or inf.
+        logits = np.where(c.visible(spec)[:, None, :, None, :], logits, -np.inf)
         m = np.maximum(logits.max(axis=-1, initial=-np.inf), sk)  # [v, H, w, g]
         m = np.where(np.isfinite(m), m, 0.0)  # nothing visible: keep exp() finite
         e = np.exp(logits - m[..., None]).reshape(v, h, w * g, s)
         den = e.sum(axis=-1).reshape(v, h, w, g) + np.exp(sk - m)
         num = _weighted_values(e, vals)  # [v, H, w*g, Dv]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            o = np.where(den[..., None] > 0, num.reshape(v, h, w, g, dv) / den[..., None], 0.0)
-            ls = np.where(den > 0, m + np.log(den), -np.inf)
+        # No visible key and no sink: den = 0, num = 0, so out 0 and lse -inf.  A visible
+        # NaN makes den NaN, and the NaN reaches out and lse.
+        empty = den == 0
+        den = np.where(empty, 1.0, den)
+        o = num.reshape(v, h, w, g, dv) / den[..., None]
+        ls = np.where(empty, -np.inf, m + np.log(den))
         # [v, H, w, g, ...] -> token rows [v, w, Hq, ...]; keep the real columns only.
         o = o.transpose(0, 2, 1, 3, 4).reshape(v, w, hq, dv)
         ls = ls.transpose(0, 2, 1, 3).reshape(v, w, hq)
-        out[tok[tvalid]] = o[tvalid]
-        lse[tok[tvalid]] = ls[tvalid]
+        out[c.out_rows] = o[c.rows]
+        lse[c.out_rows] = ls[c.rows]
 
 
 def _weighted_values(e, vals):
@@ -133,9 +192,12 @@ def _weighted_values(e, vals):
     rows with nonzero weight on a non-finite value become NaN.
     """
     vt = vals.transpose(0, 2, 1, 3)  # [v, H, s, Dv]
+    num = np.matmul(e, vt)
+    # Any non-finite value, seen or not, makes its sums non-finite (0 * NaN is NaN): a
+    # finite result proves no value needs the slow path.
+    if np.isfinite(num).all():
+        return num
     bad = ~np.isfinite(vt)
-    if not bad.any():
-        return np.matmul(e, vt)
     num = np.matmul(e, np.where(bad, 0.0, vt))
     hit = np.matmul((e > 0).astype(np.float64), bad.astype(np.float64)) > 0
     return np.where(hit, np.nan, num)
