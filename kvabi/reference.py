@@ -137,11 +137,12 @@ class ReferenceBackend(Backend):
     def _views(cache, layout, plan, layer):
         """(handle, key view, value view) of ``layer``: [B, N, H, D] and [B, N, H, Dv].
 
-        ``check_step`` at plan time fixed the layout's N, H and D against the spec; here
-        the cache is checked against the plan's layout (a lookup for a KVCache of it)."""
-        if layout is not plan.layout and layout != plan.layout:
-            raise KVABIError("layout: differs from the layout the plan was made for")
-        handle = as_cache(cache, plan.layout)
+        ``check_step`` at plan time checked the plan's layout against the step; a call
+        with another layout object is checked again.  The cache is checked against the
+        call's layout (a lookup for a KVCache of it)."""
+        if layout is not plan.layout:
+            check_step(plan.meta, plan.spec, layout)
+        handle = as_cache(cache, layout)
         spec = plan.spec
         if spec.is_mla:
             lat = handle.kv_view(layer, 0)
@@ -161,7 +162,7 @@ class ReferenceBackend(Backend):
         key = real_array(key, "key")
         value = None if value is None else real_array(value, "value")
         check_kv(key, value, plan.meta, spec)
-        _, kview, vview = self._views(cache, layout, plan, _layer(layer, plan.layout))
+        _, kview, vview = self._views(cache, layout, plan, _layer(layer, layout))
         tokens, blk, off = plan.write_rows
         dt = numpy_dtype(spec.dtype)
         kview[blk, off] = to_cache_dtype(key if tokens is None else key[tokens], dt)
@@ -191,7 +192,7 @@ class ReferenceBackend(Backend):
             sink = s.reshape(h, hq // h)
         t = meta.num_tokens
         dst = None if out is None else _check_out(out, (t, hq, spec.head_dim_v))
-        _, kview, vview = self._views(cache, layout, plan, _layer(layer, plan.layout))
+        _, kview, vview = self._views(cache, layout, plan, _layer(layer, layout))
         res = np.zeros((t, hq, spec.head_dim_v), np.float64)
         lse = np.full((t, hq), -np.inf, np.float64)
         attend(query, kview, vview, spec, plan.work(hq), plan.scale, plan.softcap, sink,
