@@ -63,10 +63,11 @@ def measure(tokens=None, heads=8, head_dim=128, block_size=16, dtype="float16",
     if threads is not None:
         torch.set_num_threads(threads)
 
-    from kvabi import KVSpec, Layout
+    from kvabi import KVCache, KVSpec, Layout
+    from kvabi.tensors import torch_dtype
 
-    from . import runtime, tensors
-    from .torch_write import write_kv_torch
+    from . import runtime
+    from .torch_write import write_kv_torch, write_rows
     from .triton_write import write_kv
 
     mode, why = runtime.triton_mode()
@@ -82,11 +83,13 @@ def measure(tokens=None, heads=8, head_dim=128, block_size=16, dtype="float16",
                   dtype=dtype)
     nblocks = -(-tokens // block_size) * 2
     layout = Layout.preset("flash_attn", spec, nblocks)
-    cache = tensors.allocate(layout, device)
-    k_view, v_view = tensors.kv_views(layout, cache, 0, False)
+    cache = KVCache.allocate(layout, "torch", device=device)
+    k_view, v_view = cache.kv_view(0, 0), cache.kv_view(0, 1)
     rng = np.random.default_rng(0)
-    slots = torch.as_tensor(rng.permutation(nblocks * block_size)[:tokens], device=device)
-    dt = tensors.torch_dtype(dtype)
+    slots_np = rng.permutation(nblocks * block_size)[:tokens]
+    slots = torch.as_tensor(slots_np, device=device)
+    rows = tuple(torch.as_tensor(a, device=device) for a in write_rows(slots_np, block_size))
+    dt = torch_dtype(dtype)
     key = torch.randn(tokens, heads, head_dim, device=device).to(dt)
     value = torch.randn(tokens, heads, head_dim, device=device).to(dt)
 
@@ -95,7 +98,7 @@ def measure(tokens=None, heads=8, head_dim=128, block_size=16, dtype="float16",
     got = [c.clone() for c in cache]
     for c in cache:
         c.zero_()
-    write_kv_torch(key, value, k_view, v_view, slots, block_size)
+    write_kv_torch(key, value, k_view, v_view, rows)
     if not all(torch.equal(a, b) for a, b in zip(got, cache)):
         raise RuntimeError("Triton and torch cache writes disagree")
 
@@ -103,7 +106,7 @@ def measure(tokens=None, heads=8, head_dim=128, block_size=16, dtype="float16",
     t_copy = time_it(lambda: (key.clone(), value.clone()), repeats)
     t_triton = time_it(lambda: write_kv(key, value, k_view, v_view, slots, block_size,
                                         interpret=interpret), repeats)
-    t_torch = time_it(lambda: write_kv_torch(key, value, k_view, v_view, slots, block_size),
+    t_torch = time_it(lambda: write_kv_torch(key, value, k_view, v_view, rows),
                       repeats)
     nbytes = 2 * key.numel() * key.element_size()  # K and V bytes written (and read)
 

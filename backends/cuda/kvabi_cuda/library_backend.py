@@ -9,9 +9,11 @@ so it is not bound to the real kernels' dtypes and head sizes).
 from __future__ import annotations
 
 from kvabi import Backend, Capabilities, KVABIError, UnsupportedError
+from kvabi.tensors import to_torch
 
-from . import runtime, tensors
+from . import boundary, runtime
 from .layouts import CUDA_FAMILIES, d_contiguous_presets
+from .views import check_library_layout, kv_views
 
 
 class LibraryBackend(Backend):
@@ -22,10 +24,13 @@ class LibraryBackend(Backend):
     extra: str = ""
     #: presets listed first in preferred_layouts
     first_layouts: tuple[str, ...] = ()
+    framework = "torch"
 
     def __init__(self, library=None, device=None):
         self._library = library
         self._device_name = device
+        self._sinks = boundary.SinkTensors()
+        self._device = None
 
     # -- the library -----------------------------------------------------------------
     def lib(self):
@@ -76,7 +81,10 @@ class LibraryBackend(Backend):
         return Capabilities(**caps)
 
     def check_supported(self, spec, *, softcap=None, sinks=None) -> None:
-        super().check_supported(spec, softcap=softcap, sinks=sinks)
+        # capabilities without a spec: the preferred-layout list is not needed to decide.
+        why = self.capabilities().unsupported_reason(spec, softcap=softcap, sinks=sinks)
+        if why:
+            raise UnsupportedError(f"{self.name}: unsupported: {why}")
         if spec.kind == "chunked_local" and spec.chunk % spec.block_size:
             raise UnsupportedError(f"{self.name}: unsupported: chunked local attention runs "
                                    f"as virtual batches, which need chunk {spec.chunk} to be "
@@ -87,50 +95,40 @@ class LibraryBackend(Backend):
 
     # -- arrays ----------------------------------------------------------------------
     def device(self):
-        import torch
+        if self._device is None:
+            import torch
 
-        if self._device_name is not None:
-            return torch.device(self._device_name)
-        return torch.device("cuda" if runtime.cuda_status()[0] else "cpu")
+            name = self._device_name or ("cuda" if runtime.cuda_status()[0] else "cpu")
+            self._device = torch.device(name)
+        return self._device
 
-    def asarray(self, x):
-        return tensors.to_torch(x, self.device())
+    def check_layout(self, layout, spec) -> None:
+        """The layout is one the library's kernels address (checked once, at plan time)."""
+        check_library_layout(self.name, layout, spec)
 
-    def to_numpy(self, x):
-        return tensors.to_numpy(x)
+    def cache(self, cache, layout, plan, cls):
+        """The checked :class:`kvabi.KVCache` for a call with ``plan`` (identity checks
+        first: this runs per layer)."""
+        boundary.check_plan(self, plan, cls, layout)
+        return boundary.torch_cache(self, cache, plan.layout, self.device().type == "cuda")
 
-    def allocate(self, layout) -> list:
-        return tensors.allocate(layout, self.device())
-
-    def views(self, layout, cache, layer: int, spec):
-        """The layer's K and V [B, N, H, D] views as a compiled library reads them: D
-        contiguous, exactly head_dim wide, K and V with equal strides."""
-        if layout.size("D") != spec.head_dim:
-            raise UnsupportedError(f"{self.name}: layout D size {layout.size('D')} differs "
-                                   f"from head_dim {spec.head_dim}")
-        k, v = tensors.kv_views(layout, cache, layer, False, d_contiguous=True)
-        if k.stride() != v.stride():
-            raise UnsupportedError(f"{self.name}: layout {layout.name or 'custom'} gives K "
-                                   f"and V different strides {k.stride()} / {v.stride()}")
-        return k, v
-
-    def check_plan(self, plan, layout, cls):
-        if not isinstance(plan, cls):
-            raise KVABIError(f"plan: must come from {self.name}.plan(), got "
-                             f"{type(plan).__name__}")
-        if layout != plan.layout:
-            raise KVABIError("layout: differs from the layout the plan was built for")
-
-    def step_tensors(self, query, cache, layout, plan, layer: int, hq: int):
-        """What an attention call needs: the query on the device, the layer's K and V views,
-        and the outputs to fill (zeros, lse -inf: padding tokens stay so)."""
+    def step_tensors(self, query, cache, plan, layer: int, hq: int, out, return_lse: bool):
+        """What an attention call needs: the query on the device in the cache dtype (what
+        the library computes in), the layer's K and V views, the output buffer in the
+        query's own dtype (``out`` checked, or new zeros) and the lse (-inf: padding
+        tokens stay so; None when not asked for)."""
         import torch
 
         spec, meta = plan.spec, plan.meta
         dev = self.device()
-        q = tensors.to_torch(query, dev, spec.dtype)
-        k_view, v_view = self.views(layout, cache, layer, spec)
-        out = torch.zeros((meta.num_tokens, hq, spec.head_dim_v), dtype=q.dtype, device=dev)
+        q_in = to_torch(query, dev)
+        if not q_in.dtype.is_floating_point:
+            raise KVABIError(f"query.dtype: must be a floating-point dtype, got "
+                             f"{str(q_in.dtype).replace('torch.', '')}")
+        q = q_in if q_in.dtype == plan.torch_dtype else q_in.to(plan.torch_dtype)
+        k_view, v_view = kv_views(cache, layer, False)
+        out = boundary.out_tensor(out, (meta.num_tokens, hq, spec.head_dim_v), q_in.dtype,
+                                  dev)
         lse = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32,
-                         device=dev)
+                         device=dev) if return_lse else None
         return q, k_view, v_view, out, lse

@@ -5,49 +5,62 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from kvabi import Backend, Capabilities, KVABIError, UnsupportedError
+from kvabi import Backend, Capabilities, UnsupportedError, check_kv, check_step
+from kvabi.tensors import to_torch
 
-from . import runtime, tensors
+from . import boundary, runtime
+from .index_width import index_values, needs_int64, tensor_extent
 from .layouts import d_contiguous_presets
-from kvabi import AttentionOptions, check_kv, check_query, check_step
+from .views import kv_views
 
 KINDS = ("full", "sliding_window", "chunked_local", "mla")
 _MASK = {"full": 0, "mla": 0, "sliding_window": 1, "chunked_local": 2}
+_QUERY_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 @attrs.frozen(eq=False)
 class TritonPlan:
-    """Per-step plan: validated metadata and options, and its arrays on the kernel's device.
+    """Per-step plan: validated metadata and options, its arrays on the kernel's device, and
+    the index width (int64 where the layout or the step can pass int32).
 
-    Query tiles depend on the GQA group size, known only once the query arrives; they are
-    built on first use per tile shape and then reused by every layer.
+    Query tiles depend on the GQA group size: built here when ``num_q_heads`` is given to
+    ``plan``, otherwise on first use per tile shape and then reused by every layer.  The
+    plan holds nothing per layer: per-layer sinks come with each ``attention`` call.
     """
 
     meta: object
     spec: object
     layout: object
-    opts: AttentionOptions
+    opts: object  # AttentionOptions
+    num_q_heads: int | None
+    idx64: bool
     slots: object  # [T] int64
-    block_table: object  # [R, max blocks] int32
-    context_lens: object  # [R] int32
-    query_start_loc: object  # [R + 1] int32
+    block_table: object  # [R, max blocks] index dtype, unused entries 0
+    context_lens: object  # [R] index dtype
+    query_start_loc: object  # [R + 1] index dtype
     sinks: object | None  # [Hq] float32
     _tiles: dict = attrs.field(factory=dict, init=False)
 
     def tiles(self, block_q: int):
-        if block_q not in self._tiles:
+        t = self._tiles.get(block_q)
+        if t is None:
             from .triton_attention import query_tiles
 
             dev = self.slots.device
-            self._tiles[block_q] = tuple(tensors.to_torch(a, dev) for a in
-                                         query_tiles(self.meta.query_start_loc, block_q))
-        return self._tiles[block_q]
+            dt = np.int64 if self.idx64 else np.int32
+            t = self._tiles[block_q] = tuple(
+                to_torch(a, dev) for a in query_tiles(self.meta.query_start_loc, block_q, dt))
+        return t
 
 
 class TritonBackend(Backend):
     """Paged attention and cache writes in Triton; any layout, by strides."""
 
     name = "cuda.triton"
+    framework = "torch"
+
+    def __init__(self):
+        self._sinks = boundary.SinkTensors()
 
     def available(self) -> tuple[bool, str]:
         mode, why = runtime.triton_mode()
@@ -73,97 +86,129 @@ class TritonBackend(Backend):
     def preferred_layouts(self, spec) -> tuple[str, ...]:
         return d_contiguous_presets(spec)
 
-    # -- arrays ----------------------------------------------------------------------
-    def _device(self):
+    def device(self):
         return runtime.device()
 
-    def asarray(self, x):
-        return tensors.to_torch(x, self._device())
-
-    def to_numpy(self, x):
-        return tensors.to_numpy(x)
-
-    def allocate(self, layout) -> list:
-        return tensors.allocate(layout, self._device())
-
     # -- plan --------------------------------------------------------------------------
-    def plan(self, meta, spec, layout, *, scale=None, softcap=None, sinks=None):
+    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
+             sinks=None):
         self._require_available()
         check_step(meta, spec, layout)
         self.check_supported(spec, softcap=softcap, sinks=sinks)
-        opts = AttentionOptions.resolve(spec, scale, softcap, sinks)
-        dev = self._device()
+        opts, hq = boundary.plan_options(spec, num_q_heads, scale, softcap, sinks)
+        dev = self.device()
         import torch
 
-        return TritonPlan(
-            meta, spec, layout, opts,
-            slots=tensors.to_torch(meta.slot_mapping.astype(np.int64), dev),
-            block_table=tensors.to_torch(np.ascontiguousarray(meta.block_table, np.int32), dev),
-            context_lens=tensors.to_torch(meta.context_lens.astype(np.int32), dev),
-            query_start_loc=tensors.to_torch(meta.query_start_loc.astype(np.int32), dev),
+        wide = needs_int64(layout, max_seq_len=meta.max_seq_len, num_tokens=meta.num_tokens)
+        bt = np.asarray(meta.block_table)
+        need = -(-np.asarray(meta.seq_lens, np.int64) // spec.block_size)
+        used = np.arange(bt.shape[1])[None, :] < need[:, None]
+        plan = TritonPlan(
+            meta, spec, layout, opts, hq, wide,
+            slots=to_torch(np.asarray(meta.slot_mapping, np.int64), dev),
+            # Entries past a request's blocks are never read: zeroed, not cast blindly.
+            block_table=to_torch(index_values(np.where(used, bt, 0), "block_table", wide,
+                                              ndim=2), dev),
+            context_lens=to_torch(index_values(meta.context_lens, "context_lens", wide), dev),
+            query_start_loc=to_torch(index_values(meta.query_start_loc, "query_start_loc",
+                                                  wide), dev),
             sinks=None if opts.sinks is None else torch.as_tensor(
                 opts.sinks, dtype=torch.float32, device=dev),
         )
+        if hq is not None:
+            plan.tiles(self._block_sizes(plan, hq)[0])
+        return plan
+
+    def _block_sizes(self, plan, hq: int):
+        from .triton_attention import block_sizes
+
+        return block_sizes(hq // plan.spec.num_kv_heads, plan.meta.max_query_len,
+                           self._interpret())
 
     def _require_available(self):
         ok, why = self.available()
         if not ok:
             raise UnsupportedError(f"{self.name}: unavailable: {why}")
 
+    def check_supported(self, spec, *, softcap=None, sinks=None) -> None:
+        # capabilities() without a spec: the preferred-layout list is not needed to decide.
+        why = self.capabilities().unsupported_reason(spec, softcap=softcap, sinks=sinks)
+        if why:
+            raise UnsupportedError(f"{self.name}: unsupported: {why}")
+
     def _no_interpreted_bf16(self, t, field):
-        if self._interpret() and tensors.dtype_name(t) == "bfloat16":
+        import torch
+
+        if t.dtype == torch.bfloat16 and self._interpret():
             raise UnsupportedError(f"{self.name}: bfloat16 {field} refused: the Triton "
                                    "interpreter computes bfloat16 wrongly")
         return t
 
-    def _check_plan(self, plan, layout):
-        if not isinstance(plan, TritonPlan):
-            raise KVABIError(f"plan: must come from {self.name}.plan(), got "
-                             f"{type(plan).__name__}")
-        if layout != plan.layout:
-            raise KVABIError("layout: differs from the layout the plan was built for")
+    def _cache(self, cache, layout, plan):
+        boundary.check_plan(self, plan, TritonPlan, layout)
+        return boundary.torch_cache(self, cache, plan.layout, self.device().type == "cuda")
 
     # -- write -------------------------------------------------------------------------
     def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
         from .triton_write import write_kv
 
-        self._check_plan(plan, layout)
+        c = self._cache(cache, layout, plan)
         spec = plan.spec
         check_kv(key, value, plan.meta, spec)
-        dev = self._device()
-        k_view, v_view = tensors.kv_views(layout, cache, layer, spec.is_mla, d_contiguous=False)
-        key = self._no_interpreted_bf16(tensors.to_torch(key, dev), "key")
+        dev = self.device()
+        k_view, v_view = kv_views(c, layer, spec.is_mla)
+        key = self._no_interpreted_bf16(to_torch(key, dev), "key")
         value = None if spec.is_mla else self._no_interpreted_bf16(
-            tensors.to_torch(value, dev), "value")
+            to_torch(value, dev), "value")
+        wide = plan.idx64 or tensor_extent(key) > _I32 or (
+            value is not None and tensor_extent(value) > _I32)
         write_kv(key, value, k_view, None if spec.is_mla else v_view, plan.slots,
-                 spec.block_size, interpret=self._interpret())
+                 spec.block_size, interpret=self._interpret(), idx64=wide)
         return cache
 
     # -- attention ---------------------------------------------------------------------
-    def attention(self, query, cache, layout, plan, *, layer: int = 0, return_lse=False):
+    def attention(self, query, cache, layout, plan, *, layer: int = 0, sinks=None, out=None,
+                  return_lse=False):
         import torch
 
-        from .triton_attention import block_sizes, paged_attention
+        from .triton_attention import paged_attention
 
-        self._check_plan(plan, layout)
+        c = self._cache(cache, layout, plan)
         spec, meta, opts = plan.spec, plan.meta, plan.opts
-        hq = check_query(query, meta, spec)
-        opts.check_heads(hq)
-        dev = self._device()
-        q = self._no_interpreted_bf16(tensors.to_torch(query, dev), "query")
-        if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            q = q.to(torch.float32)
-        k_view, v_view = tensors.kv_views(layout, cache, layer, spec.is_mla, d_contiguous=False)
+        hq = boundary.query_heads(query, plan)
+        dev = self.device()
+        q = self._no_interpreted_bf16(to_torch(query, dev), "query")
+        if q.dtype not in _query_dtypes():
+            got = str(q.dtype).replace("torch.", "")
+            raise UnsupportedError(f"{self.name}: query.dtype {got} unsupported (one of "
+                                   f"{', '.join(_QUERY_DTYPES)})")
+        if sinks is None:
+            opts.check_heads(hq)
+            sink_t = plan.sinks
+        else:
+            sink_t = self._sinks.get(sinks, hq, dev)
+        k_view, v_view = kv_views(c, layer, spec.is_mla)
         t, dv = meta.num_tokens, spec.head_dim_v
-        out = torch.zeros((t, hq, dv), dtype=q.dtype, device=dev)
-        lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=dev)
-        group = hq // spec.num_kv_heads
-        bq, bg, bn = block_sizes(group, meta.max_query_len, self._interpret())
+        o = boundary.out_tensor(out, (t, hq, dv), q.dtype, dev)
+        lse = torch.full((t, hq), float("-inf"), dtype=torch.float32,
+                         device=dev) if return_lse else None
+        bq, bg, bn = self._block_sizes(plan, hq)
+        wide = plan.idx64 or tensor_extent(q) > _I32 or tensor_extent(o) > _I32
         upcast = q.dtype != k_view.dtype or q.dtype == torch.float32
         paged_attention(
-            q, k_view, v_view, out, lse, plan.sinks, plan.block_table, plan.context_lens,
-            plan.query_start_loc, plan.tiles(bq), group=group, head_dim=spec.head_dim,
-            head_dim_v=dv, block_size=spec.block_size, scale=opts.scale,
-            softcap=opts.softcap, mask=_MASK[spec.kind],
-            span=spec.span or 1, upcast=upcast, block_q=bq, block_g=bg, block_n=bn)
-        return (out, lse) if return_lse else out
+            q, k_view, v_view, o, lse, sink_t, plan.block_table, plan.context_lens,
+            plan.query_start_loc, plan.tiles(bq), group=hq // spec.num_kv_heads,
+            head_dim=spec.head_dim, head_dim_v=dv, block_size=spec.block_size,
+            scale=opts.scale, softcap=opts.softcap, mask=_MASK[spec.kind],
+            span=spec.span or 1, upcast=upcast, block_q=bq, block_g=bg, block_n=bn,
+            idx64=wide)
+        return (o, lse) if return_lse else o
+
+
+_I32 = (1 << 31) - 1
+
+
+def _query_dtypes():
+    import torch
+
+    return tuple(getattr(torch, n) for n in _QUERY_DTYPES)

@@ -2,7 +2,9 @@
 
 Each program writes a run of tokens.  The destination is any strided [B, N, H, D] view
 (what :meth:`kvabi.Layout.kv_view` gives for every layout), so one kernel serves every
-layout; Triton specializes the usual D stride of 1 at compile time.  Slot -1 (padding) is masked out: never written.
+layout; Triton specializes the usual D stride of 1 at compile time.  Slot -1 (padding) is
+masked out: never written.  Offsets are int32 products or, when the plan found an offset
+past int32 (:mod:`kvabi_cuda.index_width`), int64 ones (``IDX64``).
 """
 from __future__ import annotations
 
@@ -20,20 +22,27 @@ def _write_kv_kernel(
     sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,  # element strides of the new K/V [T, H, D]
     dk_b, dk_n, dk_h, dk_d, dv_b, dv_n, dv_h, dv_d,  # strides of the cache views [B, N, H, D]
     block_size, num_heads, head_dim, head_dim_v,
-    HAS_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_V: tl.constexpr, IDX64: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # Rows are (token, head) pairs of BLOCK_T consecutive tokens.
     r = tl.arange(0, BLOCK_T * BLOCK_H)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + r // BLOCK_H
     h = r % BLOCK_H
     row_ok = (t < num_tokens) & (h < num_heads)
-    slot = tl.load(slots + t, mask=row_ok, other=-1)
+    slot = tl.load(slots + t, mask=row_ok, other=-1)  # int64
     row_ok = row_ok & (slot >= 0)  # slot -1: padding, never written
     slot = tl.maximum(slot, 0)
     blk = slot // block_size
     off = slot % block_size
     d = tl.arange(0, BLOCK_D)
+    if IDX64:
+        h = h.to(tl.int64)
+        d = d.to(tl.int64)
+    else:
+        # Every offset into the layout fits in int32 (the plan checked): cheaper products.
+        blk = blk.to(tl.int32)
+        off = off.to(tl.int32)
     mask = row_ok[:, None] & (d[None, :] < head_dim)
     x = tl.load(k_src + t[:, None] * sk_t + h[:, None] * sk_h + d[None, :] * sk_d, mask=mask)
     dst = (k_dst + blk[:, None] * dk_b + off[:, None] * dk_n + h[:, None] * dk_h
@@ -41,6 +50,8 @@ def _write_kv_kernel(
     tl.store(dst, x.to(k_dst.dtype.element_ty), mask=mask)
     if HAS_V:
         dv = tl.arange(0, BLOCK_DV)
+        if IDX64:
+            dv = dv.to(tl.int64)
         mask_v = row_ok[:, None] & (dv[None, :] < head_dim_v)
         y = tl.load(v_src + t[:, None] * sv_t + h[:, None] * sv_h + dv[None, :] * sv_d,
                     mask=mask_v)
@@ -58,9 +69,10 @@ def tokens_per_program(num_heads: int, head_dim: int, interpret: bool) -> int:
 
 
 def write_kv(key, value, k_view, v_view, slots, block_size: int, *,
-             interpret: bool = False) -> None:
+             interpret: bool = False, idx64: bool = True) -> None:
     """Scatter ``key`` [T, H, D] (and ``value`` [T, H, Dv], or None) into the cache views
-    at ``slots`` [T] (int64; -1 skipped).  Tensors on the kernel's device, any strides."""
+    at ``slots`` [T] (int64; -1 skipped).  Tensors on the kernel's device, any strides.
+    ``idx64=False`` only where every offset into the views fits in int32."""
     t, h, d = key.shape
     if t == 0:
         return
@@ -74,6 +86,6 @@ def write_kv(key, value, k_view, v_view, slots, block_size: int, *,
         key, value, k_view, v_view, slots, t,
         *key.stride(), *value.stride(), *k_view.stride(), *v_view.stride(),
         block_size, h, d, dvh,
-        HAS_V=has_v, BLOCK_T=bt, BLOCK_H=triton.next_power_of_2(h),
+        HAS_V=has_v, IDX64=bool(idx64), BLOCK_T=bt, BLOCK_H=triton.next_power_of_2(h),
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dvh),
     )

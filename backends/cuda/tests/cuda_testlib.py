@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import kvabi
 from kvabi import CommonAttentionMetadata, KVSpec, Layout
 from kvabi.dtypes import numpy_dtype
+from kvabi.tensors import convert, to_numpy
 
 
 @attrs.frozen
@@ -110,30 +111,39 @@ def step_data(step: Step, layer: int = 1):
             None if mla else draw(t, h, dv), draw(t, step.num_q_heads, d))
 
 
-def run_step(backend, step: Step, layer: int = 1, *, scale=None):
+def arr(backend, x):
+    """``x`` (numpy) in ``backend``'s framework on its device (None stays None)."""
+    return None if x is None else convert(x, backend.framework, device=backend.device())
+
+
+def host(x) -> np.ndarray:
+    """A float64 numpy copy of a backend's array."""
+    return np.asarray(to_numpy(x), dtype=np.float64)
+
+
+def run_step(backend, step: Step, layer: int = 1, *, scale=None, as_list=False):
     """Write the history and the step's K/V through ``backend``, then attend.
 
     Returns (out [A, Hq, Dv], lse [A, Hq], cache planes as numpy), float64, real tokens.
+    ``as_list`` hands the backend an ABI 1.0 list of planes instead of the handle.
     """
     spec, layout = step.spec, step.layout()
     kh, vh, k, v, q = step_data(step, layer)
     cache = backend.allocate(layout)
+    if as_list:
+        cache = list(cache)
     if step.hist.num_tokens:
         p0 = backend.plan(step.hist, spec, layout)
-        backend.write_kv(cache, layout, backend.asarray(kh),
-                         None if vh is None else backend.asarray(vh), p0, layer=layer)
+        backend.write_kv(cache, layout, arr(backend, kh), arr(backend, vh), p0, layer=layer)
     p = backend.plan(step.meta, spec, layout, scale=scale, softcap=step.softcap,
                      sinks=step.sinks)
-    backend.write_kv(cache, layout, backend.asarray(k),
-                     None if v is None else backend.asarray(v), p, layer=layer)
+    backend.write_kv(cache, layout, arr(backend, k), arr(backend, v), p, layer=layer)
     qd = q.astype(numpy_dtype(spec.dtype)) if spec.dtype != "float32" else q
-    out, lse = backend.attention(backend.asarray(qd), cache, layout, p, layer=layer,
+    out, lse = backend.attention(arr(backend, qd), cache, layout, p, layer=layer,
                                  return_lse=True)
     a = step.meta.num_actual_tokens
-    o = np.asarray(backend.to_numpy(out), dtype=np.float64)[:a]
-    l = np.asarray(backend.to_numpy(lse), dtype=np.float64)[:a]
-    planes = [np.asarray(backend.to_numpy(x)) for x in cache]
-    return o, l, planes
+    planes = [np.asarray(to_numpy(x)) for x in cache]
+    return host(out)[:a], host(lse)[:a], planes
 
 
 def reference():

@@ -76,9 +76,8 @@ def test_decode_and_prefill_wrappers_both_exercised():
     dec = make_step(query_lens=[1, 1, 1], context_lens=[4, 0, 9], seed=1)
     pre = make_step(query_lens=[1, 3], context_lens=[4, 2], seed=1)
     for step, want in ((dec, "decode"), (pre, "prefill")):
-        plan = EMULATED.plan(step.meta, step.spec, step.layout())
-        EMULATED._planned(plan, step.num_q_heads)
-        assert plan.planned[step.num_q_heads][0]["wrapper"] == want
+        plan = EMULATED.plan(step.meta, step.spec, step.layout(), num_q_heads=step.num_q_heads)
+        assert plan.planned[(step.num_q_heads, False)][0]["wrapper"] == want
         compare(step, run_step(EMULATED, step), run_step(reference(), step))
 
 
