@@ -10,11 +10,12 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml)
+$(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) examples/thirdparty-backend/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test]" $(foreach b,$(wildcard backends/*/pyproject.toml),-e $(dir $(b)))
+	$(BIN)/pip install -q -e examples/thirdparty-backend  # the worked third-party backend (README)
 	touch $(STAMP)
 
 run: setup

@@ -26,7 +26,7 @@ import sys
 
 import attrs
 
-from .checks import KitOptions, get_check
+from .checks import CHECKS, KitOptions, get_check
 from .failure import failure_report
 from .measure import ConformanceFailure
 from .runner import FAILED, NOT_APPLICABLE, reference_backend, run_check
@@ -109,44 +109,20 @@ class BackendConformance:
         assert isinstance(ok, bool) and isinstance(why, str)
         assert isinstance(backend.capabilities(None), Capabilities)
 
-    def test_write_kv(self):
-        self.run_kit_check("write_kv")
 
-    def test_attention(self):
-        self.run_kit_check("attention")
+def _check_test(name: str, summary: str):
+    def test(self):
+        self.run_kit_check(name)
 
-    def test_layouts(self):
-        self.run_kit_check("layouts")
+    test.__name__ = f"test_{name}"
+    test.__doc__ = f"Conformance check {name!r}: {summary}."
+    return test
 
-    def test_foreign_layouts(self):
-        self.run_kit_check("foreign_layouts")
 
-    def test_unsupported(self):
-        self.run_kit_check("unsupported")
-
-    def test_kv_update_slices(self):
-        self.run_kit_check("kv_update_slices")
-
-    def test_prefill_skip(self):
-        self.run_kit_check("prefill_skip")
-
-    def test_local_virtual_batches(self):
-        self.run_kit_check("local_virtual_batches")
-
-    def test_split_ubatches(self):
-        self.run_kit_check("split_ubatches")
-
-    def test_cascade(self):
-        self.run_kit_check("cascade")
-
-    def test_pad(self):
-        self.run_kit_check("pad")
-
-    def test_permute(self):
-        self.run_kit_check("permute")
-
-    def test_kv_sharing(self):
-        self.run_kit_check("kv_sharing")
+# One test method per check of the kit (a check added to CHECKS is a test here too).
+for _check in CHECKS:
+    setattr(BackendConformance, f"test_{_check.name}", _check_test(_check.name, _check.summary))
+del _check
 
 
 def raise_failure(res) -> None:

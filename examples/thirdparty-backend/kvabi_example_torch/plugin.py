@@ -1,0 +1,13 @@
+"""The pluggy hook kvabi finds through the entry point ``[project.entry-points.kvabi]``.
+
+The function must carry ``@kvabi.hookimpl`` and be spelled ``kvabi_backends``: otherwise it
+registers nothing (``kvabi backends`` then lists the plugin as refused, with the reason).
+"""
+import kvabi
+
+
+@kvabi.hookimpl
+def kvabi_backends():
+    from .backend import TorchSDPABackend  # torch is imported only when backends are listed
+
+    return [TorchSDPABackend()]
