@@ -25,9 +25,16 @@ def _builtin_layout(argv):
     return layout.run(argv)
 
 
+def _builtin_overhead(argv):
+    from ..bench import overhead
+
+    return overhead.run(argv)
+
+
 def suites() -> dict:
     """{name: callable(argv) -> int}: the built-in suites plus those of plugins."""
-    found = {"transforms": _builtin_transforms, "layout": _builtin_layout}
+    found = {"transforms": _builtin_transforms, "layout": _builtin_layout,
+             "overhead": _builtin_overhead}
     try:
         from .. import registry
     except ImportError:  # registry not available: built-in suites only
