@@ -148,8 +148,8 @@ class AttentionWrites(ReferenceBackend):
 
     name = "planted.attention_writes"
 
-    def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False):
-        out = super().attention(query, cache, layout, plan, layer=layer, return_lse=return_lse)
+    def attention(self, query, cache, layout, plan, *, layer=0, **kw):
+        out = super().attention(query, cache, layout, plan, layer=layer, **kw)
         layout.kv_view(cache, layer, 0)[0, 0] = 0
         return out
 
@@ -178,18 +178,30 @@ class CrashesOnUnsupported(ReferenceBackend):
 
 
 class IgnoresStrides(ReferenceBackend):
-    """Addresses every layout as if it had no explicit byte strides."""
+    """Addresses every layout as if it had no explicit byte strides (restriding the same
+    memory, so kvabi's own plane checks cannot see it)."""
 
     name = "planted.ignores_strides"
 
-    def _plain(self, layout):
-        return attrs.evolve(layout, strides=None, plane_bytes=None)
+    def _plain(self, layout, cache):
+        plain = attrs.evolve(layout, strides=None, plane_bytes=None)
+        isz = layout.itemsize
+        planes = [np.lib.stride_tricks.as_strided(
+            p, plain.plane_shape, [s * isz for s in plain.plane_strides]) for p in cache]
+        return plain, planes
+
+    def plan(self, meta, spec, layout, **kw):
+        return super().plan(meta, spec, attrs.evolve(layout, strides=None, plane_bytes=None),
+                            **kw)
 
     def write_kv(self, cache, layout, *a, **kw):
-        return super().write_kv(cache, self._plain(layout), *a, **kw)
+        plain, planes = self._plain(layout, cache)
+        super().write_kv(planes, plain, *a, **kw)
+        return cache
 
     def attention(self, query, cache, layout, *a, **kw):
-        return super().attention(query, cache, self._plain(layout), *a, **kw)
+        plain, planes = self._plain(layout, cache)
+        return super().attention(query, planes, plain, *a, **kw)
 
 
 class SwapsHeadOrder(ReferenceBackend):
@@ -223,7 +235,7 @@ class NoCausalMask(ReferenceBackend):
 
     name = "planted.no_causal_mask"
 
-    def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False):
+    def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False, **kw):
         m = plan.meta
         req = m.token_request
         as_decodes = kvabi.CommonAttentionMetadata.from_lengths(
@@ -232,7 +244,7 @@ class NoCausalMask(ReferenceBackend):
         plan2 = super().plan(as_decodes, plan.spec, layout, scale=plan.scale,
                              softcap=plan.softcap, sinks=plan.sinks)
         return super().attention(query, cache, layout, plan2, layer=layer,
-                                 return_lse=return_lse)
+                                 return_lse=return_lse, **kw)
 
 
 PLANTED = [

@@ -158,3 +158,19 @@ def step_arrays(case: AttentionCase, salt: int):
     qstd = QUERY_STD / (INT8_RANGE if case.spec.dtype == "int8" else 1.0)
     query = (rng.standard_normal(i.query.shape) * qstd).astype(dt)
     return key, value, query
+
+
+def layer_sinks(case: AttentionCase, layer: int) -> np.ndarray:
+    """Per-layer attention sinks (float32, one per query head) for ``layer`` of ``case``:
+    what a 1.1 caller passes per call, different for every layer."""
+    rng = np.random.default_rng([case.seed, 0x51C, layer])
+    return rng.uniform(-2.0, 2.0, case.num_q_heads).astype(np.float32)
+
+
+def layer_inputs(case: AttentionCase, layer: int):
+    """(key, value, query) of ``case``'s step at ``layer``: the case's own arrays at
+    ``case.layer``, others seeded per layer (so every layer holds different data)."""
+    if layer == case.layer:
+        i = case.inputs()
+        return i.key, i.value, i.query
+    return step_arrays(case, 1000 + layer)

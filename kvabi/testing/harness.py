@@ -1,18 +1,32 @@
 """Driving a backend and the reference through one case, and comparing what they leave.
 
 The reference always works on numpy planes that span the layout's whole buffer (padding
-included), so :meth:`kvabi.Layout.kv_view` can address them.  A backend's planes cross
-the boundary with ``backend.asarray`` / ``backend.to_numpy``: they are copied back into
-such full-buffer planes before anything reads them through the layout.
+included), so :meth:`kvabi.Layout.kv_view` can address them.  Arrays cross the boundary
+with :func:`kvabi.tensors.convert` into the backend's ``framework`` (a 1.0 backend that
+overrides ``asarray``/``to_numpy`` keeps getting those); caches are handed as
+:class:`kvabi.KVCache` to 1.1 backends and as plain lists to 1.0 backends, and the kit
+always continues with the cache a write returns (a jax cache is consumed by the write).
+A backend's planes are copied back into full-buffer numpy planes before anything reads
+them through the layout.
+
+A backend is called with the 1.1 keywords (``num_q_heads``, per-call ``sinks``, ``out``)
+only when it declares ABI 1.1 (:func:`kvabi.abi_at_least`); the reference, as the oracle,
+is always called the 1.0 way (one plan per set of sinks), so the oracle does not depend on
+the features under test.
 """
 from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from ..abi import Backend, abi_at_least
+from ..cache import KVCache
 from ..dtypes import numpy_dtype
+from ..errors import KVABIError
 from ..layout import Layout
 from ..metadata import CommonAttentionMetadata
+from ..tensors import convert
+from ..tensors import to_numpy as _to_numpy
 from .cases import AttentionCase, Inputs, input_dtype
 from .measure import ConformanceFailure
 
@@ -22,6 +36,75 @@ SENTINEL = 0xA5
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+# -- the boundary -------------------------------------------------------------------------
+def is_abi_11(backend) -> bool:
+    """Whether the backend takes the 1.1 keywords and KVCache handles."""
+    return abi_at_least(backend, (1, 1))
+
+
+def _overrides(backend, name: str) -> bool:
+    own = getattr(type(backend), name, None)
+    return own is not None and own is not getattr(Backend, name, None)
+
+
+def to_backend(backend, x):
+    """``x`` (numpy) in the backend's framework: :func:`kvabi.tensors.convert`, or a 1.0
+    backend's own ``asarray`` when it overrides it."""
+    if x is None:
+        return None
+    if not is_abi_11(backend) and _overrides(backend, "asarray"):
+        return backend.asarray(x)
+    dev = backend.device() if callable(getattr(backend, "device", None)) else None
+    return convert(x, getattr(backend, "framework", "numpy"), device=dev)
+
+
+def from_backend(backend, x) -> np.ndarray:
+    """A backend's array as numpy (a 1.0 backend's own ``to_numpy`` when it overrides it)."""
+    if not is_abi_11(backend) and _overrides(backend, "to_numpy"):
+        return np.asarray(backend.to_numpy(x))
+    return np.asarray(_to_numpy(x))
+
+
+def hand_cache(backend, layout: Layout, planes):
+    """Planes (already in the backend's framework) as the backend expects a cache: a
+    KVCache for 1.1, a plain list for 1.0."""
+    if is_abi_11(backend):
+        return KVCache.wrap(layout, list(planes))
+    return list(planes)
+
+
+def take_cache(backend, layout: Layout, cache, what: str):
+    """The cache a backend returned (from ``allocate`` or ``write_kv``), as the kit hands
+    it on; a 1.1 backend's list is wrapped (and checked) into a KVCache."""
+    if cache is None:
+        raise ConformanceFailure(f"{what} returned None; it must return the cache")
+    if not isinstance(cache, (list, tuple)):
+        raise ConformanceFailure(f"{what} returned a {type(cache).__name__}, not a cache "
+                                 f"(a KVCache or a list of planes)")
+    if not is_abi_11(backend):
+        return list(cache)
+    if isinstance(cache, KVCache) and cache.layout == layout:
+        return cache
+    try:
+        return KVCache.wrap(layout, list(cache))
+    except KVABIError as e:
+        raise ConformanceFailure(f"{what} returned planes that do not fit the layout: "
+                                 f"{e}") from e
+
+
+def dtype_str(x) -> str:
+    """The dtype name of a numpy, torch or jax array (``float32``, ``bfloat16``, ...)."""
+    return str(getattr(x, "dtype", "?")).replace("torch.", "")
+
+
+def is_reference(backend) -> bool:
+    """The numpy oracle (and its subclasses) returns float64 outputs and lse."""
+    from ..reference import ReferenceBackend
+
+    return isinstance(backend, ReferenceBackend)
+
+
+# -- numpy planes -------------------------------------------------------------------------
 def full_planes(layout: Layout, fill_byte: int = 0) -> list[np.ndarray]:
     """numpy planes shaped ``layout.plane_shape`` over buffers of ``plane_nbytes`` (padding
     included) whose every byte is ``fill_byte``."""
@@ -35,6 +118,13 @@ def full_planes(layout: Layout, fill_byte: int = 0) -> list[np.ndarray]:
         # Stride an unsigned view: numpy cannot stride some ml_dtypes arrays directly.
         out.append(as_strided(buf, layout.plane_shape, strides).view(dt))
     return out
+
+
+def _handle(layout: Layout, planes):
+    """A KVCache over the kit's own numpy planes (checked once; views are lookups)."""
+    if isinstance(planes, KVCache) and planes.layout == layout:
+        return planes
+    return KVCache(layout, tuple(planes), _checked=True)
 
 
 def copy_planes(layout: Layout, planes) -> list[np.ndarray]:
@@ -63,16 +153,17 @@ def as_cache_dtype(x, dtype: str) -> np.ndarray:
     return a.astype(dt)
 
 
-def fill_pool(layout: Layout, planes, inputs: Inputs, spec) -> None:
-    """Write every slot of every layer of numpy ``planes`` from the case's pool."""
+def fill_pool(layout: Layout, planes, pool_k, pool_v, spec) -> None:
+    """Write every slot of every layer of numpy ``planes`` from a pool
+    ([L, slots, H, D] arrays)."""
     dt = numpy_dtype(spec.dtype)
-    shape = (layout.num_blocks, spec.block_size) + inputs.pool_k.shape[2:]
+    cache = _handle(layout, planes)
+    shape = (layout.num_blocks, spec.block_size) + pool_k.shape[2:]
     for layer in range(layout.num_layers):
-        layout.kv_view(planes, layer, 0)[...] = inputs.pool_k[layer].astype(dt).reshape(shape)
-        if inputs.pool_v is not None:
-            vshape = shape[:-1] + (inputs.pool_v.shape[-1],)
-            layout.kv_view(planes, layer, 1)[...] = \
-                inputs.pool_v[layer].astype(dt).reshape(vshape)
+        cache.kv_view(layer, 0)[...] = pool_k[layer].astype(dt).reshape(shape)
+        if pool_v is not None:
+            vshape = shape[:-1] + (pool_v.shape[-1],)
+            cache.kv_view(layer, 1)[...] = pool_v[layer].astype(dt).reshape(vshape)
 
 
 def fill_meta(layout: Layout, block_size: int) -> CommonAttentionMetadata:
@@ -82,47 +173,60 @@ def fill_meta(layout: Layout, block_size: int) -> CommonAttentionMetadata:
         [nb * block_size], [0], np.arange(nb)[None, :], block_size, num_blocks=nb)
 
 
-def oracle_cache(case: AttentionCase, *, via_backend_allocate: bool) -> list[np.ndarray]:
-    """The reference's starting cache: poisoned with :data:`SENTINEL` (zeros where the
-    backend's own zeroed allocation is used instead), then every slot from the pool."""
+def oracle_cache(case: AttentionCase, *, via_backend_allocate: bool, pool=None
+                 ) -> list[np.ndarray]:
+    """The starting cache: poisoned with :data:`SENTINEL` (zeros where the backend's own
+    zeroed allocation is used instead), then every slot from the pool (the case's, or
+    ``pool`` = (pool_k, pool_v))."""
     planes = full_planes(case.layout, 0 if via_backend_allocate else SENTINEL)
-    fill_pool(case.layout, planes, case.inputs(), case.spec)
+    i = case.inputs()
+    pk, pv = (i.pool_k, i.pool_v) if pool is None else pool
+    fill_pool(case.layout, planes, pk, pv, case.spec)
     return planes
 
 
-def backend_cache(backend, case: AttentionCase):
-    """The backend's starting cache, equal to :func:`oracle_cache`.
+def backend_cache(backend, case: AttentionCase, pool=None):
+    """The backend's starting cache, equal to :func:`oracle_cache` (with the same
+    ``pool``).
 
-    A C-contiguous layout is poisoned and filled in numpy and handed over with
-    ``backend.asarray``; any other goes through ``backend.allocate`` and a write of every
-    slot through the backend itself.
+    A C-contiguous layout is poisoned and filled in numpy and handed over in the backend's
+    framework; any other goes through ``backend.allocate`` and a write of every slot
+    through the backend itself.
     """
     layout, spec, inputs = case.layout, case.spec, case.inputs()
-    if use_asarray(layout):
-        planes = oracle_cache(case, via_backend_allocate=False)
-        return [backend.asarray(np.array(p)) for p in planes]
-    cache = backend.allocate(layout)
+    if use_host_planes(layout):
+        planes = oracle_cache(case, via_backend_allocate=False, pool=pool)
+        return hand_cache(backend, layout, [to_backend(backend, np.array(p)) for p in planes])
+    pk, pv = (inputs.pool_k, inputs.pool_v) if pool is None else pool
+    cache = take_cache(backend, layout, backend.allocate(layout), "allocate(layout)")
     meta = fill_meta(layout, spec.block_size)
     plan = backend.plan(meta, spec, layout)
     for layer in range(layout.num_layers):
-        k = backend.asarray(inputs.pool_k[layer])
-        v = None if inputs.pool_v is None else backend.asarray(inputs.pool_v[layer])
-        cache = backend.write_kv(cache, layout, k, v, plan, layer=layer)
+        k = to_backend(backend, pk[layer])
+        v = None if pv is None else to_backend(backend, pv[layer])
+        cache = take_cache(backend, layout,
+                           backend.write_kv(cache, layout, k, v, plan, layer=layer),
+                           "write_kv")
     return cache
 
 
-def use_asarray(layout: Layout) -> bool:
+def use_host_planes(layout: Layout) -> bool:
+    """Whether the kit builds the planes itself (a dense layout: any framework holds it)."""
     return layout.is_c_contiguous
+
+
+use_asarray = use_host_planes  # the 1.0 name
 
 
 def to_planes(backend, layout: Layout, cache) -> list[np.ndarray]:
     """A backend's cache as full-buffer numpy planes (checked for count, shape, dtype)."""
     if not isinstance(cache, (list, tuple)) or len(cache) != layout.num_planes:
+        n = len(cache) if hasattr(cache, "__len__") else "?"
         raise ConformanceFailure(f"cache: expected a list of {layout.num_planes} planes, got "
-                                 f"{type(cache).__name__} of {len(cache) if hasattr(cache, '__len__') else '?'}")
+                                 f"{type(cache).__name__} of {n}")
     out = full_planes(layout, 0)
     for i, p in enumerate(cache):
-        a = backend.to_numpy(p)
+        a = from_backend(backend, p)
         if tuple(a.shape) != layout.plane_shape:
             raise ConformanceFailure(f"cache plane {i}: shape {tuple(a.shape)}, the layout "
                                      f"says {layout.plane_shape}")
@@ -134,89 +238,260 @@ def to_planes(backend, layout: Layout, cache) -> list[np.ndarray]:
     return out
 
 
-def cache_difference(layout: Layout, spec, got, want) -> str | None:
-    """None when two full-buffer plane lists hold the same visible bytes, else a
-    description naming the (layer, K/V, slot) entries that differ."""
+# -- cache comparison -----------------------------------------------------------------------
+class StepData:
+    """What a step wrote (numpy K/V, slot mapping, layer): lets a cache difference say
+    which token's data landed in which slot."""
+
+    def __init__(self, key, value, slot_mapping, layer: int):
+        self.key, self.value = key, value
+        self.slot_mapping = np.asarray(slot_mapping, np.int64)
+        self.layer = int(layer)
+
+
+def _token_bits(x, dt, u, width):
+    """[T, H * width] cache-dtype bits of a step's K or V rows."""
+    from ..reference import to_cache_dtype
+
+    a = to_cache_dtype(np.asarray(x)[..., :width], dt)
+    return np.ascontiguousarray(a).view(u).reshape(len(a), -1)
+
+
+def _attribute(layout, spec, got, want, layer, kv, slot, step, dt, u):
+    """Facts about one wrong slot: which token's data it holds and which it should."""
+    cache_g, cache_w = _handle(layout, got), _handle(layout, want)
+    bs = spec.block_size
+    g = cache_g.kv_view(layer, kv)[slot // bs, slot % bs]
+    w = cache_w.kv_view(layer, kv)[slot // bs, slot % bs]
+    gb, wb = g.view(u), w.view(u)
+    bad = np.nonzero((gb != wb).ravel())[0]
+    e = int(bad[0]) if len(bad) else 0
+    h, d = divmod(e, g.shape[-1])
+    facts = {"layer": int(layer), "kv": _kv_name(layout, kv), "slot": int(slot),
+             "head": int(h), "element": int(d),
+             "got": float(g.reshape(-1)[e].astype(np.float64)),
+             "want": float(w.reshape(-1)[e].astype(np.float64))}
+    if step is None:
+        return facts
+    width = g.shape[-1]
+    for which, arr in (("key", step.key), ("value", step.value)):
+        if arr is None:
+            continue
+        wd = min(width, arr.shape[-1])
+        bits = _token_bits(arr, dt, u, wd)
+        row = np.ascontiguousarray(g[..., :wd]).view(u).reshape(-1)
+        hit = np.nonzero((bits == row[None, :]).all(axis=1))[0]
+        if len(hit):
+            t = int(hit[0])
+            facts["holds_token"] = t
+            facts["holds"] = which
+            facts["token_slot"] = int(step.slot_mapping[t]) if t < len(step.slot_mapping) \
+                else None
+            break
+    if layer == step.layer:
+        own = np.nonzero(step.slot_mapping == slot)[0]
+        if len(own):
+            facts["expected_token"] = int(own[0])
+    return facts
+
+
+def _kv_name(layout, kv):
+    return "latent" if not layout.has_kv else "KV"[kv]
+
+
+def _describe(f: dict) -> str:
+    s = f"slot {f['slot']} of layer {f['layer']} {f['kv']}"
+    if "holds_token" in f:
+        t, ts = f["holds_token"], f.get("token_slot")
+        where = ("a padding token, slot -1" if ts is not None and ts < 0
+                 else f"it belongs in slot {ts}" if ts is not None else "")
+        s += f" holds token {t}'s {f['holds']}" + (f" ({where})" if where else "")
+    else:
+        s += (f" holds a value of no token of the step (head {f['head']} element "
+              f"{f['element']}: got {f['got']:.4g}, want {f['want']:.4g})")
+    if "expected_token" in f:
+        s += f"; it should hold token {f['expected_token']}'s"
+    else:
+        s += "; it should be unchanged"
+    return s
+
+
+def cache_difference(layout: Layout, spec, got, want, step: StepData | None = None):
+    """None when two full-buffer plane lists hold the same bytes, else ``(text,
+    details)`` naming the (layer, K/V, slot) entries that differ and, with ``step``, which
+    token's data landed in which wrong slot."""
     bad_planes = []
     u = UINT[layout.itemsize]
     for i, (a, b) in enumerate(zip(got, want)):
-        if not np.array_equal(a.view(u), b.view(u)):
+        if not np.array_equal(raw_items(layout, a), raw_items(layout, b)):
             bad_planes.append(i)
     if not bad_planes:
         return None
-    parts = []
+    dt = numpy_dtype(spec.dtype)
+    cg, cw = _handle(layout, got), _handle(layout, want)
+    parts, facts = [], []
     for layer in range(layout.num_layers):
         for kv in (range(2) if layout.has_kv else range(1)):
-            a = layout.kv_view(got, layer, kv).view(u)
-            b = layout.kv_view(want, layer, kv).view(u)
+            a = cg.kv_view(layer, kv).view(u)
+            b = cw.kv_view(layer, kv).view(u)
             diff = (a != b).reshape(a.shape[0] * a.shape[1], -1).any(axis=1)
             slots = np.nonzero(diff)[0]
             if len(slots):
-                name = ("latent" if not layout.has_kv else "KV"[kv])
-                parts.append(f"layer {layer} {name}: {len(slots)} slot(s) differ, first "
-                             f"{slots[:6].tolist()}")
+                parts.append(f"layer {layer} {_kv_name(layout, kv)}: {len(slots)} slot(s) "
+                             f"differ, first {[int(s) for s in slots[:6]]}")
+                for s in slots[:3 - min(3, len(facts))]:
+                    facts.append(_attribute(layout, spec, got, want, layer, kv, int(s),
+                                            step, dt, u))
     if not parts:
-        parts.append(f"bytes outside the logical elements (padding) differ in planes "
-                     f"{bad_planes}")
-    return "; ".join(parts)
+        text = (f"bytes outside the logical elements (padding) differ in planes "
+                f"{bad_planes}")
+        return text, {"planes": bad_planes}
+    text = "; ".join(parts)
+    if facts:
+        text += ". " + "; ".join(_describe(f) for f in facts)
+    return text, dict(facts[0]) if facts else {}
 
 
-def expect_same_cache(what: str, layout: Layout, spec, got, want, *, written=None) -> None:
+def expect_same_cache(what: str, layout: Layout, spec, got, want, *, written=None,
+                      step: StepData | None = None) -> None:
     """Raise :class:`ConformanceFailure` unless the caches are byte-identical."""
-    d = cache_difference(layout, spec, got, want)
+    d = cache_difference(layout, spec, got, want, step)
     if d is not None:
-        extra = "" if written is None else f"; the step writes slots {list(written)[:12]}"
-        raise ConformanceFailure(f"{what}: cache bytes differ from the reference: {d}{extra}")
+        text, details = d
+        if written is not None:
+            text += f"; the step writes slots {[int(s) for s in list(written)[:12]]}"
+        raise ConformanceFailure(f"{what}: cache bytes differ from the reference: {text}",
+                                 details)
 
 
+# -- one side of a case -----------------------------------------------------------------------
 class Runner:
-    """One side (backend or reference) of a case: its cache and calls with numpy in/out."""
+    """One side (backend or reference) of a case: its cache and calls with numpy in/out.
 
-    def __init__(self, backend, case: AttentionCase, *, oracle: bool):
+    The cache is built on first use (after the first plan, so that a backend refuses an
+    unsupported spec in ``plan`` before it is handed planes of a dtype it never claimed);
+    ``pool`` = (pool_k, pool_v) replaces the case's starting cache contents.
+    """
+
+    def __init__(self, backend, case: AttentionCase, *, oracle: bool, pool=None):
         self.backend = backend
         self.case = case
         self.oracle = oracle
         self.layout = case.layout
         self.spec = case.spec
-        if oracle:
-            self.cache = oracle_cache(case, via_backend_allocate=not use_asarray(case.layout))
-        else:
-            self.cache = backend_cache(backend, case)
+        self.pool = pool
+        self.v11 = (not oracle) and is_abi_11(backend)
+        self._cache = None
+
+    @property
+    def cache(self):
+        if self._cache is None:
+            if self.oracle:
+                self._cache = oracle_cache(self.case, pool=self.pool,
+                                           via_backend_allocate=not use_host_planes(self.layout))
+            else:
+                self._cache = backend_cache(self.backend, self.case, self.pool)
+        return self._cache
+
+    @cache.setter
+    def cache(self, value):
+        self._cache = value
 
     def _x(self, a):
         if a is None:
             return None
-        return a if self.oracle else self.backend.asarray(a)
+        return a if self.oracle else to_backend(self.backend, a)
 
-    def plan(self, meta, spec=None, *, sinks=True):
+    def plan(self, meta, spec=None, *, sinks=True, sink_values=None):
+        """A plan for ``meta``; the case's sinks (when it has them and ``sinks``), or
+        ``sink_values``; a 1.1 backend is also told the number of query heads."""
         c = self.case
-        s = c.inputs().sinks if (sinks and c.sinks) else None
-        return self.backend.plan(meta, spec or self.spec, self.layout, scale=c.scale,
-                                 softcap=c.softcap, sinks=self._x(s))
+        s = sink_values
+        if s is None and sinks and c.sinks:
+            s = c.inputs().sinks
+        kw = dict(scale=c.scale, softcap=c.softcap, sinks=self._x(s))
+        if self.v11:
+            kw["num_q_heads"] = c.num_q_heads
+        return self.backend.plan(meta, spec or self.spec, self.layout, **kw)
 
     def write(self, plan, key, value, layer=None):
         layer = self.case.layer if layer is None else layer
-        self.cache = self.backend.write_kv(self.cache, self.layout, self._x(key),
-                                           self._x(value), plan, layer=layer)
-        if self.cache is None:
-            raise ConformanceFailure("write_kv returned None; it must return the cache")
+        cache = self.cache
+        got = self.backend.write_kv(cache, self.layout, self._x(key), self._x(value), plan,
+                                    layer=layer)
+        if self.oracle:
+            self._cache = got
+        else:
+            self._cache = take_cache(self.backend, self.layout, got, "write_kv")
 
-    def attend(self, plan, query, layer=None, *, lse=False):
-        """(out, lse or None) as float64 numpy."""
+    def attend(self, plan, query, layer=None, *, lse=False, sinks=None, out=False):
+        """(out, lse or None) as float64 numpy.
+
+        ``sinks`` (numpy, 1.1 backends only) are passed per call; ``out`` passes a buffer
+        of the output's shape in the query's dtype (1.1 only) and checks it was written in
+        place (numpy, torch).  The output dtype must be the query's and lse float32 (the
+        reference: float64)."""
         layer = self.case.layer if layer is None else layer
+        kw = {}
+        if sinks is not None:
+            if not self.v11:
+                raise ConformanceFailure("internal: per-call sinks for a 1.0 backend")
+            kw["sinks"] = self._x(sinks)
+        buf = None
+        if out and self.v11:
+            q = np.asarray(query)
+            dv = self.spec.head_dim_v
+            buf = self._x(np.full((q.shape[0], q.shape[1], dv), np.nan, q.dtype))
+            kw["out"] = buf
         got = self.backend.attention(self._x(query), self.cache, self.layout, plan,
-                                     layer=layer, return_lse=lse)
+                                     layer=layer, return_lse=lse, **kw)
         if lse:
             if not isinstance(got, tuple) or len(got) != 2:
                 raise ConformanceFailure("attention(return_lse=True) must return (out, lse)")
-            out, l_ = got
-            return self._np(out), self._np(l_)
-        if isinstance(got, tuple):
-            raise ConformanceFailure("attention(return_lse=False) returned a tuple")
-        return self._np(got), None
+            o, l_ = got
+        else:
+            if isinstance(got, tuple):
+                raise ConformanceFailure("attention(return_lse=False) returned a tuple")
+            o, l_ = got, None
+        if self.v11:
+            self._check_dtypes(query, o, l_)
+        o_np = self._np(o)
+        if buf is not None:
+            self._check_in_place(buf, o_np)
+        return o_np, (None if l_ is None else self._np(l_))
+
+    def _check_dtypes(self, query, o, l_):
+        want = str(np.asarray(query).dtype)
+        ok_out = {want} | ({"float64"} if is_reference(self.backend) else set())
+        if dtype_str(o) not in ok_out:
+            raise ConformanceFailure(
+                f"attention output dtype: {dtype_str(o)}, expected the query's {want}",
+                {"got_dtype": dtype_str(o), "want_dtype": want})
+        ok_lse = {"float32"} | ({"float64"} if is_reference(self.backend) else set())
+        if l_ is not None and dtype_str(l_) not in ok_lse:
+            raise ConformanceFailure(f"attention lse dtype: {dtype_str(l_)}, expected float32",
+                                     {"got_dtype": dtype_str(l_), "want_dtype": "float32"})
+
+    def _check_in_place(self, buf, returned):
+        fw = getattr(self.backend, "framework", "numpy")
+        if fw not in ("numpy", "torch"):
+            return  # jax arrays are immutable: the returned array is the output
+        held = self._np(buf)
+        rows = slice(0, self.case.meta.num_actual_tokens)
+        if not np.array_equal(held[rows], returned[rows], equal_nan=True):
+            with np.errstate(invalid="ignore"):
+                diff = ~((held[rows] == returned[rows]) |
+                         (np.isnan(held[rows]) & np.isnan(returned[rows])))
+            t, h, d = (int(x[0]) for x in np.nonzero(diff))
+            raise ConformanceFailure(
+                f"attention(out=...): the out buffer does not hold the returned output "
+                f"(not written in place?): token {t} head {h} element {d}: buffer "
+                f"{float(held[t, h, d]):.4g}, returned {float(returned[t, h, d]):.4g}",
+                {"token": t, "head": h, "element": d, "got": float(held[t, h, d]),
+                 "want": float(returned[t, h, d])})
 
     def _np(self, x):
-        a = np.asarray(x if self.oracle else self.backend.to_numpy(x))
+        a = np.asarray(x) if self.oracle else from_backend(self.backend, x)
         return a.astype(np.float64)
 
     def planes(self) -> list[np.ndarray]:
@@ -235,6 +510,7 @@ def step_inputs(case: AttentionCase, rows=None):
     return k, v, q
 
 
-__all__ = ["SENTINEL", "Runner", "as_cache_dtype", "backend_cache", "cache_difference",
-           "copy_planes", "expect_same_cache", "fill_meta", "fill_pool", "full_planes",
-           "input_dtype", "oracle_cache", "raw_items", "step_inputs", "to_planes"]
+__all__ = ["SENTINEL", "Runner", "StepData", "as_cache_dtype", "backend_cache",
+           "cache_difference", "copy_planes", "expect_same_cache", "fill_meta", "fill_pool",
+           "from_backend", "full_planes", "hand_cache", "input_dtype", "is_abi_11",
+           "oracle_cache", "raw_items", "step_inputs", "to_backend", "to_planes"]

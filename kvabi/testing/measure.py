@@ -8,6 +8,8 @@ Cache contents are compared byte for byte: there is no tolerance for a write.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 #: relative L2 error allowed per cache dtype (see specs/conformance.md for the reasoning)
@@ -22,7 +24,17 @@ TOLERANCES = {
 
 
 class ConformanceFailure(AssertionError):
-    """A backend computed something other than the canonical semantics."""
+    """A backend computed something other than the canonical semantics.
+
+    ``details`` holds the facts of the failure as plain Python numbers and strings, for
+    machine-readable reports: for attention ``error``, ``tolerance``, ``token``, ``head``,
+    ``element``, ``got``, ``want``, ``ratio`` at the worst element; for writes ``layer``,
+    ``kv``, ``slot`` and which token's data landed there.
+    """
+
+    def __init__(self, message: str = "", details: dict | None = None):
+        super().__init__(message)
+        self.details = dict(details or {})
 
 
 def tolerance(dtype: str, overrides: dict | None = None) -> float:
@@ -66,12 +78,82 @@ def lse_error(got, want) -> float:
     return float(d.max())
 
 
-def expect_close(what: str, err: float, tol: float, detail: str = "") -> float:
-    """Raise :class:`ConformanceFailure` unless ``err <= tol``; returns ``err``."""
+def expect_close(what: str, err: float, tol: float, detail: str = "",
+                 details: dict | None = None) -> float:
+    """Raise :class:`ConformanceFailure` (with ``details`` plus the error and tolerance)
+    unless ``err <= tol``; returns ``err``."""
     if not err <= tol:
-        msg = f"{what}: error {err:.3g} exceeds tolerance {tol:.3g}"
-        raise ConformanceFailure(msg + (f"; {detail}" if detail else ""))
+        msg = f"{what}: error {_num(err)} exceeds tolerance {_num(tol)}"
+        d = {"measure": what, "error": _plain(err), "tolerance": _plain(tol)}
+        d.update(details or {})
+        raise ConformanceFailure(msg + (f"; {detail}" if detail else ""), d)
     return err
+
+
+def _plain(x):
+    """A Python int/float/str for a numpy scalar (no numpy reprs in reports)."""
+    if isinstance(x, np.generic):
+        x = x.item()
+    return x
+
+
+def _num(x) -> str:
+    """A number for a message: ints as they are, floats with 3 significant digits."""
+    x = _plain(x)
+    if isinstance(x, (bool, int)):
+        return str(x)
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return f"{x:.4g}"
+    return str(x)
+
+
+def _ratio(got: float, want: float):
+    """got / want, or None when undefined (want 0, or non-finite values)."""
+    if want == 0 or not (math.isfinite(got) and math.isfinite(want)):
+        return None
+    return got / want
+
+
+def worst_element(got, want, rows) -> dict:
+    """The worst element of ``got`` vs ``want`` over token ``rows``: its token, head and
+    (for [T, H, D] arrays) element index, the got and want values, their ratio and the
+    absolute error, as plain numbers.  A non-finite ``got`` where ``want`` is finite is
+    the worst; empty ``rows`` give {}."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    rows = np.asarray(rows, np.int64)
+    if not len(rows) or got.shape != want.shape or got[rows].size == 0:
+        return {}
+    g, w = got[rows], want[rows]
+    with np.errstate(invalid="ignore"):
+        err = np.abs(g - w)
+    same_inf = np.isinf(g) & (g == w)
+    err = np.where(same_inf, 0.0, np.where(np.isnan(err), np.inf, err))
+    flat = int(np.argmax(err))
+    idx = np.unravel_index(flat, err.shape)
+    gv, wv = float(g[idx]), float(w[idx])
+    out = {"token": int(rows[idx[0]])}
+    if len(idx) > 1:
+        out["head"] = int(idx[1])
+    if len(idx) > 2:
+        out["element"] = int(idx[2])
+    out.update(got=gv, want=wv, ratio=_ratio(gv, wv), abs_error=float(err[idx]))
+    return out
+
+
+def describe_worst(d: dict) -> str:
+    """``worst at token 3 head 1 element 0: got 0.52, want -1.2 (ratio -0.43)``."""
+    if not d:
+        return ""
+    where = " ".join(f"{k} {d[k]}" for k in ("token", "head", "element") if k in d)
+    s = f"worst at {where}: got {_num(d['got'])}, want {_num(d['want'])}"
+    if d.get("ratio") is not None:
+        s += f" (ratio {_num(d['ratio'])})"
+    return s
 
 
 def worst_rows(got, want, rows, k: int = 3) -> str:
@@ -83,4 +165,4 @@ def worst_rows(got, want, rows, k: int = 3) -> str:
     err = np.where(np.isnan(err), np.inf, err)
     top = np.argsort(-np.asarray(err))[:k]
     return "largest errors at tokens " + ", ".join(
-        f"{int(rows[i])} ({float(err[i]):.3g})" for i in top)
+        f"{int(rows[i])} ({_num(float(err[i]))})" for i in top)

@@ -12,6 +12,9 @@ from .attention import attention_strategy, check_attention
 from .base import Check, KitOptions, NotApplicable, Refused, attention_cases, spec_strategy
 from .layouts import (check_foreign_layouts, check_layouts, foreign_layouts_strategy,
                       layouts_strategy)
+from .hostile import (check_hostile_cache, check_huge_lengths, hostile_cache_strategy,
+                      huge_lengths_strategy)
+from .poison import check_poisoned_rows, poison_strategy
 from .refusal import check_unsupported, unsupported_strategy
 from .sharing import check_kv_sharing, sharing_strategy
 from .transforms import (cascade_strategy, check_cascade, check_local_virtual_batches,
@@ -48,6 +51,12 @@ CHECKS: tuple[Check, ...] = (
           permute_strategy),
     Check("kv_sharing", "sharing layers read their owner's cache and never write",
           check_kv_sharing, sharing_strategy),
+    Check("poisoned_rows", "NaN/inf in rows no query may see change nothing",
+          check_poisoned_rows, poison_strategy),
+    Check("hostile_cache", "caches that do not fit refused before any write",
+          check_hostile_cache, hostile_cache_strategy),
+    Check("huge_lengths", "lengths and block ids past the layout refused, never written",
+          check_huge_lengths, huge_lengths_strategy),
 )
 
 CHECK_NAMES = tuple(c.name for c in CHECKS)
@@ -65,6 +74,7 @@ def get_check(name: str) -> Check:
 __all__ = ["CHECKS", "CHECK_NAMES", "Check", "KitOptions", "NotApplicable", "Refused",
            "attention_cases", "check_attention", "check_cascade", "check_foreign_layouts",
            "check_kv_sharing", "check_kv_update_slices", "check_layouts",
-           "check_local_virtual_batches", "check_pad", "check_permute", "check_prefill_skip",
+           "check_hostile_cache", "check_huge_lengths", "check_local_virtual_batches",
+           "check_pad", "check_permute", "check_poisoned_rows", "check_prefill_skip",
            "check_split_ubatches", "check_unsupported", "check_write_kv", "get_check",
            "spec_strategy"]

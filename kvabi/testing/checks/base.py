@@ -26,10 +26,45 @@ class Refused(float):
         return obj
 
 
+def raised_at(exc: BaseException) -> str:
+    """Where ``exc`` was raised: ``path:line in function`` of the innermost traceback frame
+    outside the kit (the path relative to its ``sys.path`` entry), or ""."""
+    import os
+    import sys
+    import traceback
+
+    kit = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not os.path.abspath(f.filename).startswith(kit + os.sep)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    path = os.path.abspath(f.filename)
+    roots = sorted((os.path.abspath(p) for p in sys.path if p), key=len, reverse=True)
+    for root in roots:
+        if path.startswith(root + os.sep):
+            path = os.path.relpath(path, root)
+            break
+    return f"{path}:{f.lineno} in {f.name}"
+
+
+def not_refused(what: str, exc: BaseException):
+    """The failure for a backend that raised something other than a KVABIError."""
+    from ..measure import ConformanceFailure
+
+    where = raised_at(exc)
+    msg = (f"{what}: not refused with KVABIError: {type(exc).__name__}: {exc}"
+           + (f" (raised at {where})" if where else ""))
+    return ConformanceFailure(msg, {"exception": type(exc).__name__, "raised_at": where})
+
+
 def step_or_refusal(backend, case: AttentionCase, what: str):
     """Run one write + attention step of ``case`` on ``backend``: ``(out, lse, planes)``,
     or :class:`Refused` when it raised a KVABIError.  Any other exception fails the check:
-    a backend must refuse what it cannot do with a KVABIError."""
+    a backend must refuse what it cannot do with a KVABIError.
+
+    ``plan`` runs before the backend is handed any cache, so that a spec it cannot serve
+    is refused before planes of a dtype or layout it never claimed reach it."""
     from ..harness import Runner, step_inputs
     from ..measure import ConformanceFailure
 
@@ -45,8 +80,7 @@ def step_or_refusal(backend, case: AttentionCase, what: str):
     except ConformanceFailure:
         raise
     except Exception as e:  # noqa: BLE001 - the point is to report what it raised
-        raise ConformanceFailure(f"{what} not refused with a KVABIError: "
-                                 f"{type(e).__name__}: {e}") from e
+        raise not_refused(what, e) from e
 
 
 @attrs.frozen

@@ -10,7 +10,8 @@ from ...dtypes import numpy_dtype
 from ...errors import KVABIError
 from ...layout import Layout
 from ..cases import exact_values, input_dtype
-from ..harness import UINT, expect_same_cache, fill_meta, raw_items, to_planes
+from ..harness import (UINT, expect_same_cache, fill_meta, raw_items, take_cache, to_backend,
+                       to_planes)
 from ..measure import ConformanceFailure
 from .attention import compare_outputs, reference_step
 from .base import KitOptions, Refused, attention_cases, spec_strategy, step_or_refusal
@@ -73,7 +74,7 @@ def check_layouts(backend, reference, params, options: KitOptions = KitOptions()
             raise ConformanceFailure(f"prefers layout {name!r}, which cannot hold {spec}: "
                                      f"{e}") from e
         back = _json_round_trip(layout)
-        cache = backend.allocate(back)
+        cache = take_cache(backend, back, backend.allocate(back), f"allocate({name})")
         zero = to_planes(backend, back, cache)
         for i, p in enumerate(zero):
             if p.view(UINT[back.itemsize]).any():
@@ -87,9 +88,9 @@ def check_layouts(backend, reference, params, options: KitOptions = KitOptions()
             rng, (slots, spec.num_kv_heads, spec.head_dim_v), spec.dtype).astype(dt)
         meta = fill_meta(back, spec.block_size)
         plan = backend.plan(meta, spec, back)
-        cache = backend.write_kv(cache, back, backend.asarray(pool_k),
-                                 None if pool_v is None else backend.asarray(pool_v), plan,
-                                 layer=params.layer)
+        cache = take_cache(backend, back, backend.write_kv(
+            cache, back, to_backend(backend, pool_k), to_backend(backend, pool_v), plan,
+            layer=params.layer), "write_kv")
         planes = to_planes(backend, back, cache)
         raw = np.stack([raw_items(back, p) for p in planes])
         plane, item, want = _expected_elements(layout, spec, pool_k, pool_v, params.layer)

@@ -1,0 +1,330 @@
+"""Hostile input a backend must refuse with a KVABIError before it writes anything
+(``specs/security.md``): caches that do not fit the layout, and metadata whose lengths or
+block ids exceed what the layout can address.
+
+Hostile numpy planes (and torch tensors over them) live at the start of a larger buffer
+whose tail, the guard, is not part of the memory they claim: a backend that writes past
+the memory it was given writes into the guard, where the check sees it, instead of
+corrupting the process.
+"""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from ...cache import KVCache
+from ...dtypes import DTYPE_BITS, numpy_dtype
+from ...errors import KVABIError
+from ...layout import Layout
+from ...metadata import CommonAttentionMetadata
+from ..harness import UINT, Runner, from_backend, is_abi_11, step_inputs, to_backend
+from ..measure import ConformanceFailure
+from .base import KitOptions, Refused, WithExtra, attention_cases, not_refused
+
+
+# -- guarded memory ---------------------------------------------------------------------------
+class Guarded:
+    """numpy planes over the first ``visible`` bytes of buffers followed by ``guard``
+    more bytes; the planes' memory (as numpy and kvabi see it) ends at ``visible``."""
+
+    def __init__(self, shape, strides, dtype: str, visible: int, guard: int, count: int,
+                 fill: int = 0x3C):
+        dt = numpy_dtype(dtype)
+        isz = dt.itemsize
+        visible -= visible % isz
+        self.buffers, self.planes = [], []
+        for _ in range(count):
+            buf = np.full(visible + guard + isz, fill, np.uint8)
+            head = np.frombuffer(memoryview(buf)[:visible], np.uint8)  # owns no guard
+            items = head.view(UINT[isz])
+            plane = np.lib.stride_tricks.as_strided(
+                items, shape, tuple(s * isz for s in strides)).view(dt)
+            self.buffers.append(buf)
+            self.planes.append(plane)
+        self.before = [b.copy() for b in self.buffers]
+
+    def changed(self) -> str | None:
+        """Where the bytes (planes or guard) changed since construction, or None."""
+        for i, (a, b) in enumerate(zip(self.buffers, self.before)):
+            d = np.nonzero(a != b)[0]
+            if len(d):
+                return f"plane {i} byte {int(d[0])} ({len(d)} bytes changed)"
+        return None
+
+
+def _extent(shape, strides, isz) -> int:
+    """Bytes from the first element to the end of the last one of a strided array."""
+    if any(n == 0 for n in shape):
+        return 0
+    return (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * isz
+
+
+def _other_dtype(dtype: str) -> str:
+    """Another cache dtype, of the same width where there is one."""
+    same = [d for d in DTYPE_BITS if d != dtype and DTYPE_BITS[d] == DTYPE_BITS[dtype]]
+    return same[0] if same else ("float16" if dtype != "float16" else "float32")
+
+
+def _fewer_blocks(case) -> int:
+    """A block count the step's writes do not fit in (0: none, every write is in block 0)."""
+    m = case.meta
+    real = m.slot_mapping[m.slot_mapping >= 0]
+    return int(real.max()) // case.spec.block_size if len(real) else 0
+
+
+def hostile_variants(backend, case) -> list[str]:
+    """The hostile caches that apply to ``backend`` and ``case``."""
+    fw = getattr(backend, "framework", "numpy")
+    lay = case.layout
+    out = []
+    if fw == "numpy" or (fw == "torch" and lay.plane_nbytes > _extent(
+            lay.plane_shape, lay.plane_strides, lay.itemsize)):
+        out.append("short_memory")
+    if fw in ("numpy", "torch", "jax"):
+        out.append("other_dtype")
+    if lay.name and _fewer_blocks(case) >= 1:
+        out += ["fewer_blocks_layout", "fewer_blocks_plan"]
+    return out
+
+
+def _to_framework(backend, guarded: Guarded | None, arrays):
+    """Planes in the backend's framework over the same memory (numpy, torch) or copied
+    (jax: dense arrays have no raw memory to get wrong)."""
+    fw = getattr(backend, "framework", "numpy")
+    if fw == "numpy":
+        return list(arrays)
+    if fw == "torch":
+        import torch
+
+        from ...tensors import torch_dtype
+
+        out = []
+        for a in arrays:
+            name = str(a.dtype)
+            raw = {"bfloat16": np.int16, "float8_e4m3fn": np.uint8,
+                   "float8_e5m2": np.uint8}.get(name)
+            t = torch.from_numpy(a.view(raw) if raw is not None else a)
+            out.append(t.view(torch_dtype(name)) if raw is not None else t)
+        dev = backend.device()
+        return out if dev is None or str(dev) == "cpu" else None
+    return [to_backend(backend, np.array(a)) for a in arrays]
+
+
+def _hostile_cache(backend, case, variant):
+    """(cache to hand, layout to pass, plan layout, Guarded or None, description)."""
+    lay, spec = case.layout, case.spec
+    guard = 2 * lay.plane_nbytes + 64
+    if variant == "short_memory":
+        short = min(lay.plane_nbytes, _extent(lay.plane_shape, lay.plane_strides,
+                                                lay.itemsize)) - lay.itemsize
+        if getattr(backend, "framework", "numpy") == "torch":
+            short = _extent(lay.plane_shape, lay.plane_strides, lay.itemsize)
+        short = max(short, lay.itemsize)
+        g = Guarded(lay.plane_shape, lay.plane_strides, lay.dtype, short, guard,
+                    lay.num_planes)
+        what = (f"planes of the right shape over {short} bytes of memory (the layout "
+                f"addresses {lay.plane_nbytes})")
+        return g.planes, lay, lay, g, what
+    if variant == "other_dtype":
+        other = _other_dtype(lay.dtype)
+        isz = numpy_dtype(other).itemsize
+        n = -(-lay.plane_nbytes // lay.itemsize) * isz
+        g = Guarded(lay.plane_shape, lay.plane_strides, other, n, guard, lay.num_planes)
+        return g.planes, lay, lay, g, f"{other} planes for a {lay.dtype} layout"
+    m = _fewer_blocks(case)
+    small = Layout.preset(lay.name, spec, m, lay.num_layers)
+    g = Guarded(small.plane_shape, small.plane_strides, small.dtype, small.plane_nbytes,
+                guard, small.num_planes)
+    if variant == "fewer_blocks_layout":
+        return (g.planes, lay, lay, g, f"a cache of {m} blocks passed with a layout of "
+                f"{lay.num_blocks} blocks")
+    return (g.planes, small, lay, g, f"a cache and layout of {m} blocks with a plan made for "
+            f"{lay.num_blocks} blocks (the step writes block {m})")
+
+
+def _hand(backend, planes, layout):
+    """A 1.1 backend gets a KVCache where the planes fit the layout they were made for
+    (the fewer-blocks variants), else the plain 1.0 list kvabi.as_cache must refuse."""
+    if is_abi_11(backend):
+        try:
+            return KVCache.wrap(layout, planes)
+        except KVABIError:
+            pass
+    return list(planes)
+
+
+def _refused(what: str, call) -> None:
+    from ..measure import ConformanceFailure as CF
+
+    try:
+        call()
+    except KVABIError:
+        return
+    except CF:
+        raise
+    except Exception as e:  # noqa: BLE001 - a backend must refuse with KVABIError
+        raise not_refused(what, e) from e
+    raise ConformanceFailure(f"{what}: accepted instead of refused with a KVABIError")
+
+
+def check_hostile_cache(backend, reference, params, options: KitOptions = KitOptions()
+                        ) -> float:
+    """A cache that does not fit the step (too little memory, another dtype, another
+    layout's block count) is refused by ``write_kv`` and ``attention`` with a KVABIError,
+    and no byte of it (or past it) changes."""
+    case, variant = params.case, params.extra["variant"]
+    b = Runner(backend, case, oracle=False)
+    lay = case.layout
+    plan = b.plan(case.meta)  # for the case's layout (fewer_blocks_plan: the bigger one)
+    planes, arg_layout, _, guarded, what = _hostile_cache(backend, case, variant)
+    fw_planes = _to_framework(backend, guarded, planes)
+    if fw_planes is None:
+        return Refused("hostile caches need host memory (device backend)")
+    hand_layout = arg_layout if variant != "fewer_blocks_layout" else \
+        Layout.preset(lay.name, case.spec, _fewer_blocks(case), lay.num_layers)
+    cache = _hand(backend, fw_planes, hand_layout)
+    k, v, q = step_inputs(case)
+    before = [from_backend(backend, p).copy() for p in fw_planes] \
+        if getattr(backend, "framework", "numpy") == "jax" else None
+    _refused(f"write_kv with {what}", lambda: backend.write_kv(
+        cache, arg_layout, to_backend(backend, k), to_backend(backend, v), plan,
+        layer=case.layer))
+    _unchanged(backend, f"write_kv with {what}", guarded, fw_planes, before)
+    _refused(f"attention with {what}", lambda: backend.attention(
+        to_backend(backend, q), cache, arg_layout, plan, layer=case.layer))
+    _unchanged(backend, f"attention with {what}", guarded, fw_planes, before)
+    return Refused(what)
+
+
+def _unchanged(backend, what, guarded, planes, before):
+    if guarded is not None:
+        d = guarded.changed()
+        if d is not None:
+            raise ConformanceFailure(f"{what}: refused, but bytes changed first at {d}")
+    if before is not None:
+        for i, (p, b) in enumerate(zip(planes, before)):
+            try:
+                now = from_backend(backend, p)
+            except Exception as e:  # noqa: BLE001 - a deleted (donated) jax buffer
+                raise ConformanceFailure(f"{what}: refused, but cache plane {i} was consumed "
+                                         f"({type(e).__name__}: {e})") from e
+            if now.tobytes() != b.tobytes():
+                raise ConformanceFailure(f"{what}: refused, but cache plane {i} changed")
+
+
+@st.composite
+def _hostile_params(draw, backend, options):
+    case = draw(attention_cases(backend, options, num_layers=(1, 2)))
+    choices = hostile_variants(backend, case)
+    if not choices:
+        from hypothesis import reject
+
+        reject()
+    return WithExtra(case, {"variant": draw(st.sampled_from(choices))})
+
+
+def hostile_cache_strategy(backend, options):
+    return _hostile_params(backend, options)
+
+
+# -- huge lengths ---------------------------------------------------------------------------
+#: context lengths at and past the int32 and int64 limits
+HUGE_CONTEXT = (2**31 - 2, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1)
+
+
+def huge_meta(case, variant: str, value: int):
+    """The case's metadata with one huge field (see :func:`check_huge_lengths`); raises
+    KVABIError where kvabi's own constructors refuse it."""
+    m, bs = case.meta, case.spec.block_size
+    q = m.query_lens.astype(np.int64)
+    c = m.context_lens.astype(np.int64).tolist()
+    table = m.block_table.astype(np.int64)
+    active = np.nonzero(q > 0)[0]
+    r = int(active[-1])
+    if variant == "context_len":
+        c[r] = value
+        return CommonAttentionMetadata.from_lengths(q.tolist(), c, table.tolist(), bs,
+                                                    num_blocks=m.num_blocks,
+                                                    num_tokens=m.num_tokens)
+    if variant == "block_id":
+        last = int(m.query_start_loc[r + 1]) - 1
+        col = int(m.positions[last]) // bs
+        table = table.tolist()
+        table[r][col] = value
+        return CommonAttentionMetadata.from_lengths(q.tolist(), c, table, bs,
+                                                    num_tokens=m.num_tokens)
+    if variant == "slot":
+        last = int(m.query_start_loc[r + 1]) - 1
+        slots = m.slot_mapping.astype(object).tolist()
+        slots[last] = int(slots[last]) + value
+        return CommonAttentionMetadata(m.query_start_loc.tolist(), m.seq_lens.tolist(),
+                                       m.context_lens.tolist(), m.positions.tolist(), slots,
+                                       m.block_table.tolist(), bs, m.num_blocks)
+    if variant == "query_start_loc":
+        qsl = m.query_start_loc.astype(object)
+        qsl[r + 1:] = qsl[r + 1:] + value
+        return CommonAttentionMetadata(qsl.tolist(), m.seq_lens.tolist(),
+                                       m.context_lens.tolist(), m.positions.tolist(),
+                                       m.slot_mapping.tolist(), m.block_table.tolist(), bs,
+                                       m.num_blocks)
+    raise ValueError(f"unknown huge_lengths variant {variant!r}")
+
+
+def huge_values(case, variant: str) -> tuple[int, ...]:
+    """Values tried for a variant: past int32/int64, and block ids just past the layout
+    or whose slot wraps modulo 2**32 onto a real slot."""
+    nb, bs = case.layout.num_blocks, case.spec.block_size
+    if variant == "context_len":
+        return HUGE_CONTEXT
+    if variant == "block_id":
+        wrap = (2**32 // bs) if 2**32 % bs == 0 else nb
+        return tuple(dict.fromkeys((nb, nb + 1, wrap, 2**31 - 1, 2**32, -1)))
+    if variant == "slot":
+        return (2**32, 2**31, 2**63 - 1 - int(case.meta.slot_mapping.max(initial=0)))
+    return (2**32, 2**31)
+
+
+def check_huge_lengths(backend, reference, params, options: KitOptions = KitOptions()
+                       ) -> float:
+    """Metadata whose lengths or block ids exceed what the layout can address (a context
+    length near or past 2**31, a block id past the layout's blocks or whose slot wraps
+    modulo 2**32 onto a real one, a slot or query start past int32) is refused with a
+    KVABIError by ``from_lengths``/the metadata constructor, by ``plan``, or by
+    ``write_kv`` and ``attention`` before any write; never a crash or a write."""
+    case, variant, value = params.case, params.extra["variant"], params.extra["value"]
+    what = f"metadata with {variant} {value}"
+    try:
+        meta = huge_meta(case, variant, value)
+    except KVABIError as e:
+        return Refused(f"kvabi refused {what}: {e}")
+    b = Runner(backend, case, oracle=False)
+    try:
+        plan = b.plan(meta)
+    except KVABIError as e:
+        return Refused(f"plan refused {what}: {e}")
+    except ConformanceFailure:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise not_refused(f"plan({what})", e) from e
+    before = b.planes()
+    k, v, q = step_inputs(case)
+    _refused(f"write_kv({what})", lambda: b.write(plan, k, v))
+    after = b.planes()
+    for i, (x, y) in enumerate(zip(after, before)):
+        if x.tobytes() != y.tobytes():
+            raise ConformanceFailure(f"write_kv({what}): refused, but cache plane {i} "
+                                     f"changed")
+    _refused(f"attention({what})", lambda: b.attend(plan, q))
+    return Refused(what)
+
+
+@st.composite
+def _huge_params(draw, backend, options):
+    case = draw(attention_cases(backend, options, num_layers=(1,)))
+    variant = draw(st.sampled_from(("block_id", "context_len", "slot", "query_start_loc")))
+    value = draw(st.sampled_from(huge_values(case, variant)))
+    return WithExtra(case, {"variant": variant, "value": value})
+
+
+def huge_lengths_strategy(backend, options):
+    return _huge_params(backend, options)
