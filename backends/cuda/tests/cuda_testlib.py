@@ -96,8 +96,9 @@ def steps(draw, kinds=("full", "sliding_window", "chunked_local"), dtypes=("floa
 
 def step_data(step: Step, layer: int = 1):
     """(history K, history V, step K, step V, query) as float64 arrays whose values are
-    exact in the cache dtype, so every backend sees the same numbers."""
-    rng = np.random.default_rng(step.seed + 1)
+    exact in the cache dtype, so every backend sees the same numbers (other numbers for
+    another layer)."""
+    rng = np.random.default_rng([step.seed + 1, layer])
     spec = step.spec
     dt = numpy_dtype(spec.dtype)
 
@@ -172,3 +173,48 @@ def mismatch(step: Step, backend) -> bool:
     except AssertionError:
         return True
     return False
+
+
+def fill_layer(backend, step: Step, cache, layout, layer: int):
+    """Write the history and the step's K/V of ``layer`` (its own numbers) into ``cache``
+    through ``backend``; returns the step's query (numpy, in the cache dtype)."""
+    spec = step.spec
+    kh, vh, k, v, q = step_data(step, layer)
+    for meta, kk, vv in ((step.hist, kh, vh), (step.meta, k, v)):
+        if meta.num_tokens:
+            p = backend.plan(meta, spec, layout)
+            backend.write_kv(cache, layout, arr(backend, kk), arr(backend, vv), p,
+                             layer=layer)
+    return q.astype(numpy_dtype(spec.dtype))
+
+
+def reference_layer(step: Step, layer: int, *, sinks=None, layout=None):
+    """The oracle's (out, lse) [A, ...] for ``layer``'s numbers, planned with ``sinks``."""
+    ref = reference()
+    layout = layout or step.layout()
+    cache = ref.allocate(layout)
+    q = fill_layer(ref, step, cache, layout, layer)
+    p = ref.plan(step.meta, step.spec, layout, softcap=step.softcap, sinks=sinks)
+    out, lse = ref.attention(q, cache, layout, p, layer=layer, return_lse=True)
+    a = step.meta.num_actual_tokens
+    return host(out)[:a], host(lse)[:a]
+
+
+def visible_slots(step: Step) -> np.ndarray:
+    """bool [num_blocks * block_size]: slots some real query token may see, from the
+    semantics directly (key j of its request with lo(p) <= j <= p; lo 0, p - W + 1 or the
+    chunk start)."""
+    meta, spec = step.meta, step.spec
+    bs = spec.block_size
+    seen = np.zeros(meta.num_blocks * bs, bool)
+    for r in range(meta.num_reqs):
+        for t in range(int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])):
+            p = int(meta.positions[t])
+            lo = 0
+            if spec.kind == "sliding_window":
+                lo = max(0, p - spec.window + 1)
+            elif spec.kind == "chunked_local":
+                lo = p // spec.chunk * spec.chunk
+            for j in range(lo, p + 1):
+                seen[int(meta.block_table[r, j // bs]) * bs + j % bs] = True
+    return seen
