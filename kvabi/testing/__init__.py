@@ -9,8 +9,9 @@ prints its seed and the path of a standalone reproducer (:mod:`kvabi.testing.rep
 from . import strategies
 from .cases import AttentionCase, input_dtype
 from .checks import (CHECK_NAMES, CHECKS, Check, KitOptions, NotApplicable, Refused,
-                     check_attention, check_cascade, check_foreign_layouts, check_kv_sharing,
-                     check_kv_update_slices, check_layouts, check_local_virtual_batches,
+                     check_attention, check_cascade, check_foreign_layouts,
+                     check_hostile_cache, check_huge_lengths, check_kv_sharing,
+                     check_kv_update_slices, check_poisoned_rows, check_layouts, check_local_virtual_batches,
                      check_pad, check_permute, check_prefill_skip, check_split_ubatches,
                      check_unsupported, check_write_kv, get_check)
 from .conformance import BackendConformance
@@ -22,6 +23,7 @@ from .runner import CheckResult, run_backend, run_check
 __all__ = ["AttentionCase", "BackendConformance", "CHECKS", "CHECK_NAMES", "Check",
            "CheckResult", "ConformanceFailure", "KitOptions", "NotApplicable", "PROFILE_ENV", "SEED_ENV",
            "Refused", "TOLERANCES", "check_attention", "check_cascade",
+           "check_hostile_cache", "check_huge_lengths", "check_poisoned_rows",
            "check_foreign_layouts", "check_kv_sharing", "check_kv_update_slices",
            "check_layouts", "check_local_virtual_batches", "check_pad", "check_permute",
            "check_prefill_skip", "check_split_ubatches", "check_unsupported",
