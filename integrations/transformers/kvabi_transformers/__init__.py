@@ -1,0 +1,11 @@
+"""kvabi inside Hugging Face transformers: continuous batching (``generate_batch``) with K/V
+in kvabi layouts and attention on any kvabi backend.
+
+    import kvabi_transformers
+    kvabi_transformers.use(model, backend="tpu.jax", layout="tpu.combined")
+    outputs = model.generate_batch(inputs=prompts, generation_config=config)
+"""
+from .integration import use
+
+__all__ = ["use"]
+__version__ = "0.1.0"

@@ -1,0 +1,79 @@
+"""What ``use()`` attaches to a model: a continuous-batching manager factory, a forward
+pre-hook that turns each step's inputs into kvabi metadata, and (prefill skip) the slicing
+of the KV-shared layers' inputs."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def install(model, integration) -> None:
+    """Attach ``integration`` to ``model`` (replacing an earlier one)."""
+    from .manager import KvabiManager
+
+    old = getattr(model, "_kvabi_hooks", None)
+    if old is not None:
+        for h in old:
+            h.remove()
+    cls = type(model)
+
+    def init_continuous_batching(self, generation_config=None,
+                                 continuous_batching_config=None, workload_hints=None):
+        from transformers import ContinuousBatchingConfig
+
+        cached = getattr(self, "_cached_continuous_batching_manager", None)
+        if isinstance(cached, KvabiManager) and cached.integration is integration:
+            cached.switch_to_cb_friendly_attn(self)
+            return cached
+        gen = generation_config if generation_config is not None else self.generation_config
+        if gen.eos_token_id is None:
+            gen.eos_token_id = -1
+        cb = continuous_batching_config or ContinuousBatchingConfig()
+        cb.page_size = integration.block_size
+        return KvabiManager(self, gen, cb, workload_hints, integration=integration)
+
+    def pre_forward(module, args, kwargs):
+        session = getattr(kwargs.get("cache"), "kvabi", None)
+        if session is None:
+            return None
+        skip = integration.prefill_skip and "logits_to_keep" in kwargs
+        step = session.begin_step(kwargs, skip)
+        if step.skip_meta is not None:
+            step.skip_index = torch.as_tensor(step.skip_rows, device=model.device)
+            # The model's rows after the skipped layers are the kept tokens, in order.
+            kwargs["logits_to_keep"] = torch.arange(len(step.skip_rows), device=model.device)
+        return args, kwargs
+
+    model.init_continuous_batching = types.MethodType(init_continuous_batching, model)
+    handles = [model.register_forward_pre_hook(pre_forward, with_kwargs=True)]
+    if integration.prefill_skip:
+        _install_slice(model.model)
+    model._kvabi_hooks = handles
+    model._kvabi_integration = integration
+    del cls
+
+
+def _install_slice(base) -> None:
+    """Run the KV-shared suffix on the kept tokens only when the step says so."""
+    original = type(base)._maybe_slice_kv_shared_inputs
+
+    def sliced(self, hidden_states, per_layer_inputs, position_embeddings,
+               causal_mask_mapping, logits_to_keep, past_key_values=None, **kwargs):
+        session = getattr(kwargs.get("cache"), "kvabi", None)
+        step = None if session is None else session.step
+        if step is None or step.skip_index is None:
+            return original(self, hidden_states, per_layer_inputs, position_embeddings,
+                            causal_mask_mapping, logits_to_keep,
+                            past_key_values=past_key_values, **kwargs)
+        idx = step.skip_index
+        step.skipping = True
+        hidden_states = hidden_states[:, idx]
+        if per_layer_inputs is not None:
+            per_layer_inputs = per_layer_inputs[:, idx]
+        position_embeddings = {k: (cos[:, idx], sin[:, idx])
+                               for k, (cos, sin) in position_embeddings.items()}
+        causal_mask_mapping = dict.fromkeys(causal_mask_mapping)
+        return hidden_states, per_layer_inputs, position_embeddings, causal_mask_mapping
+
+    base._maybe_slice_kv_shared_inputs = types.MethodType(sliced, base)

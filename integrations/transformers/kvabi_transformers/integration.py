@@ -1,0 +1,147 @@
+"""``use(model, backend, layout)``: transformers' continuous batching on a kvabi backend."""
+from __future__ import annotations
+
+import types
+
+import kvabi
+from kvabi import KVABIError
+from kvabi.plan import layout_page_bytes, parse_bytes, plan_memory
+
+from .model_kv import model_kv
+
+#: Budget when neither ``memory`` nor the workload of ``generate_batch`` is known.
+DEFAULT_MEMORY = "64MiB"
+_REGISTERED = False
+
+
+def _register_attention() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+
+    from .attention import kvabi_attention
+    from .manager import ATTENTION_NAME
+
+    AttentionInterface.register(ATTENTION_NAME, kvabi_attention)
+    _REGISTERED = True
+
+
+class Integration:
+    """Everything ``use()`` decided about a model: backend, ModelKV, layer slots, layouts,
+    block size, sinks, prefill skip.  Checked once; every run builds a Session from it."""
+
+    def __init__(self, model, backend, layout, block_size, kv_dtype, prefill_skip, memory):
+        self.backend = _backend(backend)
+        config = model.config.get_text_config()
+        self.model_type = getattr(config, "model_type", type(model).__name__)
+        self.block_size = _block_size(block_size, self.backend)
+        dtype = kv_dtype if kv_dtype is not None else kvabi.tensors.dtype_name(model.dtype)
+        self.model_kv, self.slots, modules = model_kv(model, self.block_size, dtype)
+        self.num_q_heads = int(config.num_attention_heads)
+        self.sinks = {i: m.sinks for i, m in modules.items()
+                      if getattr(m, "sinks", None) is not None}
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        self.layout_names = [
+            _layout(layout, self.backend, g, softcap, bool(self.sinks), self.model_type)
+            for g in self.model_kv.groups]
+        self.all_full = all(l.spec.kind == "full" for l in self.model_kv.layers)
+        self.prefill_skip = bool(prefill_skip)
+        if self.prefill_skip:
+            _check_prefill_skip(model, self.model_kv, self.model_type)
+        self.memory = None if memory is None else parse_bytes(memory)
+        self.memory_plan = None
+
+    def plan_blocks(self, workload_hints=None) -> int:
+        """Blocks per KV group from kvabi's memory plan: of ``memory`` if given, else of
+        what the workload of ``generate_batch`` needs (every request at full length)."""
+        budget = self.memory
+        if budget is None and workload_hints is not None and workload_hints.num_requests:
+            bs = self.block_size
+            longest = workload_hints.max_prompt_length + workload_hints.max_generated_length
+            blocks = workload_hints.num_requests * (-(-longest // bs) + 1)
+            budget = blocks * self.bytes_per_block
+        if budget is None:
+            budget = parse_bytes(DEFAULT_MEMORY)
+        uniform = self.layout_names[0] if len(set(self.layout_names)) == 1 else None
+        self.memory_plan = plan_memory(self.model_kv, budget, layout=uniform)
+        return min(g.num_blocks for g in self.memory_plan.groups)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one more block costs across all KV groups, in their layouts."""
+        return sum(layout_page_bytes(g.spec, name) * len(g.layers)
+                   for g, name in zip(self.model_kv.groups, self.layout_names))
+
+
+def _backend(backend):
+    b = kvabi.get_backend(backend) if isinstance(backend, str) else backend
+    if not isinstance(b, kvabi.Backend):
+        raise KVABIError(f"backend: must be a kvabi backend or its name, got {backend!r}")
+    ok, why = b.available()
+    if not ok:
+        raise KVABIError(f"backend: {b.name} is not available here: {why}")
+    return b
+
+
+def _block_size(block_size, backend) -> int:
+    if block_size is None:
+        caps = backend.capabilities()
+        sizes = caps.block_sizes or (16,)
+        size = sizes[0]
+        return -(-size // caps.block_size_multiple) * caps.block_size_multiple
+    ok = isinstance(block_size, int) and not isinstance(block_size, bool) and block_size >= 4
+    if not ok:  # transformers' pages hold at least 4 tokens
+        raise KVABIError(f"block_size: must be an int >= 4, got {block_size!r}")
+    return block_size
+
+
+def _layout(layout, backend, group, softcap, sinks, model_type) -> str:
+    spec = group.spec
+    where = f"{model_type} layers {', '.join(group.layers)} ({spec.kind}, {spec.dtype})"
+    try:
+        backend.check_supported(spec, softcap=softcap, sinks=True if sinks else None)
+    except kvabi.UnsupportedError as e:
+        raise kvabi.UnsupportedError(f"model: {where}: {e}") from e
+    supported = tuple(backend.preferred_layouts(spec))
+    name = supported[0] if layout is None and supported else layout
+    if not isinstance(name, str) or name not in supported:
+        raise KVABIError(f"layout: {backend.name} does not support {layout!r} for {where}; "
+                         f"it supports {', '.join(supported) or 'none'}")
+    kvabi.Layout.preset(name, spec, num_blocks=1, num_layers=len(group.layers))
+    return name
+
+
+def _check_prefill_skip(model, mkv, model_type) -> None:
+    base = getattr(model, "model", None)
+    if not mkv.prefill_skip_layers:
+        raise KVABIError(f"prefill_skip: {model_type} has no KV-shared suffix of layers "
+                         "(num_kv_shared_layers is 0); nothing to skip")
+    if not hasattr(base, "_maybe_slice_kv_shared_inputs"):
+        raise KVABIError(f"prefill_skip: {model_type} has KV-shared layers but its modeling "
+                         "code has no hook to run them on fewer tokens")
+
+
+def use(model, backend="reference", layout=None, *, block_size=None, kv_dtype=None,
+        prefill_skip=False, memory=None):
+    """Serve ``model``'s continuous batching (``model.generate_batch``,
+    ``model.init_continuous_batching``) with a kvabi backend; returns ``model``.
+
+    K/V are stored in kvabi caches of ``layout`` (a preset name the backend supports;
+    None: the backend's preferred one) with ``block_size`` tokens per block and
+    ``kv_dtype`` (default: the model's dtype); kvabi's memory plan of ``memory`` bytes
+    (default: what the generate_batch workload needs) decides the number of blocks, and
+    transformers' scheduler decides which requests run and which blocks they get.  Layers
+    that read another layer's cache never write.  ``prefill_skip`` runs the KV-shared
+    suffix of layers only on the tokens whose logits are needed.
+
+    Raises :class:`kvabi.KVABIError` (UnsupportedError for what the backend refuses) here,
+    not mid-generation, for any model, layout or option that cannot be served.
+    """
+    from .hooks import install
+
+    integration = Integration(model, backend, layout, block_size, kv_dtype, prefill_skip,
+                              memory)
+    _register_attention()
+    install(model, integration)
+    return model

@@ -1,0 +1,108 @@
+"""transformers' continuous batching with kvabi underneath.
+
+transformers keeps everything that decides *what* runs: its scheduler, its request states
+and its block allocator (which request gets which block, prefix sharing, freeing).  kvabi
+holds *where* K/V live and computes attention.  The allocator is run on a bookkeeping
+config: one full-attention layer of 128-byte token rows, so that a sector is exactly one
+block and block ids map 1:1 onto kvabi's pool.  Every layer (sliding ones included) then
+gets a block table covering its whole sequence: transformers' sliding ring buffer keeps
+only ``window`` slots, fewer than a prefill chunk needs (``window - 1 + chunk``) when keys
+are written before they are read, as kvabi's write-then-attend contract does.
+"""
+from __future__ import annotations
+
+import copy
+
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingManager, ContinuousBatchProcessor)
+from transformers.generation.continuous_batching.initialization import (
+    update_cb_config_after_cache_creation)
+from transformers.generation.continuous_batching.scheduler import (SCHEDULER_MAPPING,
+                                                                   FIFOScheduler)
+
+from .session import Session
+
+ATTENTION_NAME = "kvabi"
+
+
+def bookkeeping_config(config, dtype):
+    """A config of one full-attention layer whose K and V token rows are 64 bytes each (one
+    kv head), so that a page of any block size is a multiple of transformers' 128-byte
+    sector alignment; the model's width and vocabulary are kept for transformers' sizing
+    of its step buffers."""
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig(num_hidden_layers=1, num_attention_heads=1,
+                            num_key_value_heads=1, head_dim=max(1, 64 // dtype.itemsize),
+                            hidden_size=config.hidden_size, vocab_size=config.vocab_size)
+
+
+class KvabiPagedCache(PagedAttentionCache):
+    """transformers' paged cache run for its bookkeeping only; K/V live in kvabi caches
+    (``self.kvabi``, a :class:`~kvabi_transformers.session.Session`)."""
+
+    def __init__(self, integration, *, config, continuous_batching_config, device,
+                 distributed_helper, dtype, model_supports_logits_to_keep=False):
+        super().__init__(config=bookkeeping_config(config, dtype),
+                         continuous_batching_config=continuous_batching_config,
+                         device=device, distributed_helper=distributed_helper, dtype=dtype,
+                         model_supports_logits_to_keep=model_supports_logits_to_keep)
+        (allocator,) = self.cache_allocators.values()
+        first = self.pool.num_reserved_sectors * allocator.blocks_per_sector
+        self.kvabi = Session(integration, num_blocks=allocator.num_blocks,
+                             stride=allocator.block_physical_stride, first_block=first)
+
+
+class KvabiManager(ContinuousBatchingManager):
+    """A ContinuousBatchingManager whose model attends with kvabi (attention implementation
+    ``"kvabi"``) over kvabi caches sized by kvabi's memory plan."""
+
+    def __init__(self, model, generation_config, continuous_batching_config,
+                 workload_hints=None, *, integration):
+        self.integration = integration
+        cb = copy.deepcopy(continuous_batching_config)
+        # kvabi reads block ids from the read/write indices: no block-table fast path.
+        cb.max_blocks_per_request = 0
+        cb.num_blocks = integration.plan_blocks(workload_hints)
+        # Prefix sharing where transformers itself would share (full attention only).
+        if not integration.all_full:
+            cb.allow_block_sharing = False
+        super().__init__(model, generation_config, cb, workload_hints)
+
+    def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+        current = model.config._attn_implementation
+        if current != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+            self._original_attn_impl = current
+
+    def _create_batch_processor(self):
+        existing = getattr(self, "batch_processor", None)
+        if isinstance(existing, ContinuousBatchProcessor):
+            existing.reset()
+            return existing
+        text_config = self.model.config.get_text_config()
+        keep_logits = getattr(self.model, "_supports_logits_to_keep", None)
+        cache = KvabiPagedCache(
+            self.integration, config=text_config,
+            continuous_batching_config=self.continuous_batching_config,
+            device=self.model.device, distributed_helper=self.distributed_helper,
+            dtype=self.model.dtype,
+            model_supports_logits_to_keep=callable(keep_logits) and keep_logits())
+        self._use_prefix_sharing = cache.use_prefix_sharing
+        update_cb_config_after_cache_creation(cb_config=self.continuous_batching_config,
+                                              num_blocks=cache.num_blocks,
+                                              max_batch_tokens=cache.max_batch_tokens)
+        cfg = self.continuous_batching_config
+        scheduler_cls = SCHEDULER_MAPPING.get(cfg.scheduler_type, FIFOScheduler)
+        scheduler = scheduler_cls(cache=cache, safety_margin=cfg.safety_margin,
+                                  max_requests_per_batch=cfg.max_requests_per_batch)
+        return ContinuousBatchProcessor(
+            cache=cache, config=text_config, generation_config=self.generation_config,
+            continuous_batching_config=cfg, logit_processor=self.logit_processor,
+            input_queue=self.input_queue if self.is_tp_driver else None,
+            cancel_queue=self.cancel_queue if self.is_tp_driver else None,
+            output_router=self.output_router,
+            background_thread_status=self.background_thread_status,
+            model_device=self.model.device, model_dtype=self.model.dtype,
+            scheduler=scheduler, distributed_helper=self.distributed_helper)

@@ -1,0 +1,143 @@
+"""What one continuous-batching run holds in kvabi: the caches, the step's metadata and
+plans, and the per-layer attention that transformers calls."""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import numpy as np
+import kvabi
+from kvabi import KVABIError
+from kvabi import tensors as kt
+
+from .step import step_metadata
+
+
+@functools.lru_cache(maxsize=None)
+def _keywords(fn) -> frozenset:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return frozenset({"*"})
+    return frozenset(p.name for p in params)
+
+
+def accepts(method, name: str) -> bool:
+    """Whether a backend method takes keyword ``name`` (1.1 keywords go only where taken)."""
+    kw = _keywords(getattr(method, "__func__", method))
+    return "*" in kw or name in kw
+
+
+class Step:
+    """One forward pass: full metadata, optional prefill-skip metadata, and plans made once
+    per (KV group, metadata, options) and reused by every layer of the group."""
+
+    def __init__(self, session, meta, keep=None):
+        self.session = session
+        self.meta = meta
+        self.skip_meta = None
+        self.skip_index = None  # torch index of the kept tokens, set when skipping
+        self.skipping = False
+        self.plans: dict = {}
+        if keep is not None:
+            self.skip_meta, idx = kvabi.transforms.prefill_skip(meta, keep)
+            self.skip_rows = idx
+
+    def plan(self, group: int, skipped: bool, scale, softcap, sinks_key, sinks):
+        key = (group, skipped, scale, softcap, sinks_key)
+        plan = self.plans.get(key)
+        if plan is None:
+            s = self.session
+            meta = self.skip_meta if skipped else self.meta
+            kw = {"scale": scale}
+            if softcap is not None:
+                kw["softcap"] = softcap
+            if sinks is not None:
+                kw["sinks"] = sinks
+            if s.new_abi and accepts(s.backend.plan, "num_q_heads"):
+                kw["num_q_heads"] = s.num_q_heads
+            plan = s.backend.plan(meta, s.specs[group], s.layouts[group], **kw)
+            self.plans[key] = plan
+        return plan
+
+
+class Session:
+    """kvabi caches and per-step state of one transformers paged cache."""
+
+    def __init__(self, integration, num_blocks: int, stride: int, first_block: int):
+        self.integration = integration
+        self.backend = integration.backend
+        self.fw = self.backend.framework
+        self.num_blocks = num_blocks
+        self.stride = stride
+        self.first_block = first_block
+        self.block_size = integration.block_size
+        self.slots = integration.slots
+        self.specs = [g.spec for g in integration.model_kv.groups]
+        self.num_q_heads = integration.num_q_heads
+        self.layouts = [kvabi.Layout.preset(name, g.spec, num_blocks, len(g.layers))
+                        for name, g in zip(integration.layout_names, integration.model_kv.groups)]
+        self.caches = [kvabi.as_cache(self.backend.allocate(lay), lay) for lay in self.layouts]
+        self.new_abi = kvabi.abi_at_least(self.backend, (1, 1))
+        self.call_sinks = self.new_abi and accepts(self.backend.attention, "sinks")
+        self.step: Step | None = None
+        self.sinks = {i: kt.to_numpy(s.detach().float()).astype(np.float64)
+                      for i, s in integration.sinks.items()}
+
+    # -- per step ------------------------------------------------------------------------
+    def begin_step(self, kwargs, prefill_skip: bool) -> Step:
+        meta = step_metadata(kwargs["cu_seq_lens_q"], kwargs["position_ids"],
+                             kwargs["write_index"][0], kwargs["read_index"][0],
+                             block_size=self.block_size, stride=self.stride,
+                             first_block=self.first_block, num_blocks=self.num_blocks)
+        keep = None
+        if prefill_skip:
+            logits = kt.to_numpy(kwargs["logits_indices"]).astype(np.int64)
+            if len(logits) < meta.num_actual_tokens:
+                keep = logits
+        self.step = Step(self, meta, keep)
+        return self.step
+
+    # -- per layer -----------------------------------------------------------------------
+    def _to_backend(self, x):
+        if self.fw == "numpy":
+            return kt.to_numpy(x)
+        if self.fw == "jax":
+            return kt.to_jax(x.contiguous())
+        return x.contiguous()
+
+    def attend(self, module, query, key, value, scaling, softcap):
+        """Write the layer's new K/V (owners only) and attend over its cache: query
+        [1, Hq, T, D] -> output [1, T, Hq, Dv] in the query's dtype."""
+        step = self.step
+        if step is None:
+            raise KVABIError("kvabi attention was called outside a continuous-batching step")
+        slot = self.slots[module.layer_idx]
+        skipped = slot.shared and step.skipping
+        meta = step.skip_meta if skipped else step.meta
+        t = query.shape[2]
+        if t != meta.num_tokens:
+            raise KVABIError(f"query: layer {module.layer_idx} got {t} tokens, the step has "
+                             f"{meta.num_tokens}")
+        g = slot.group
+        layout = self.layouts[g]
+        sinks = self.sinks.get(module.layer_idx)
+        per_call = sinks is not None and self.call_sinks
+        plan = step.plan(g, skipped, float(scaling), softcap,
+                         None if sinks is None or per_call else module.layer_idx,
+                         None if per_call else sinks)
+        if not slot.shared:
+            k = self._to_backend(key[0].transpose(0, 1))
+            v = self._to_backend(value[0].transpose(0, 1))
+            self.caches[g] = kvabi.as_cache(
+                self.backend.write_kv(self.caches[g], layout, k, v, plan, layer=slot.index),
+                layout)
+        q = self._to_backend(query[0].transpose(0, 1))
+        kw = {"layer": slot.index}
+        if per_call:
+            kw["sinks"] = sinks
+        out = self.backend.attention(q, self.caches[g], layout, plan, **kw)
+        out = kt.to_torch(out, device=query.device).to(query.dtype)
+        return out.reshape(1, t, out.shape[-2], out.shape[-1]), None
