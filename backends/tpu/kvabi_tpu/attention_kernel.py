@@ -103,22 +103,30 @@ def _kernel(info_ref, table_ref, q_ref, sinks_ref, *refs, fmt, scale, softcap, k
             new = []
             for hh, (m, l, acc) in enumerate(carry):
                 k, v = fmt.head_kv(pages, hh)
-                # zero stale keys/values: 0 * NaN from a poisoned page would leak through
                 k = jnp.where(keep, k, 0).astype(q.dtype)
-                v = jnp.where(keep, v, 0)
                 qh = q[:, hh * g:(hh + 1) * g, :].reshape(rows, d)
                 s = lax.dot_general(qh, k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32) * scale
                 if softcap is not None:
                     s = softcap * jnp.tanh(s / softcap)
+                # Keys a row may not see are removed by select, never by arithmetic: their
+                # bytes can be anything (NaN, inf: stale or recycled blocks).
                 s = jnp.where(mask, s, MASK_VALUE)
                 m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
                 alpha = jnp.exp(m - m_new)
-                p = jnp.exp(s - m_new)
+                p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
                 l = alpha * l + p.sum(axis=1, keepdims=True)
-                pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                # Non-finite values enter the product as 0 (0 * NaN is NaN); a row that
+                # gives one weight > 0 still becomes NaN, as the reference does.
+                v32 = v.astype(jnp.float32)
+                bad = jnp.logical_not(jnp.abs(v32) < jnp.inf)
+                clean = jnp.where(bad, 0.0, v32).astype(v.dtype)
+                pv = lax.dot_general(p.astype(v.dtype), clean, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)
-                new.append((m_new, l, alpha * acc + pv))
+                hit = lax.dot_general((p > 0).astype(jnp.float32), bad.astype(jnp.float32),
+                                      (((1,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32) > 0
+                new.append((m_new, l, alpha * acc + jnp.where(hit, jnp.nan, pv)))
             return tuple(new)
 
         final = lax.fori_loop(0, nblk, body, tuple(init))

@@ -3,19 +3,23 @@
 Nothing here imports jax at module import: without jax the backends still register and
 report themselves unavailable.
 
-Subclasses supply the two computations, ``_write(rows, slot_planes, plan)`` and
-``_attend(query, planes, plan)``; everything around them (argument checks, layout views,
-cross-layer stores) lives here so that both backends honour one contract.
+Subclasses supply the two computations (``_write_impl``, ``_attend_impl``); everything
+around them (argument checks, the cache handle, layer planes, cross-layer stores) lives
+here so that both backends honour one contract (ABI 1.1).
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
 import kvabi
 from kvabi import KVABIError
+from kvabi.coerce import as_int, real_array
+from kvabi.tensors import framework, to_jax
 
 from .cache_format import CacheFormat
-from .dtype import SUPPORTED, jnp_dtype
+from .dtype import SUPPORTED
 from .plan import TPUPlan, build_plan
 
 KINDS = ("full", "sliding_window", "chunked_local")
@@ -24,17 +28,27 @@ LAYOUTS = ("tpu.combined", "tpu.hidden")
 
 class TPUBackendBase(kvabi.Backend):
     """A kvabi backend over jax arrays in the TPU layouts (``tpu.combined``, ``tpu.hidden``,
-    and cross-layer layouts with the same per-layer form)."""
+    and cross-layer layouts with the same per-layer form).
 
+    jax arrays are immutable, so the cache is functional at the boundary: ``write_kv``
+    *consumes* the cache it is given (its buffers are donated to the jitted update, which
+    then runs in place, at a cost that grows with the tokens written, not the cache size)
+    and returns the new one.  Always use the returned cache.
+    """
+
+    framework = "jax"
     #: query tokens per attention tile
     tile_size: int = 8
     #: update slices handled per grid step of the cache update
     num_slices_per_block: int = 8
+    #: the plan's write arrays: "slots" (block, offset per token) or "slices" (DMA runs)
+    write_form: str = "slots"
     notes: str = ""
 
-    def __init__(self, *, donate_cache: bool = False, fast_compile: bool = False):
-        #: consume the cache arrays passed to write_kv, updating them in place (as an
-        #: engine running under jit does); off by default so that inputs stay valid
+    def __init__(self, *, donate_cache: bool = True, fast_compile: bool = False):
+        #: donate the cache planes written by write_kv (in-place update; the argument is
+        #: consumed).  False keeps the argument valid and copies the planes on every write
+        #: (for comparisons only: the copy costs the whole plane)
         self.donate_cache = bool(donate_cache)
         #: compile with XLA's cheap options (about half the compile time, slower code):
         #: for tests and short runs where every step has a new shape
@@ -65,18 +79,8 @@ class TPUBackendBase(kvabi.Backend):
         return tuple(out)
 
     # -- arrays --------------------------------------------------------------------------
-    def asarray(self, x):
-        import jax.numpy as jnp
-
-        return jnp.asarray(x)
-
-    def to_numpy(self, x):
-        return np.asarray(x)
-
-    def allocate(self, layout) -> list:
-        """Zeroed jax planes shaped ``layout.plane_shape``."""
-        import jax.numpy as jnp
-
+    def allocate(self, layout) -> kvabi.KVCache:
+        """A zeroed jax :class:`kvabi.KVCache` for ``layout`` (dense layouts only)."""
         if not isinstance(layout, kvabi.Layout):
             raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
         if layout.dtype not in SUPPORTED:
@@ -85,99 +89,150 @@ class TPUBackendBase(kvabi.Backend):
         if not layout.is_c_contiguous:
             raise kvabi.UnsupportedError(f"{self.name}: layout.strides: byte-strided or "
                                          f"page-padded layouts are not dense jax arrays")
-        dt = jnp_dtype(layout.dtype)
-        return [jnp.zeros(layout.plane_shape, dt) for _ in range(layout.num_planes)]
+        return super().allocate(layout)
 
     # -- plan ----------------------------------------------------------------------------
-    def plan(self, meta, spec, layout, *, scale=None, softcap=None, sinks=None) -> TPUPlan:
+    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
+             sinks=None) -> TPUPlan:
+        """The step's plan (see :mod:`kvabi_tpu.plan`); ``num_q_heads``, when given, is
+        checked against every query; ``sinks`` is every layer's default."""
         if not isinstance(spec, kvabi.KVSpec):
             raise KVABIError(f"spec: must be a KVSpec, got {type(spec).__name__}")
         self.check_supported(spec, softcap=softcap, sinks=sinks)
         fmt = CacheFormat.from_layout(layout, spec)
         return build_plan(meta, spec, layout, fmt, scale=scale, softcap=softcap, sinks=sinks,
-                          tile_size=self.tile_size,
-                          num_slices_per_block=self.num_slices_per_block,
-                          to_device=self.asarray)
+                          num_q_heads=num_q_heads, tile_size=self.tile_size,
+                          write=self.write_form,
+                          num_slices_per_block=self.num_slices_per_block, to_device=to_jax)
 
-    def _format(self, layout, plan) -> CacheFormat:
+    def _check_plan(self, layout, plan) -> CacheFormat:
+        """The plan's cache format, after checking that ``layout`` is the plan's: block ids,
+        page tables and slots of a plan address its own layout only (a 16-block plan over
+        a 4-block cache would read and write outside it)."""
         if not isinstance(plan, TPUPlan):
             raise KVABIError(f"plan: must come from {self.name}.plan(), got "
                              f"{type(plan).__name__}")
-        if layout is plan.layout or layout == plan.layout:
-            return plan.fmt
-        return CacheFormat.from_layout(layout, plan.spec)
+        if layout is not plan.layout and layout != plan.layout:
+            raise KVABIError(
+                f"layout: the plan was built for {_describe(plan.layout)}, not for "
+                f"{_describe(layout)}; plan each layout's steps with that layout")
+        return plan.fmt
+
+    def _layer_planes(self, cache, plan, layer) -> tuple[int, ...]:
+        """Indices of ``layer``'s planes in ``cache`` (a checked handle of the plan's
+        layout); refuses planes consumed by an earlier write."""
+        idx = plan.planes_of_layer.get(layer) if type(layer) is int else None
+        if idx is None:
+            n = plan.layout.num_layers
+            layer = as_int(layer, "layer", lo=0, hi=n - 1)
+            idx = plan.planes_of_layer[layer] = plan.fmt.plane_indices(plan.layout, layer)
+        for i in idx:
+            if cache[i].is_deleted():
+                raise KVABIError(f"cache[{i}]: this jax array was consumed by an earlier "
+                                 f"write_kv (its buffer was donated); use the cache that "
+                                 f"write_kv returned")
+        return idx
 
     # -- write ---------------------------------------------------------------------------
     def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
-        """New K/V into the slots of ``plan``; returns the new cache list.  The input
-        arrays are left as they were unless the backend was made with
-        ``donate_cache=True`` (then they are consumed and the update runs in place)."""
-        fmt = self._format(layout, plan)
-        spec, t = plan.spec, plan.meta.num_tokens
-        shape = (t, spec.num_kv_heads, spec.head_dim)
+        """New K/V [T, H, D] into the slots of ``plan`` (slot -1 skipped) of ``layer``.
+
+        The cache argument is *consumed*: its planes holding ``layer`` are donated to the
+        jitted update, which writes them in place, so a write costs the tokens written,
+        not the cache size.  Use the returned cache (a :class:`kvabi.KVCache` when given
+        one, a list when given an ABI 1.0 list); the argument's planes of this layer are
+        deleted.  (``donate_cache=False`` at construction keeps them, copying instead.)"""
+        handle = kvabi.as_cache(cache, layout)
+        fmt = self._check_plan(layout, plan)
+        spec = plan.spec
         if value is None:
             raise KVABIError("value: must be an array [T, H, D] (the TPU backends have no MLA)")
-        key, value = self.asarray(key), self.asarray(value)
-        for field, x in (("key", key), ("value", value)):
-            if tuple(x.shape) != shape:
-                raise KVABIError(f"{field}: must be [{t}, {shape[1]}, {shape[2]}], "
-                                 f"got {tuple(x.shape)}")
-        idx = self._layer_planes(cache, layout, layer, fmt)
-        if t == 0:
-            return list(cache)
+        key, value = _jax(key, "key"), _jax(value, "value")
+        kvabi.check_kv(key, value, plan.meta, spec)
+        idx = self._layer_planes(handle, plan, layer)
+        if plan.meta.num_tokens == 0:
+            return cache if isinstance(cache, kvabi.KVCache) else list(cache)
+        if len({id(handle[i]) for i in idx}) < len(idx):
+            raise KVABIError(f"cache: planes {list(idx)} of layer {layer} are one array; "
+                             f"each plane needs its own memory")
         from .steps import compiled  # jax is imported on first use only
 
         impl, args, static = self._write_impl(plan)
         new = compiled("write", donate=self.donate_cache, cheap=self._cheap_compile())(
-            tuple(cache[i] for i in idx), key, value, args, fmt=fmt, layer=layer,
-            padded_tokens=plan.padded_tokens, impl=impl, static=tuple(sorted(static.items())))
+            tuple(handle[i] for i in idx), key, value, args, fmt=fmt,
+            layer=_static_layer(fmt, layer),
+            padded_tokens=plan.padded_tokens, impl=impl, static=static)
+        if isinstance(cache, kvabi.KVCache):
+            return handle.replace_planes(dict(zip(idx, new)))
         out = list(cache)
         for i, x in zip(idx, new):
             out[i] = x
         return out
 
     # -- attention -----------------------------------------------------------------------
-    def attention(self, query, cache, layout, plan, *, layer: int = 0, return_lse=False):
+    def attention(self, query, cache, layout, plan, *, layer: int = 0, sinks=None,
+                  out=None, return_lse=False):
+        """Attention of ``query`` [T, Hq, D] over ``layer`` of the cache: output [T, Hq, D]
+        in the query's dtype, with ``return_lse`` also lse [T, Hq] float32.
+
+        ``sinks`` ([Hq] logits) overrides the plan's for this call; it is a traced array,
+        so layers with different sinks share one compiled step.  jax cannot write into an
+        existing array: ``out``, when given, is only checked (shape [T, Hq, D], the query's
+        dtype) and the result is *returned*, never written into it."""
         import jax.numpy as jnp
 
-        fmt = self._format(layout, plan)
+        handle = kvabi.as_cache(cache, layout)
+        fmt = self._check_plan(layout, plan)
         spec, t = plan.spec, plan.meta.num_tokens
-        query = self.asarray(query)
+        query = _jax(query, "query")
         hq = kvabi.check_query(query, plan.meta, spec)
         if not jnp.issubdtype(query.dtype, jnp.floating):
             raise KVABIError(f"query: must be floating point, got {query.dtype}")
-        kvabi.AttentionOptions(plan.scale, plan.softcap, plan.sinks).check_heads(hq)
-        idx = self._layer_planes(cache, layout, layer, fmt)
+        if plan.num_q_heads is not None and hq != plan.num_q_heads:
+            raise KVABIError(f"query: the plan was built for num_q_heads={plan.num_q_heads}, "
+                             f"got {hq} query heads")
+        if out is not None:
+            _check_out(out, (t, hq, spec.head_dim), query.dtype)
+        sink = self._sinks(sinks, plan, hq)
+        idx = self._layer_planes(handle, plan, layer)
         if t == 0:
-            out = jnp.zeros((0, hq, spec.head_dim), query.dtype)
+            res = jnp.zeros((0, hq, spec.head_dim), query.dtype)
             lse = jnp.zeros((0, hq), jnp.float32)
         else:
-            sinks = self.asarray(np.zeros(hq, np.float32) if plan.sinks is None
-                                 else plan.sinks)
             from .steps import compiled
 
             impl, args, static = self._attend_impl(plan)
-            static.update(scale=plan.scale, softcap=plan.softcap, kind=spec.kind,
-                          window=spec.window, chunk=spec.chunk,
-                          has_sinks=plan.sinks is not None)
-            out, lse = compiled("attend", donate=False, cheap=self._cheap_compile())(
-                query, tuple(cache[i] for i in idx), args, sinks, fmt=fmt, layer=layer,
-                padded_tokens=plan.padded_tokens, impl=impl,
-                static=tuple(sorted(static.items())))
-        return (out, lse) if return_lse else out
+            static = static + (("scale", plan.scale), ("softcap", plan.softcap),
+                               ("kind", spec.kind), ("window", plan.window),
+                               ("chunk", plan.chunk), ("has_sinks", sink is not None))
+            res, lse = compiled("attend", donate=False, cheap=self._cheap_compile())(
+                query, tuple(handle[i] for i in idx), args,
+                _zero_sinks(hq) if sink is None else sink, fmt=fmt,
+                layer=_static_layer(fmt, layer),
+                padded_tokens=plan.padded_tokens, impl=impl, static=tuple(sorted(static)))
+        return (res, lse) if return_lse else res
 
-    def _layer_planes(self, cache, layout, layer, fmt) -> tuple[int, ...]:
-        """Check the cache list against the layout; indices of ``layer``'s planes."""
-        if not isinstance(cache, (list, tuple)) or len(cache) != layout.num_planes:
-            raise KVABIError(f"cache: must be a list of the layout's {layout.num_planes} "
-                             f"planes, got {type(cache).__name__}")
-        for i, p in enumerate(cache):
-            if tuple(getattr(p, "shape", ())) != layout.plane_shape:
-                raise KVABIError(f"cache[{i}].shape: must be {layout.plane_shape}, got "
-                                 f"{tuple(getattr(p, 'shape', ()))}")
-        if not (isinstance(layer, (int, np.integer)) and 0 <= layer < layout.num_layers):
-            raise KVABIError(f"layer: must be in [0, {layout.num_layers}), got {layer!r}")
-        return fmt.plane_indices(layout, int(layer))
+    def _sinks(self, sinks, plan, hq):
+        """The device sinks of this call (per-call ones override the plan's), or None."""
+        if sinks is None:
+            if plan.sinks is not None and plan.sinks.shape != (hq,):
+                raise KVABIError(f"sinks: must have one logit per query head ({hq}), got "
+                                 f"shape {plan.sinks.shape}")
+            return plan.sinks_device
+        if framework(sinks) == "jax":  # stays on the device: shape and dtype checked only
+            import jax.numpy as jnp
+
+            if tuple(sinks.shape) != (hq,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+                raise KVABIError(f"sinks: must be a float array of one logit per query head "
+                                 f"({hq},), got {sinks.dtype} {tuple(sinks.shape)}")
+            return sinks if sinks.dtype == jnp.float32 else sinks.astype(jnp.float32)
+        arr = real_array(sinks, "sinks").astype(np.float32)
+        if arr.shape != (hq,):
+            raise KVABIError(f"sinks: must have one logit per query head ({hq}), got shape "
+                             f"{arr.shape}")
+        if np.isnan(arr).any():
+            raise KVABIError("sinks: must not be NaN")
+        return to_jax(arr)
 
     # -- the computations ----------------------------------------------------------------
     def _cheap_compile(self) -> bool:
@@ -185,11 +240,54 @@ class TPUBackendBase(kvabi.Backend):
         return self.fast_compile
 
     def _write_impl(self, plan):
-        """(update function, its device arrays, its static keywords) for a write:
-        ``update(rows, slot_planes, *arrays, **static) -> new slot planes``."""
+        """(update function, its device arrays, its static keywords as sorted pairs) for a
+        write: ``update(rows, page_planes, *arrays, **static) -> new page planes``."""
         raise NotImplementedError
 
     def _attend_impl(self, plan):
-        """(attention function, its device arrays, its static keywords):
+        """(attention function, its device arrays, its static keywords as pairs):
         ``attend(query, planes, *arrays, sinks, fmt=, **static) -> (out, lse)``."""
         raise NotImplementedError
+
+
+def _describe(layout) -> str:
+    if not isinstance(layout, kvabi.Layout):
+        return f"a {type(layout).__name__}"
+    return (f"layout {layout.name or 'custom'} of {layout.num_blocks} blocks and "
+            f"{layout.num_layers} layers")
+
+
+def _jax(x, field: str):
+    """``x`` as a jax array of real numbers (numpy, torch or jax in; complex, bool and
+    anything that is not an array refused: a cast would drop or invent data)."""
+    import jax.numpy as jnp
+
+    if framework(x) is None:
+        if x is None or isinstance(x, (str, bytes, dict)):
+            raise KVABIError(f"{field}: must be an array, got {type(x).__name__}")
+        x = real_array(x, field)
+    x = to_jax(x)
+    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+        raise KVABIError(f"{field}: must hold real numbers, got dtype {x.dtype}")
+    return x
+
+
+def _check_out(out, shape, dtype) -> None:
+    if tuple(getattr(out, "shape", ())) != shape:
+        raise KVABIError(f"out: must be {list(shape)}, got {tuple(getattr(out, 'shape', ()))}")
+    if str(getattr(out, "dtype", None)) != str(dtype):
+        raise KVABIError(f"out: must have the query's dtype {dtype}, got "
+                         f"{getattr(out, 'dtype', None)}")
+
+
+def _static_layer(fmt, layer) -> int:
+    """The layer as the jitted steps see it: only cross-layer planes are sliced by layer,
+    so every other layout passes 0 and all its layers share one compiled step."""
+    return int(layer) if fmt.layer_dim is not None else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_sinks(hq: int):
+    import jax.numpy as jnp
+
+    return jnp.zeros(hq, jnp.float32)

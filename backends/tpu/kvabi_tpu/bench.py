@@ -6,12 +6,18 @@ cache contents and inputs: ``write_kv`` of the step's new K/V and ``attention`` 
 queries.  Tokens per second = real query tokens / median wall time (after a warm-up run
 that compiles).  ``tpu.pallas`` joins by default where it compiles natively (a TPU);
 name it in ``--backends`` to time its interpreted form (slow, for a sanity check only).
+
+Then the cost of a write against the cache size: ``tpu.jax`` writes the same 64 tokens
+into one ``tpu.combined`` layer of a 1 MiB and of a 256 MiB cache, side by side in one run,
+in place (the cache donated, the default) and as a functional copy (``donate_cache=False``).
+In place, both should take about the same time: a write costs the tokens it writes.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -66,13 +72,49 @@ def _ready(x):
     return x
 
 
+def write_scaling(sizes_mib=(1, 256), tokens: int = 64, repeat: int = 5,
+                  backend_name: str = "tpu.jax") -> list[dict]:
+    """Median time of writing ``tokens`` new tokens (one request, whole pages) into one
+    ``tpu.combined`` layer (8 KV heads x 128, 16-token pages, float32) of caches of
+    ``sizes_mib`` MiB: in place (donated; at least 20 runs, each costs little) and as a
+    copy (``repeat`` runs)."""
+    backend = kvabi.get_backend(backend_name)
+    spec = kvabi.KVSpec("full", block_size=16, num_kv_heads=8, head_dim=128, dtype="float32")
+    page = kvabi.Layout.preset("tpu.combined", spec, 1).plane_nbytes
+    pages = -(-tokens // spec.block_size)
+    rng = np.random.default_rng(0)
+    k = backend.asarray(rng.standard_normal((tokens, 8, 128)).astype(np.float32))
+    rows = []
+    for mib in sizes_mib:
+        nb = max(pages, (mib << 20) // page)
+        layout = kvabi.Layout.preset("tpu.combined", spec, nb)
+        # the last pages of the cache: nothing near the start to favour the small one
+        meta = kvabi.CommonAttentionMetadata.from_lengths(
+            [tokens], [0], np.arange(nb - pages, nb)[None, :], spec.block_size, num_blocks=nb)
+        row = {"cache_mib": layout.plane_nbytes / 2**20, "tokens": tokens,
+               "backend": backend.name}
+        for mode, donate in (("in_place", True), ("copy", False)):
+            b = type(backend)(donate_cache=donate)
+            plan = b.plan(meta, spec, layout)
+            state = {"cache": b.allocate(layout)}
+
+            def write(b=b, plan=plan, layout=layout):
+                state["cache"] = _ready(b.write_kv(state["cache"], layout, k, k, plan))
+
+            row[f"{mode}_ms"] = median_seconds(write, max(20, repeat) if donate
+                                               else repeat) * 1e3
+            del state["cache"]
+        rows.append(row)
+    return rows
+
+
 def measure(backend, spec, layout, meta, arrays, repeat: int) -> dict:
     """Median times of one backend on the batch; for the TPU backends the write is timed
-    twice: functional (the cache is copied) and in place (cache donated, as under jit)."""
+    twice: in place (cache donated, the default) and functional (the cache is copied)."""
     key, value, query, pool = arrays
     n = meta.num_actual_tokens
     k, v, q = backend.asarray(key), backend.asarray(value), backend.asarray(query)
-    state = {"cache": [backend.asarray(np.array(p)) for p in pool]}
+    state = {"cache": kvabi.KVCache.wrap(layout, [backend.asarray(np.array(p)) for p in pool])}
     plan_s = median_seconds(lambda: backend.plan(meta, spec, layout), repeat)
     plan = backend.plan(meta, spec, layout)
 
@@ -82,10 +124,9 @@ def measure(backend, spec, layout, meta, arrays, repeat: int) -> dict:
     out = {"backend": backend.name, "mode": backend.available()[1], "plan_ms": plan_s * 1e3}
     write_s = median_seconds(lambda: write(backend), repeat)
     if hasattr(backend, "donate_cache"):
-        donating = type(backend)(donate_cache=True)
-        inplace_s = median_seconds(lambda: write(donating), repeat)
-        out.update(write_copy_ms=write_s * 1e3, write_copy_tokens_per_s=n / write_s)
-        write_s = inplace_s
+        copying = type(backend)(donate_cache=False)
+        copy_s = median_seconds(lambda: write(copying), repeat)
+        out.update(write_copy_ms=copy_s * 1e3, write_copy_tokens_per_s=n / copy_s)
     out.update(write_ms=write_s * 1e3, write_tokens_per_s=n / write_s)
     cache = state["cache"]
     attn_s = median_seconds(lambda: _ready(backend.attention(q, cache, layout, plan)), repeat)
@@ -111,9 +152,15 @@ def run(argv=None) -> int:
                    help="comma-separated backends (default: tpu.jax,reference, plus "
                         "tpu.pallas on a TPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--big-mib", type=int, default=256,
+                   help="size of the large cache of the write-scaling rows (MiB)")
     a = p.parse_args(argv)
     if a.quick:
-        a.reqs, a.tokens, a.context, a.repeat = 8, 64, 128, 2
+        a.reqs, a.tokens, a.context, a.repeat, a.big_mib = 8, 64, 128, 2, 16
+    for field in ("reqs", "tokens", "context", "block_size", "kv_heads", "q_heads",
+                  "head_dim", "repeat", "big_mib"):
+        if getattr(a, field) < 1:
+            p.error(f"--{field.replace('_', '-')}: must be >= 1, got {getattr(a, field)}")
     names = a.backends.split(",") if a.backends else \
         ["tpu.jax", "reference"] + (["tpu.pallas"] if on_tpu() else [])
     spec = kvabi.KVSpec("full", block_size=a.block_size, num_kv_heads=a.kv_heads,
@@ -136,7 +183,12 @@ def run(argv=None) -> int:
         if not ok:
             results.append({"backend": name, "mode": why, "skipped": True})
             continue
+        print(f"kvabi bench tpu: {name} ...", file=sys.stderr, flush=True)
         results.append(measure(backend, spec, layout, meta, arrays, a.repeat))
+    scaling = []
+    if kvabi.get_backend("tpu.jax").available()[0]:
+        print("kvabi bench tpu: write scaling ...", file=sys.stderr, flush=True)
+        scaling = write_scaling((1, a.big_mib), repeat=a.repeat)
     batch = {"num_reqs": meta.num_reqs, "query_tokens": meta.num_actual_tokens,
              "decodes": int((meta.query_lens == 1).sum()),
              "context_tokens": int(meta.context_lens.sum()), "max_seq_len": meta.max_seq_len,
@@ -144,7 +196,8 @@ def run(argv=None) -> int:
              "dtype": a.dtype, "layout": a.layout}
     if a.json:
         print(json.dumps({"suite": "tpu", "statistic": "median", "repeat": a.repeat,
-                          "batch": batch, "results": results}, indent=2))
+                          "batch": batch, "results": results, "write_scaling": scaling},
+                         indent=2))
         return 0
     print("batch: " + ", ".join(f"{k}={v}" for k, v in batch.items()))
     print("write: in place (reference: numpy in place; tpu.*: cache donated), "
@@ -159,4 +212,14 @@ def run(argv=None) -> int:
         copy = "-" if copy is None else f"{copy:,.0f}"
         print(f"{r['backend']:<12} {r['write_tokens_per_s']:>14,.0f} {copy:>17} "
               f"{r['attention_tokens_per_s']:>16,.0f} {r['plan_ms']:>9.2f}  {r['mode']}")
+    if scaling:
+        print(f"\nwrite of {scaling[0]['tokens']} tokens into one tpu.combined layer "
+              f"(tpu.jax; median ms):")
+        print(f"{'cache MiB':>10} {'in place ms':>12} {'copy ms':>10}")
+        for r in scaling:
+            print(f"{r['cache_mib']:>10.0f} {r['in_place_ms']:>12.3f} {r['copy_ms']:>10.3f}")
+        small, big = scaling[0], scaling[-1]
+        print(f"in place: {big['in_place_ms'] / small['in_place_ms']:.2f}x the time for "
+              f"{big['cache_mib'] / small['cache_mib']:.0f}x the cache (copy: "
+              f"{big['copy_ms'] / small['copy_ms']:.1f}x)")
     return 0

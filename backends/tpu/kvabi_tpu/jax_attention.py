@@ -18,16 +18,13 @@ from jax import numpy as jnp
 from .plan import (TILE_KVLEN, TILE_NPAGES, TILE_PAGE_LO, TILE_POS0, TILE_QLEN, TILE_REQ,
                    next_pow2)
 
-def scatter_slots(rows, page_planes, slots):
-    """``page_planes[p][slot // N, slot % N, ..., :D] = rows[p][t]`` for every token with a
-    slot (>= 0); head-dim padding keeps its bytes.  Indexing block and offset (rather than
-    a reshaped [B*N] view) lets XLA update a donated cache in place."""
-    out = []
-    for plane, r in zip(page_planes, rows):
-        blocks, n = plane.shape[:2]
-        blk = jnp.where(slots >= 0, slots // n, blocks)  # out of range: dropped
-        out.append(plane.at[blk, slots % n, ..., :r.shape[-1]].set(r, mode="drop"))
-    return out
+def scatter_slots(rows, page_planes, blocks, offsets):
+    """``page_planes[p][blocks[t], offsets[t], ..., :D] = rows[p][t]`` for every token
+    (padding tokens carry block ``num_blocks``: dropped); head-dim padding keeps its bytes.
+    Indexing block and offset (never a flat slot) stays exact in int32 for any cache size
+    and lets XLA update a donated cache in place."""
+    return [plane.at[blocks, offsets, ..., :r.shape[-1]].set(r, mode="drop")
+            for plane, r in zip(page_planes, rows)]
 
 
 def paged_attention(query, planes, page_table, out_index, tiles, sinks, *, fmt, scale,
@@ -85,29 +82,34 @@ def _bucket(query, planes, tile_info, page_table, q_index, sinks, *, rows, fmt, 
             k, v = fmt.all_kv(tuple(jnp.take(p, ids, axis=0) for p in planes))  # [n, H, d]
             # head-major [H, n, d] for the dots
             k = k.astype(jnp.float32).transpose(1, 0, 2)
-            v = v.astype(jnp.float32)
-            if masked:
-                kpos = first * bs + jnp.arange(cp * bs)
-                real = kpos < end
-                # stale keys only give logits that the mask replaces; stale values would
-                # turn 0 * NaN into NaN, so they are zeroed
-                v = jnp.where(real[:, None, None], v, 0.0)
-            v = v.transpose(1, 0, 2)
+            v = v.astype(jnp.float32).transpose(1, 0, 2)
             s = jnp.einsum("hmd,hnd->hmn", qf, k, precision=prec)
             if softcap is not None:
                 s = softcap * jnp.tanh(s / softcap)
-            if masked:  # one [rows, n] mask, broadcast over heads
-                mask = real[None, :] & (kpos[None, :] <= qpos[:, None])
-                if kind == "sliding_window":
-                    mask &= kpos[None, :] > qpos[:, None] - window
-                elif kind == "chunked_local":
-                    mask &= (kpos[None, :] // chunk) == (qpos[:, None] // chunk)
-                bias = jnp.where(mask, 0.0, -jnp.inf)
-                s = (s.reshape(h, g, bq, -1) + bias).reshape(h, g * bq, -1)
+            if not masked:  # every key is visible to every real row
+                m = s.max(axis=-1)
+                e = jnp.exp(s - m[..., None])
+                return m, e.sum(axis=-1), jnp.einsum("hmn,hnd->hmd", e, v, precision=prec)
+            # Rows a query may not see can hold anything (NaN, inf: stale or recycled
+            # blocks), so they are removed by select, never by arithmetic: their logits
+            # become -inf, and their values enter the product as 0 (0 * NaN would be NaN).
+            kpos = first * bs + jnp.arange(cp * bs)
+            mask = (kpos[None, :] < end) & (kpos[None, :] <= qpos[:, None])  # [rows, n]
+            if kind == "sliding_window":
+                mask &= kpos[None, :] > qpos[:, None] - window
+            elif kind == "chunked_local":
+                mask &= (kpos[None, :] // chunk) == (qpos[:, None] // chunk)
+            s = jnp.where(mask[None, None], s.reshape(h, g, bq, -1), -jnp.inf)
+            s = s.reshape(h, g * bq, -1)
             m = s.max(axis=-1)
-            safe = jnp.where(jnp.isfinite(m), m, 0.0) if masked else m
+            safe = jnp.where(jnp.isfinite(m), m, 0.0)
             e = jnp.exp(s - safe[..., None])
-            return m, e.sum(axis=-1), jnp.einsum("hmn,hnd->hmd", e, v, precision=prec)
+            bad = ~jnp.isfinite(v)
+            pv = jnp.einsum("hmn,hnd->hmd", e, jnp.where(bad, 0.0, v), precision=prec)
+            # a non-finite value a row does see (weight > 0) still makes that row NaN
+            hit = jnp.einsum("hmn,hnd->hmd", (e > 0).astype(jnp.float32),
+                             bad.astype(jnp.float32), precision=prec) > 0
+            return m, e.sum(axis=-1), jnp.where(hit, jnp.nan, pv)
 
         def merge(state, piece):
             m0, l0, o0 = state
@@ -179,5 +181,5 @@ def attend_impl(plan, backend):
     small = pages(backend.tail_chunk_tokens)
     chunks = tuple((max(small, pages(t)), small)
                    for t in (backend.decode_chunk_tokens, backend.chunk_tokens))
-    return paged_attention, (plan.page_table, out_index, tuple(tiles)), dict(
-        buckets=static, chunk_pages=chunks)
+    return paged_attention, (plan.page_table, out_index, tuple(tiles)), (
+        ("buckets", static), ("chunk_pages", chunks))

@@ -10,6 +10,7 @@ class JaxBackend(TPUBackendBase):
 
     name = "tpu.jax"
     tile_size = 16
+    write_form = "slots"
     #: query tokens per tile of requests with more than one query (decodes: one-row tiles)
     prefill_rows = 32
     #: keys per softmax chunk (rounded to whole pages), of prefill tiles and of decodes
@@ -27,7 +28,7 @@ class JaxBackend(TPUBackendBase):
     def _write_impl(self, plan):
         from .jax_attention import scatter_slots
 
-        return scatter_slots, (plan.slots,), {}
+        return scatter_slots, plan.write_args, ()
 
     def _attend_impl(self, plan):
         from .jax_attention import attend_impl

@@ -13,6 +13,7 @@ class PallasBackend(TPUBackendBase):
     name = "tpu.pallas"
     tile_size = 8
     num_slices_per_block = 8
+    write_form = "slices"
     #: KV pages fetched per DMA block of the attention kernel
     pages_per_block = 2
     notes = ("Pallas TPU kernels: DMA cache update from kv_update_slices, ragged paged "
@@ -33,13 +34,13 @@ class PallasBackend(TPUBackendBase):
     def _write_impl(self, plan):
         from .update_kernel import update_slots
 
-        return update_slots, (plan.slices, plan.num_slices), dict(
-            block_size=plan.spec.block_size, per=self.num_slices_per_block,
-            interpret=interpret_arg())
+        return update_slots, plan.write_args, (
+            ("block_size", plan.spec.block_size), ("interpret", interpret_arg()),
+            ("per", self.num_slices_per_block))
 
     def _attend_impl(self, plan):
         from .attention_kernel import paged_attention
 
         return paged_attention, (plan.tile_info, plan.page_table, plan.q_index,
-                                 plan.out_index), dict(per_block=self.pages_per_block,
-                                                       interpret=interpret_arg())
+                                 plan.out_index), (("interpret", interpret_arg()),
+                                                   ("per_block", self.pages_per_block))

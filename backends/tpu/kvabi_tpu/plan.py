@@ -1,12 +1,19 @@
-"""The per-step plan of the TPU backends: query tiles, page ranges and update slices.
+"""The per-step plan of the TPU backends: query tiles, page ranges and cache write indices.
 
 Built once per step and KV group from :class:`kvabi.CommonAttentionMetadata` with vectorized
-numpy, then moved to the device once; every layer of the group reuses it.
+numpy, then moved to the device once; every layer of the group reuses it (a plan holds no
+layer-specific state).
 
 Attention work is cut into *tiles*: up to ``tile_size`` consecutive query tokens of one
 request.  Each tile records the key pages it can see (a sliding window or attention chunk
 narrows the range), so a kernel reads only those pages.  Tile arrays are padded to a power
 of two so that steps of similar size share one compiled kernel.
+
+Index widths: the kernels index with int32 (TPU scalar memory holds 32-bit words, and jax
+runs without 64-bit integers by default).  A flat slot number would wrap past 2**31 slots,
+so writes address a slot as (block, offset in block), both int32 whatever the cache size;
+a layout with more blocks than int32 holds, or sequences whose positions int32 cannot
+hold, is refused with a KVABIError naming the size, never truncated.
 """
 from __future__ import annotations
 
@@ -14,9 +21,14 @@ import attrs
 import numpy as np
 
 import kvabi
+from kvabi import KVABIError
+from kvabi.coerce import INT32_MAX, as_int
 
 #: rows of TPUPlan.tile_info
 TILE_REQ, TILE_POS0, TILE_QLEN, TILE_KVLEN, TILE_PAGE_LO, TILE_NPAGES = range(6)
+#: pages a kernel may address past a tile's last page (prefetch blocks, masked chunks):
+#: positions up to (pages + POSITION_MARGIN_PAGES) * block_size must fit in int32
+POSITION_MARGIN_PAGES = 128
 
 
 def next_pow2(n: int) -> int:
@@ -40,8 +52,12 @@ class TPUPlan:
     fmt: object
     scale: float
     softcap: float | None
-    #: float32 numpy [Hq] logits of the attention sinks, or None
+    #: float32 numpy [Hq] logits of the attention sinks, or None; ``sinks_device`` the same
+    #: on the device (the default of every layer; ``attention(sinks=)`` overrides it)
     sinks: np.ndarray | None
+    sinks_device: object
+    #: query heads the caller announced (``plan(num_q_heads=)``), or None
+    num_q_heads: int | None
     tile_size: int
     #: tiles that hold real queries (the rest of the padded arrays are empty tiles)
     num_tiles: int
@@ -54,24 +70,91 @@ class TPUPlan:
     q_index: object
     #: int32 [padded_tokens]: tile row holding each token's output (0 for padding)
     out_index: object
-    #: int32 [3, S] update slices (cache slot, token, length) and [1] their count
-    slices: object
-    num_slices: object
     #: the largest page count of one tile, rounded up to a power of two
     max_tile_pages: int
-    #: int32 [padded_tokens] cache slot of each token, -1 for padding
-    slots: object
     #: num_tokens rounded up to a power of two: queries and new K/V are padded to this
     #: many rows so that steps of similar size share one compiled computation
     padded_tokens: int
+    #: the window / chunk the kernels apply: the spec's, clamped to int32 (positions are
+    #: below that, so a larger one masks exactly the same keys)
+    window: int | None
+    chunk: int | None
+    #: the cache write's device arrays (:func:`write_slots` or :func:`write_slices`)
+    write_args: tuple
+    #: per-layer plane indices, filled on first use (layout-specific, not layer state)
+    planes_of_layer: dict = attrs.field(factory=dict)
+
+
+def write_slots(meta, layout, padded_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(block, offset) int32 [padded_tokens] of each token's slot; padding tokens (slot
+    -1) get block ``num_blocks``, which a scatter drops."""
+    bs = meta.block_size
+    blk = np.full(padded_tokens, layout.num_blocks, np.int32)
+    off = np.zeros(padded_tokens, np.int32)
+    s = meta.slot_mapping.astype(np.int64)
+    real = s >= 0
+    blk[:len(s)][real] = s[real] // bs
+    off[:len(s)][real] = s[real] % bs
+    return blk, off
+
+
+def write_slices(meta, per: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 [4, S] rows (block, offset in block, first token, length), int32 [1] count)
+    from :func:`kvabi.transforms.kv_update_slices`; S a power-of-two multiple of ``per``.
+
+    A slice never crosses a page, so its cache rows are ``offset:offset+length`` of one
+    block: the block and offset come from the int64 slot of its first token, exact for
+    any cache size (a flat int32 slot would wrap past 2**31 slots)."""
+    slices, n = kvabi.transforms.kv_update_slices(meta, per)
+    padded = next_pow2(max(1, slices.shape[1] // per)) * per
+    out = np.zeros((4, padded), np.int32)
+    tok = slices[1, :n].astype(np.int64)
+    slot = meta.slot_mapping.astype(np.int64)[tok]
+    out[0, :n] = slot // meta.block_size
+    out[1, :n] = slot % meta.block_size
+    out[2:, :n] = slices[1:, :n]
+    return out, np.array([n], np.int32)
+
+
+def check_index_range(meta, spec, layout) -> None:
+    """Refuse what int32 kernel indices cannot address exactly (see the module doc), and
+    writes to slots outside the layout."""
+    bs = spec.block_size
+    if layout.num_blocks > INT32_MAX:
+        raise KVABIError(f"layout.num_blocks: {layout.num_blocks} blocks "
+                         f"({layout.num_blocks * bs} slots) exceed the {INT32_MAX} block ids "
+                         f"the TPU kernels index with int32")
+    if meta.num_tokens > INT32_MAX // 2:
+        raise KVABIError(f"meta.num_tokens: {meta.num_tokens} tokens exceed what the TPU "
+                         f"kernels index with int32 ({INT32_MAX // 2})")
+    pages = -(-int(meta.max_seq_len) // bs)
+    if (pages + POSITION_MARGIN_PAGES) * bs > INT32_MAX:
+        raise KVABIError(f"seq_lens: a sequence of {int(meta.max_seq_len)} tokens (block "
+                         f"size {bs}) has positions beyond the int32 the TPU kernels use")
+    s = meta.slot_mapping
+    if s.size:
+        lo, hi = int(s.min()), int(s.max())
+        if lo < -1 or hi >= layout.num_blocks * bs:
+            bad = lo if lo < -1 else hi
+            raise KVABIError(f"slot_mapping: slot {bad} is outside the layout's "
+                             f"{layout.num_blocks} blocks of {bs} slots (-1 marks padding)")
 
 
 def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
-               tile_size: int, num_slices_per_block: int, to_device) -> TPUPlan:
-    """Compute the plan of one step (see :class:`TPUPlan`); ``to_device`` maps numpy
+               num_q_heads=None, tile_size: int, write: str, num_slices_per_block: int = 8,
+               to_device) -> TPUPlan:
+    """Compute the plan of one step (see :class:`TPUPlan`); ``write`` picks the write
+    arrays ("slots" for a scatter, "slices" for the DMA kernel); ``to_device`` maps numpy
     arrays to the backend's device arrays."""
     kvabi.check_step(meta, spec, layout)
+    check_index_range(meta, spec, layout)
     opts = kvabi.AttentionOptions.resolve(spec, scale, softcap, sinks)
+    if num_q_heads is not None:
+        num_q_heads = as_int(num_q_heads, "num_q_heads", lo=1)
+        if num_q_heads % spec.num_kv_heads:
+            raise KVABIError(f"num_q_heads: must be a multiple of the {spec.num_kv_heads} KV "
+                             f"heads, got {num_q_heads}")
+        opts.check_heads(num_q_heads)
     scale, softcap = opts.scale, opts.softcap
     sinks = None if opts.sinks is None else opts.sinks.astype(np.float32)
     bs = spec.block_size
@@ -120,17 +203,17 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
     if bt.size:
         table[:bt.shape[0], :bt.shape[1]] = np.where(used, bt, 0)
 
-    # -- cache update slices -------------------------------------------------------------
-    slices, n = kvabi.transforms.kv_update_slices(meta, num_slices_per_block)
-    per = num_slices_per_block
-    padded = next_pow2(slices.shape[1] // per) * per
-    sl = np.zeros((3, padded), np.int32)
-    sl[:, :slices.shape[1]] = slices
+    # -- cache write ---------------------------------------------------------------------
+    if write == "slots":
+        arrays = write_slots(meta, layout, padded_tokens)
+    else:
+        arrays = write_slices(meta, num_slices_per_block)
 
-    slots = np.full(padded_tokens, -1, np.int32)
-    slots[:meta.num_tokens] = meta.slot_mapping
-    return TPUPlan(meta, spec, layout, fmt, scale, softcap, sinks, tile_size, w,
+    # a window or chunk longer than every position masks like one that just covers them
+    window = None if spec.window is None else min(int(spec.window), INT32_MAX)
+    chunk = None if spec.chunk is None else min(int(spec.chunk), INT32_MAX)
+    return TPUPlan(meta, spec, layout, fmt, scale, softcap, sinks,
+                   None if sinks is None else to_device(sinks), num_q_heads, tile_size, w,
                    to_device(info), to_device(table), to_device(qi.reshape(-1)),
-                   to_device(out_index), to_device(sl), to_device(np.array([n], np.int32)),
-                   next_pow2(max(1, int(npages.max(initial=1)))),
-                   to_device(slots), padded_tokens)
+                   to_device(out_index), next_pow2(max(1, int(npages.max(initial=1)))),
+                   padded_tokens, window, chunk, tuple(to_device(a) for a in arrays))

@@ -109,9 +109,9 @@ def test_bad_arguments_name_the_field(backend):
         backend.write_kv(cache, layout, k, k, object())
 
 
-def test_donated_write_updates_in_place_and_matches():
-    """With donate_cache the input planes are consumed; the result equals the functional
-    write of the same step."""
+def test_writes_donate_by_default_and_copy_on_request():
+    """By default the written planes are consumed (donated, updated in place); with
+    donate_cache=False the argument stays valid; both give the same cache."""
     spec = make_spec("full", 16, 2, 64, "float32")
     layout = kvabi.Layout.preset("tpu.hidden", spec, 6)
     meta = kvabi.CommonAttentionMetadata.from_lengths([5, 1], [0, 20], [[3, 0], [1, 4]], 16,
@@ -119,10 +119,15 @@ def test_donated_write_updates_in_place_and_matches():
     rng = np.random.default_rng(0)
     planes = filled_cache(layout, spec, rng)
     k = values(rng, (6, 2, 64), "float32")
-    want = JAX.write_kv(to_backend(JAX, planes), layout, k, k, JAX.plan(meta, spec, layout))
-    donor = JaxBackend(donate_cache=True)
-    cache = to_backend(donor, planes)
-    got = donor.write_kv(cache, layout, k, k, donor.plan(meta, spec, layout))
+    copier = JaxBackend(donate_cache=False)
+    kept = to_backend(copier, planes)
+    want = copier.write_kv(kept, layout, k, k, copier.plan(meta, spec, layout))
+    assert not any(p.is_deleted() for p in kept)
+    for p, w in zip(kept, planes):
+        assert np.array_equal(np.asarray(p), w)
+    assert JAX.donate_cache and PALLAS.donate_cache
+    cache = to_backend(JAX, planes)
+    got = JAX.write_kv(cache, layout, k, k, JAX.plan(meta, spec, layout))
     for g, w in zip(got, want):
         assert np.array_equal(np.asarray(g), np.asarray(w))
     assert all(p.is_deleted() for p in cache)

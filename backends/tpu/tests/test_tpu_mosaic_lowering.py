@@ -62,6 +62,6 @@ def test_kernels_lower_for_tpu(config):
     views = tuple(jax.ShapeDtypeStruct((8, bs) + fmt.write_slot_shape, dt)
                   for _ in range(fmt.num_layer_planes))
     exported = export.export(jax.jit(update), platforms=("tpu",))(
-        tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows), views, plan.slices,
-        plan.num_slices)
+        tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows), views,
+        *plan.write_args)
     assert "tpu_custom_call" in exported.mlir_module()

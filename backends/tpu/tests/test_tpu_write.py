@@ -26,26 +26,34 @@ def build_layout(form, spec, num_blocks):
     return kvabi.Layout.preset(form, spec, num_blocks, num_layers=2)
 
 
-def check_write(backend, spec, form, meta, layer, seed):
+def check_write(backend, spec, form, meta, layer, seed, handle=True):
+    """The write equals the reference's byte for byte; the cache argument's planes of the
+    layer are consumed (donated) and the others passed through; a KVCache comes back for
+    a KVCache, a list for an ABI 1.0 list."""
     rng = np.random.default_rng(seed)
     layout = build_layout(form, spec, meta.num_blocks)
     want = filled_cache(layout, spec, rng)
     cache = to_backend(backend, want)
-    before = [np.array(backend.to_numpy(p)) for p in cache]
+    if handle:
+        cache = kvabi.KVCache.wrap(layout, cache)
     t, h, d = meta.num_tokens, spec.num_kv_heads, spec.head_dim
     key, value = values(rng, (t, h, d), spec.dtype), values(rng, (t, h, d), spec.dtype)
     REFERENCE.write_kv(want, layout, key, value, REFERENCE.plan(meta, spec, layout),
                        layer=layer)
     got = backend.write_kv(cache, layout, backend.asarray(key), backend.asarray(value),
                            backend.plan(meta, spec, layout), layer=layer)
+    assert type(got) is (kvabi.KVCache if handle else list)
     assert len(got) == layout.num_planes
     for i, (g, w) in enumerate(zip(got, want)):
         g = backend.to_numpy(g)
         assert same_bytes(g, np.ascontiguousarray(w)), \
             f"plane {i}: {int((g != w).sum())} elements differ from the reference"
-    # functional: the input arrays are unchanged
-    for b, p in zip(before, cache):
-        assert same_bytes(b, backend.to_numpy(p))
+    mine = {layout.plane_index(layer, kv) for kv in range(2)} if meta.num_tokens else set()
+    for i, (old, new) in enumerate(zip(cache, got)):
+        if i in mine:  # donated: consumed, and the result is a new array
+            assert old.is_deleted() and new is not old, f"plane {i} not donated"
+        else:
+            assert new is old, f"plane {i} of another layer was replaced"
 
 
 @st.composite
@@ -56,7 +64,7 @@ def write_cases(draw, block_sizes):
                      draw(st.sampled_from((64, 128))), dtype)
     meta = draw(batches(bs, max_query=bs + 3, max_context=1))
     return spec, draw(st.sampled_from(FORMS)), meta, draw(st.integers(0, 1)), \
-        draw(st.integers(0, 2**16))
+        draw(st.integers(0, 2**16)), draw(st.booleans())
 
 
 @settings(max_examples=5, deadline=None)
@@ -79,8 +87,8 @@ def test_write_spanning_pages_and_padding_tokens(backend):
     meta = kvabi.CommonAttentionMetadata.from_lengths(
         [37, 1, 0], [5, 20, 3], [[4, 0, 7], [2, 5, 1], [3, 6, 6]], 16, num_blocks=8,
         num_tokens=41)
-    for form in ("tpu.combined", "tpu.hidden"):
-        check_write(backend, spec, form, meta, 1, 0)
+    for form, handle in (("tpu.combined", True), ("tpu.hidden", False)):
+        check_write(backend, spec, form, meta, 1, 0, handle)
 
 
 @pytest.mark.parametrize("backend", [PALLAS, JAX], ids=lambda b: b.name)
