@@ -1,8 +1,10 @@
 """``kvabi bench transforms``: microseconds per metadata transform on mixed batches.
 
 Each batch mixes decodes, chunked prefills (context > 0) and fresh prefills (seeded), with
-shuffled block ids; the time of building the metadata itself (``from_lengths``) is shown
-beside the transforms for scale.  Figures are medians of many ``time.perf_counter`` runs.
+shuffled block ids; the time of building the metadata itself (``from_lengths``) and of
+checking it (``validate``) is shown beside the transforms, and so is the irreducible numpy
+work of three jobs (:func:`baselines`), with the ratios.  Figures are medians of many
+``time.perf_counter`` runs.
 """
 from __future__ import annotations
 
@@ -64,6 +66,54 @@ def median_us(fn, *, min_runs: int, min_seconds: float) -> float:
     return statistics.median(times) * 1e6
 
 
+def baselines(meta: CommonAttentionMetadata, query_lens, context_lens, chunk: int) -> dict:
+    """{name: callable}: the irreducible numpy work of three jobs on the same batch, to
+    read the transforms' times against (kvabi's code must do at least this much).
+
+    - from_lengths: one ``np.cumsum`` of the query lengths and the slot-mapping gather
+      (each token's block id from the table, times block size, plus the offset);
+    - prefill_skip: gathering the kept tokens' positions and slots;
+    - local_virtual_batches: gathering the virtual block table rows and shifting the
+      positions, with every index precomputed.
+    """
+    bt, bs = meta.block_table, meta.block_size
+    q = np.asarray(query_lens, np.int64)
+    c = np.asarray(context_lens, np.int64)
+    rows = np.repeat(np.arange(len(q), dtype=np.int64) * bt.shape[1], q)
+
+    def cumsum_gather():
+        qsl = np.cumsum(q)
+        pos = np.arange(int(qsl[-1])) + np.repeat(c - (qsl - q), q)
+        return bt.ravel()[rows + pos // bs] * bs + pos % bs
+
+    last = meta.query_start_loc[1:].astype(np.int64) - 1
+
+    def gather_kept():
+        return meta.positions[last], meta.slot_mapping[last]
+
+    from ..transforms import local_virtual_batches
+
+    m2, vreq = local_virtual_batches(meta, chunk)
+    width = m2.block_table.shape[1]
+    first = np.asarray([0], np.int64)  # any in-range window start: the gather is the work
+    starts = np.minimum(vreq * bt.shape[1], bt.size - width) if bt.size >= width else first
+    windows = np.lib.stride_tricks.sliding_window_view(bt.ravel(), width)
+    shift = meta.positions - m2.positions
+
+    def gather_virtual():
+        return windows[starts], meta.positions - shift
+
+    return {"baseline: cumsum + slot gather": cumsum_gather,
+            "baseline: gather kept rows": gather_kept,
+            "baseline: gather virtual table": gather_virtual}
+
+
+#: (transform row, baseline row) pairs whose time ratio the suite prints
+RATIOS = (("from_lengths (build)", "baseline: cumsum + slot gather"),
+          ("prefill_skip", "baseline: gather kept rows"),
+          (f"local_virtual_batches(chunk={CHUNK})", "baseline: gather virtual table"))
+
+
 def cases(num_reqs: int, num_tokens: int, seed: int) -> dict:
     """{name: zero-argument callable} for one batch size."""
     q, c = mixed_lengths(num_reqs, num_tokens, seed)
@@ -92,6 +142,7 @@ def cases(num_reqs: int, num_tokens: int, seed: int) -> dict:
         f"cascade_split({sp_blocks} blocks)": lambda: T.cascade_split(cmeta, sp_blocks),
         "pad": lambda: T.pad(meta, pad_tokens, num_reqs + 32),
         "kv_update_slices": lambda: T.kv_update_slices(meta, 8),
+        **baselines(meta, q, c, CHUNK),
     }
 
 
@@ -117,7 +168,8 @@ def run(argv=None) -> int:
     for nr, nt in a.sizes:
         timed = {name: median_us(fn, min_runs=runs, min_seconds=secs)
                  for name, fn in cases(nr, nt, a.seed).items()}
-        results.append({"num_reqs": nr, "num_tokens": nt, "us": timed})
+        ratios = {f"{a} / {b}": timed[a] / timed[b] for a, b in RATIOS}
+        results.append({"num_reqs": nr, "num_tokens": nt, "us": timed, "ratios": ratios})
     if a.json:
         print(json.dumps({"suite": "transforms", "unit": "us", "statistic": "median",
                           "block_size": BLOCK_SIZE, "results": results}, indent=2))
@@ -128,4 +180,7 @@ def run(argv=None) -> int:
     print(f"{'transform (median us)':<{w}}  " + "  ".join(f"{h:>22}" for h in heads))
     for n in names:
         print(f"{n:<{w}}  " + "  ".join(f"{r['us'][n]:>22.1f}" for r in results))
+    for n in (results[0]["ratios"] if results else ()):
+        print(f"ratio {n}: " + ", ".join(f"{r['ratios'][n]:.2f}x" for r in results))
+    print("goal: from_lengths at most 3x the cumsum + slot gather baseline")
     return 0

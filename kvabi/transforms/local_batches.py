@@ -39,13 +39,24 @@ def local_virtual_batches(meta: CommonAttentionMetadata, chunk: int
     lo = k * chunk
     start = np.maximum(c[vreq], lo)
     end = np.minimum(s[vreq], lo + chunk)
-    # Block table rows rebased to the chunk's first block; columns past the real table are
-    # never needed (seq_len fits) and are zero-filled.
+    # Block table rows rebased to the chunk's first block: one row gather from a sliding
+    # window over the flat table.  Columns past the real table are never needed (seq_len
+    # fits) and are zero-filled; only rows whose window passes the table's end (the last
+    # chunk of a long request) are rebuilt with a mask.
     bt = meta.block_table
-    width = min(chunk // bs, bt.shape[1])
-    cols = (lo // bs)[:, None] + np.arange(width, dtype=np.int64)[None, :]
-    inside = cols < bt.shape[1]
-    bt2 = np.where(inside, bt[vreq[:, None], np.minimum(cols, bt.shape[1] - 1)], 0)
+    nr, nc = bt.shape
+    width = min(chunk // bs, nc)
+    col0 = lo // bs
+    if len(vreq):
+        windows = np.lib.stride_tricks.sliding_window_view(bt.reshape(-1), width)
+        bt2 = windows[np.minimum(vreq * nc + col0, nr * nc - width)]
+        spill = np.nonzero(col0 + width > nc)[0]
+        if len(spill):
+            cols = col0[spill, None] + np.arange(width)
+            inside = cols < nc
+            bt2[spill] = np.where(inside, bt[vreq[spill, None], np.where(inside, cols, 0)], 0)
+    else:
+        bt2 = np.zeros((0, width), bt.dtype)
     total = int(qsl[-1])
     pos = meta.positions.copy()
     pos[:total] -= np.repeat(lo, end - start)
