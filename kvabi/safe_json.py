@@ -114,8 +114,10 @@ def loads(data, *, what: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_D
     except json.JSONDecodeError as e:
         raise KVABIError(f"{what}: not valid JSON ({e.msg} at line {e.lineno} column "
                          f"{e.colno})") from None
-    except (ValueError, RecursionError) as e:  # defence in depth; the guards above cover it
-        raise KVABIError(f"{what}: not valid JSON ({type(e).__name__})") from None
+    except RecursionError:  # only with a max_depth beyond what the parser can nest
+        raise KVABIError(f"{what}: nested too deep for the parser") from None
+    except ValueError as e:  # defence in depth; the hooks above raise KVABIError
+        raise KVABIError(f"{what}: not valid JSON ({e})") from None
 
 
 def _short(s: str, limit: int = 40) -> str:

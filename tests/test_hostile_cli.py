@@ -1,0 +1,116 @@
+"""The ``kvabi`` command under bad input: one line ``kvabi: error: ...`` on stderr, exit
+status 2, no traceback unless ``--debug``; bad option values are usage errors."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvabi.cli import main
+from kvabi.commands.argtypes import float_arg, from_kvabi, int_arg, positive_int
+from kvabi.plan import parse_bytes
+
+LLAMA = str(Path(__file__).parents[1] / "examples" / "configs" / "llama-3-8b.json")
+
+
+def run(argv, capsys):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line(err: str) -> str:
+    assert err.startswith("kvabi: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["plan", "/no/such/config.json"], "config: cannot read"),
+    (["plan", LLAMA, "--block-size", "0"], "argument --block-size: must be >= 1, got 0"),
+    (["plan", LLAMA, "--block-size", "1.5"], "argument --block-size: must be an integer"),
+    (["plan", LLAMA, "--block-size", "1e3"], "argument --block-size: must be an integer"),
+    (["plan", LLAMA, "--max-model-len", "-1"], "argument --max-model-len: must be >= 1"),
+    (["plan", LLAMA, "--max-query-len", "0"], "argument --max-query-len"),
+    (["plan", LLAMA, "--memory", "lots"], "argument --memory: memory: 'lots' is not a size"),
+    (["plan", LLAMA, "--memory", "0"], "memory_bytes"),
+    (["plan", LLAMA, "--kv-dtype", "float64"], "argument --kv-dtype: kv_dtype"),
+    (["plan", LLAMA, "--layout", "nope"], "argument --layout: invalid choice"),
+    (["plan", LLAMA, "--scheme", "demand", "--max-model-len", "99999999999"],
+     "memory_bytes"),
+    (["plan"], "the following arguments are required: CONFIG"),
+    (["plan", LLAMA, "--bogus"], "unrecognized arguments: --bogus"),
+    (["backends", "--head-dim", "-8"], "argument --head-dim: must be >= 1"),
+    (["backends", "--kv-heads", "two"], "argument --kv-heads: must be an integer"),
+    (["nope"], "invalid choice: 'nope'"),
+    ([], "the following arguments are required: COMMAND"),
+])
+def test_errors_are_one_line_and_exit_2(argv, match, capsys):
+    rc, out, err = run(argv, capsys)
+    assert rc == 2 and out == ""
+    assert match in one_line(err)
+
+
+def test_usage_errors_name_the_command_and_its_help(capsys):
+    _, _, err = run(["plan", LLAMA, "--block-size", "0"], capsys)
+    assert err.startswith("kvabi: error: plan: argument --block-size")
+    assert "(see 'kvabi plan --help')" in err
+
+
+def test_not_json_config(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_bytes(b"\x00\x01 not json")
+    rc, _, err = run(["plan", str(bad)], capsys)
+    assert rc == 2 and "not valid JSON" in one_line(err)
+    bad.write_bytes(b"\xff\xfe{}")
+    rc, _, err = run(["plan", str(tmp_path)], capsys)
+    assert rc == 2 and "not UTF-8" in one_line(err)
+
+
+@pytest.mark.parametrize("argv", [["--debug", "plan", "/no/such.json"],
+                                  ["plan", "/no/such.json", "--debug"],
+                                  ["plan", LLAMA, "--block-size", "0", "--debug"]])
+def test_debug_shows_the_traceback(argv, capsys):
+    rc, _, err = run(argv, capsys)
+    assert rc == 2
+    assert err.startswith("Traceback") and err.rstrip().splitlines()[-1].startswith(
+        "kvabi: error: ")
+
+
+def test_debug_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("KVABI_DEBUG", "1")
+    rc, _, err = run(["plan", "/no/such.json"], capsys)
+    assert rc == 2 and "Traceback" in err
+
+
+def test_good_runs_are_unchanged(capsys):
+    rc, out, err = run(["plan", LLAMA, "--memory", "1GiB", "--block-size", "32"], capsys)
+    assert rc == 0 and "llama" in out and err == ""
+
+
+def test_real_process_exit_status():
+    """The console entry point, as a shell sees it."""
+    p = subprocess.run([sys.executable, "-m", "kvabi.cli", "plan", "/no/such.json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr == "kvabi: error: config: cannot read '/no/such.json': No such file or " \
+                       "directory\n"
+
+
+def test_option_types_for_other_commands():
+    """The generic mechanism: ints, finite reals with bounds, any KVABIError parser."""
+    p = argparse.ArgumentParser(exit_on_error=False)
+    p.add_argument("--n", type=int_arg(lo=1, hi=10))
+    p.add_argument("--t", type=float_arg(lo=0, lo_open=True))
+    p.add_argument("--m", type=from_kvabi(parse_bytes))
+    p.add_argument("--k", type=positive_int)
+    ok = p.parse_args(["--n", "10", "--t", "0.5", "--m", "2KiB", "--k", "3"])
+    assert (ok.n, ok.t, ok.m, ok.k) == (10, 0.5, 2048, 3)
+    for argv in (["--n", "0"], ["--n", "11"], ["--n", "2.0"], ["--n", " "], ["--t", "0"],
+                 ["--t", "-5"], ["--t", "nan"], ["--t", "inf"], ["--t", "x"], ["--m", "1XB"],
+                 ["--k", "9" * 30]):
+        with pytest.raises(argparse.ArgumentError):
+            p.parse_args(argv)
