@@ -115,7 +115,7 @@ def failure_report(res) -> str:
     lines = [f"FAILED {res.backend} {res.check}: {res.message}"]
     det = format_details(res.details)
     if det:
-        lines.append(f"  at the worst element: {det}")
+        lines.append(f"  details: {det}")
     site = raise_site(res.exception)
     if site:
         lines.append(f"  raised at {site}")

@@ -15,12 +15,15 @@ included (interpreted TPU and Triton kernels are slow), must fit CI's budget on 
 is a smoke test (``kvabi conformance --quick``).
 
 Nothing is written into the working directory: the kit runs with no Hypothesis example
-database unless ``$KVABI_HYPOTHESIS_DATABASE`` names a directory for one.
+database unless ``$KVABI_HYPOTHESIS_DATABASE`` names a directory for one, and Hypothesis'
+own caches go to a temporary directory (:func:`kit_storage`) unless the caller chose one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import tempfile
 
 from hypothesis import HealthCheck, Phase, settings
 
@@ -178,3 +181,27 @@ def kit_settings(max_examples: int, *, shrink: bool = True, database=None) -> se
     return settings(max_examples=max_examples, deadline=None, database=database,
                     derandomize=False, print_blob=False, report_multiple_bugs=False,
                     phases=phases, suppress_health_check=list(HealthCheck))
+
+
+_storage: list[str] = []
+
+
+@contextlib.contextmanager
+def kit_storage():
+    """Point Hypothesis' storage (caches it writes even without a database) at a temporary
+    directory while a check runs, unless ``$HYPOTHESIS_STORAGE_DIRECTORY`` or the caller's
+    ``set_hypothesis_home_dir`` chose one; otherwise it would create ``.hypothesis/`` in the
+    working directory, the backend author's tree."""
+    from hypothesis import configuration
+
+    current = getattr(configuration, "__hypothesis_home_directory", None)
+    if current is not None or os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        yield
+        return
+    if not _storage:
+        _storage.append(tempfile.mkdtemp(prefix="kvabi-hypothesis-"))
+    configuration.set_hypothesis_home_dir(_storage[0])
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(None)

@@ -22,7 +22,7 @@ from .checks import CHECKS, Check, KitOptions, NotApplicable, Refused
 from .failure import failing_error
 from .measure import tolerance
 from .profiles import (MIN_EXAMPLES, kit_database, kit_examples, kit_profile, kit_seed,
-                       kit_settings, kit_time_budget)
+                       kit_settings, kit_storage, kit_time_budget)
 
 PASSED, FAILED, NOT_APPLICABLE, SKIPPED = "passed", "FAILED", "n/a", "skipped"
 #: default of ``time_budget``: the current profile's
@@ -149,7 +149,8 @@ def run_check(check: Check, backend, reference=None, *, options: KitOptions = Ki
     conf = kit_settings(n, shrink=shrink, database=database)
     prop = hypothesis_seed(seed)(conf(given(strategy)(one)))
     try:
-        prop()
+        with kit_storage():
+            prop()
     except Unsatisfiable as e:
         res.status, res.message = NOT_APPLICABLE, f"no example could be drawn: {e}"
     except Exception as e:  # noqa: BLE001 - a backend may fail in any way
