@@ -151,7 +151,7 @@ class CommonAttentionMetadata:
             np.add(np.arange(total, dtype=np.int64), np.repeat(c - qsl[:-1], q), out=pos)
             row = np.repeat(np.arange(0, r * bt.shape[1], bt.shape[1], dtype=np.int64), q)
             blk = bt.ravel()[row + pos // bs]
-            np.multiply(blk, bs, out=slots[:total])
+            np.multiply(blk, bs, out=slots[:total], dtype=np.int64)  # int32 ids: no wrap
             slots[:total] += pos % bs
         return cls._trusted(qsl.astype(np.int32), seq.astype(np.int32), c.astype(np.int32),
                             positions, slots, bt, bs, nb)
