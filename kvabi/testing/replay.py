@@ -137,10 +137,11 @@ class _Code:
         return _call(self._name(type(v)), args, indent, pad)
 
     def header(self) -> str:
-        lines = []
+        by_module: dict[str, list[str]] = {}
         for mod, name in sorted(self.imports):
-            lines.append(f"from {mod} import {name}")
-        return "\n".join(lines)
+            by_module.setdefault(mod, []).append(name)
+        return "\n".join(f"from {mod} import {', '.join(names)}"
+                         for mod, names in by_module.items())
 
 
 def _same(a, b) -> bool:
@@ -185,7 +186,14 @@ def _arrays(case) -> list[tuple[str, np.ndarray]]:
 
 
 def _comment(text: str) -> str:
-    return "\n".join(("# " + line).rstrip() for line in text.splitlines())
+    import textwrap
+
+    out = []
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip())
+        out += textwrap.wrap(line, 92, initial_indent="# ",
+                             subsequent_indent="# " + " " * (indent + 2)) or ["#"]
+    return "\n".join(out)
 
 
 _TEMPLATE = '''\
