@@ -93,9 +93,23 @@ def _numpy_of(x, field: str) -> np.ndarray:
     if x is None or isinstance(x, (str, bytes, dict, set)):
         raise KVABIError(f"{field}: must be an array of integers, got {_show(x)}")
     try:
-        return np.asarray(x)
+        a = np.asarray(x)
     except (ValueError, TypeError, OverflowError) as e:
         raise KVABIError(f"{field}: must be a rectangular array of integers ({e})") from None
+    if a.dtype.kind in "iu" and isinstance(x, (list, tuple)) and _has_bool(x):
+        # numpy turns [3, True] into integers: a bool among ints is refused all the same
+        raise KVABIError(f"{field}: must hold integers, got a bool entry")
+    return a
+
+
+def _has_bool(seq) -> bool:
+    """Whether nested lists/tuples hold a bool (one pass, as converting them took)."""
+    for v in seq:
+        if v.__class__ is bool or v.__class__ is np.bool_:
+            return True
+        if isinstance(v, (list, tuple)) and _has_bool(v):
+            return True
+    return False
 
 
 def int_array(x, field: str, *, ndim: int | None = 1, lo: int | None = None,
