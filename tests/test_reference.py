@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvabi
-from kvabi import CommonAttentionMetadata, KVABIError, KVSpec
+from kvabi import CommonAttentionMetadata, KVABIError, KVCache, KVSpec
 from kvabi.dtypes import DTYPES, numpy_dtype
 from kvabi.layout import Layout
 from kvabi.presets import PRESETS
@@ -431,3 +431,132 @@ def test_capabilities_and_layouts():
     assert got and all(not Layout.preset(n, mla, 1).has_kv for n in got)
     for s in (full, mla, KVSpec("sliding_window", 3, 1, 5, dtype="int8", window=2)):
         BACKEND.check_supported(s, softcap=30.0, sinks=True)
+
+
+# -- ABI 1.1: KVCache handles, num_q_heads, per-call sinks, out= -----------------------------
+@settings(max_examples=60, **SETTINGS)
+@given(batches())
+def test_one_plan_serves_every_layer_with_per_layer_sinks(b):
+    """One plan (with num_q_heads) for every layer of a KVCache, each layer with its own
+    sinks at the call, attended in reverse order: each equals the oracle over that layer's
+    history with that layer's sinks (a plan holds no layer-specific state)."""
+    spec, layout, rng = b["spec"], b["layout"], b["rng"]
+    ctx, qlen, table, hq = b["ctx"], b["qlen"], b["table"], b["hq"]
+    h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
+    seq = ctx + qlen
+    meta = CommonAttentionMetadata.from_lengths(seq, np.zeros_like(seq), table,
+                                                spec.block_size, num_blocks=b["num_blocks"])
+    cache = kvabi.KVCache.allocate(layout, "numpy", fill=0)
+    layers = range(layout.num_layers)
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=hq, scale=b["scale"],
+                        softcap=b["softcap"], sinks=rng.uniform(-2, 2, hq))
+    hist = []
+    for layer in layers:
+        hk = [cache_values(rng, spec.dtype, (s, h, d)) for s in seq]
+        hv = [k[..., :dv] if spec.is_mla else cache_values(rng, spec.dtype, (s, h, dv))
+              for s, k in zip(seq, hk)]
+        hist.append((hk, hv))
+        key = np.concatenate(hk) if len(hk) else np.zeros((0, h, d))
+        val = np.concatenate(hv) if len(hv) else np.zeros((0, h, dv))
+        assert BACKEND.write_kv(cache, layout, key, None if spec.is_mla else val, plan,
+                                layer=layer) is cache
+    query = rng.standard_normal((meta.num_tokens, hq, d))
+    scale = 1 / math.sqrt(d) if b["scale"] is None else b["scale"]
+    for layer in reversed(layers):
+        sinks = rng.uniform(-2, 2, hq)
+        out, lse = BACKEND.attention(query, cache, layout, plan, layer=layer, sinks=sinks,
+                                     return_lse=True)
+        assert out.dtype == np.float64 and lse.dtype == np.float64
+        want_out, want_lse = oracle(spec, *hist[layer], query, meta.query_start_loc,
+                                    np.zeros_like(seq), scale=scale, softcap=b["softcap"],
+                                    sinks=sinks)
+        n = meta.num_actual_tokens
+        np.testing.assert_allclose(out[:n], want_out[:n], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(lse[:n], want_lse[:n], rtol=1e-9, atol=1e-12)
+
+
+def test_out_is_written_in_place_and_returned():
+    spec, layout, meta = _small()
+    cache = BACKEND.allocate(layout)
+    assert isinstance(cache, kvabi.KVCache) and cache.framework == "numpy"
+    rng = np.random.default_rng(1)
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=4)
+    BACKEND.write_kv(cache, layout, rng.standard_normal((3, 2, 4)),
+                     rng.standard_normal((3, 2, 4)), plan)
+    q = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    want = BACKEND.attention(q, cache, layout, plan)
+    for dt in (np.float32, np.float64):
+        out = np.full((3, 4, 4), np.nan, dt)
+        got = BACKEND.attention(q, cache, layout, plan, out=out)
+        assert got is out
+        np.testing.assert_allclose(out, want.astype(dt), rtol=1e-6)
+    got, lse = BACKEND.attention(q, cache, layout, plan, out=np.zeros((3, 4, 4), np.float32),
+                                 return_lse=True)
+    assert got.dtype == np.float32 and lse.shape == (3, 4)
+    for bad, match in [(np.zeros((3, 4, 5)), "out: must have shape"),
+                       (np.zeros((3, 4, 4), np.int32), "out: must have a floating dtype"),
+                       ([[[0.0]]], "out: must be a numpy array")]:
+        with pytest.raises(KVABIError, match=match):
+            BACKEND.attention(q, cache, layout, plan, out=bad)
+    ro = np.zeros((3, 4, 4))
+    ro.flags.writeable = False
+    with pytest.raises(KVABIError, match="out: must be writable"):
+        BACKEND.attention(q, cache, layout, plan, out=ro)
+
+
+def test_num_q_heads_and_call_options_are_checked():
+    spec, layout, meta = _small()
+    cache = BACKEND.allocate(layout)
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=4)
+    with pytest.raises(KVABIError, match="query: the plan was made for num_q_heads=4"):
+        BACKEND.attention(np.zeros((3, 2, 4)), cache, layout, plan)
+    for hq in (3, 0, 4.0, True):
+        with pytest.raises(KVABIError, match="num_q_heads"):
+            BACKEND.plan(meta, spec, layout, num_q_heads=hq)
+    with pytest.raises(KVABIError, match="sinks"):
+        BACKEND.plan(meta, spec, layout, num_q_heads=4, sinks=[0.0, 1.0])
+    for sinks in ([0.0] * 2, [1j] * 4, ["a"] * 4, [np.nan] * 4, [np.inf] * 4):
+        with pytest.raises(KVABIError, match="sinks"):
+            BACKEND.attention(np.zeros((3, 4, 4)), cache, layout, plan, sinks=sinks)
+    for layer in (1, -1, 0.0, True):
+        with pytest.raises(KVABIError, match="layer"):
+            BACKEND.attention(np.zeros((3, 4, 4)), cache, layout, plan, layer=layer)
+    with pytest.raises(KVABIError, match="query"):
+        BACKEND.attention(np.zeros((3, 4, 4), complex), cache, layout, plan)
+    with pytest.raises(KVABIError, match="key"):
+        BACKEND.write_kv(cache, layout, np.zeros((3, 2, 4), complex), np.zeros((3, 2, 4)),
+                         plan)
+
+
+def test_caches_are_checked_before_any_write():
+    """1.0 plain lists still work; lists with too little memory or another dtype, and
+    another layout's cache, are refused before a byte is written."""
+    spec, layout, meta = _small()
+    plan = BACKEND.plan(meta, spec, layout)
+    k = np.ones((3, 2, 4))
+    planes = layout.allocate_numpy()
+    BACKEND.write_kv(planes, layout, k, k, plan)  # ABI 1.0: a list of planes
+    assert any(p.any() for p in planes)
+    short = [np.zeros(layout.plane_shape, np.float32)[..., :0] for _ in planes]
+    for bad in ([p.astype(np.float16) for p in planes], short, planes[:-1]):
+        with pytest.raises(KVABIError, match="cache"):
+            BACKEND.write_kv(bad, layout, k, k, plan)
+    other = Layout.preset("flash_attn", spec, num_blocks=3)
+    with pytest.raises(KVABIError, match="cache"):
+        BACKEND.write_kv(KVCache.allocate(other), layout, k, k, plan)
+
+
+def test_a_1_0_style_caller_and_a_kvcache_give_the_same_bytes():
+    spec, layout, meta = _small()
+    plan = BACKEND.plan(meta, spec, layout)
+    rng = np.random.default_rng(3)
+    k, v = rng.standard_normal((3, 2, 4)), rng.standard_normal((3, 2, 4))
+    planes = layout.allocate_numpy()
+    handle = KVCache.allocate(layout)
+    BACKEND.write_kv(planes, layout, k, v, plan)
+    BACKEND.write_kv(handle, layout, k, v, plan)
+    for a, b in zip(planes, handle):
+        assert np.array_equal(a, b)
+    q = rng.standard_normal((3, 4, 4))
+    np.testing.assert_array_equal(BACKEND.attention(q, planes, layout, plan),
+                                  BACKEND.attention(q, handle, layout, plan))
