@@ -247,6 +247,9 @@ def model_from_hf_config(config: Mapping | str | os.PathLike, block_size: int = 
     n = _need_int(cfg, "num_hidden_layers")
     require(n <= MAX_LAYERS, "num_hidden_layers", f"must be <= {MAX_LAYERS} (kvabi's "
             f"limit on decoder layers)", n)
+    # Checked even where another rule decides the layer types: a string "false" here is a
+    # config that means something else than it says, whichever rule applies.
+    _bool(cfg, "use_sliding_window", True)
 
     if cfg.get("kv_lora_rank") is not None:
         rank = _need_int(cfg, "kv_lora_rank")
