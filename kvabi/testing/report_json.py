@@ -29,6 +29,8 @@ def result_dict(r) -> dict:
             err, tol, dtype = r.closest
         else:
             err = r.worst
+        if r.exact:
+            tol = 0.0  # byte-exact: no tolerance
     return {
         "backend": r.backend,
         "check": r.check,

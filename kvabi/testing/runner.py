@@ -127,11 +127,15 @@ def run_check(check: Check, backend, reference=None, *, options: KitOptions = Ki
         try:
             err = check.function(backend, reference, params, options)
         except Exception:
-            first_failure[:] = first_failure or [time.perf_counter()]
+            if not first_failure:  # the failing example counts; shrinking candidates not
+                res.examples += 1
+                first_failure.append(time.perf_counter())
             failing.add(repr(params))
             # Hypothesis replays the minimal failing example last: keep the last one seen.
             last_failing[:] = [params]
             raise
+        if first_failure:
+            return  # a shrinking candidate that passed: not one of the check's examples
         res.examples += 1
         if isinstance(err, Refused):
             res.refused += 1
