@@ -4,6 +4,7 @@ import math
 import numpy as np
 import pytest
 
+import kvabi
 from kvabi import (AttentionOptions, CommonAttentionMetadata, KVABIError, KVSpec, Layout,
                    check_kv, check_query, check_step)
 
@@ -62,3 +63,46 @@ def test_check_query_and_kv_shapes():
     check_kv(np.zeros((3, 1, 12)), None, META, mla)
     with pytest.raises(KVABIError, match="value: must be None for MLA"):
         check_kv(np.zeros((3, 1, 12)), np.zeros((3, 1, 8)), META, mla)
+
+
+def test_check_step_bounds_what_backends_index_with():
+    """After check_step every used block id is inside the layout, so every slot is below
+    num_blocks * block_size; unused columns may hold anything; index_dtype says when int32
+    suffices."""
+    layout = Layout.preset("flash_attn", SPEC, 3)
+    # unused columns (past each request's need) may hold anything
+    meta = CommonAttentionMetadata.from_lengths([2, 1], [3, 0], [[0, 1, -7], [2, 2**31 - 1, -1]],
+                                                4)
+    check_step(meta, SPEC, layout)
+    for bt, entry in (([[0, 1, 0], [3, 0, 0]], r"\[1, 0\] = 3"),
+                      ([[0, 2**31 - 1, 0], [2, 0, 0]], r"\[0, 1\] = 2147483647")):
+        bad = CommonAttentionMetadata.from_lengths([2, 1], [3, 0], bt, 4)
+        with pytest.raises(KVABIError, match=rf"block_table: entry {entry} is outside"):
+            check_step(bad, SPEC, layout)
+    with pytest.raises(KVABIError, match="layout"):
+        check_step(META, SPEC, "flash_attn")
+    assert kvabi.index_dtype(layout) == np.int32
+    assert kvabi.index_dtype(Layout.preset("flash_attn", SPEC, 2**29)) == np.int32
+    assert kvabi.index_dtype(Layout.preset("flash_attn", SPEC, 2**29 + 1)) == np.int64
+
+
+def test_sinks_and_num_q_heads_checks():
+    assert kvabi.check_sinks(None) is None
+    s = kvabi.check_sinks(np.array([1, -np.inf], np.float32), 2)
+    assert s.dtype == np.float64 and s.tolist() == [1.0, -np.inf]
+    for bad in ([1j], ["x"], [True], [np.nan], [np.inf], [[1.0]], "1.0"):
+        with pytest.raises(KVABIError, match="sinks"):
+            kvabi.check_sinks(bad)
+    with pytest.raises(KVABIError, match=r"sinks: must have one logit per query head \(4\)"):
+        kvabi.check_sinks([1.0], 4)
+    assert kvabi.check_num_q_heads(6, SPEC) == 6
+    for bad in (3, 0, -2, 4.0, True, "4", None):
+        with pytest.raises(KVABIError, match="num_q_heads"):
+            kvabi.check_num_q_heads(bad, SPEC)
+    o = AttentionOptions.resolve(SPEC, num_q_heads=4, sinks=[0, 1, 2, 3])
+    assert o.sinks.shape == (4,)
+    with pytest.raises(KVABIError, match="sinks"):
+        AttentionOptions.resolve(SPEC, num_q_heads=2, sinks=[0, 1, 2, 3])
+    for bad in (True, "0.5", 1j, float("nan")):
+        with pytest.raises(KVABIError, match="scale"):
+            AttentionOptions.resolve(SPEC, scale=bad)

@@ -22,7 +22,11 @@ def test_transforms_suite_json(capsys):
     assert [(r["num_reqs"], r["num_tokens"]) for r in doc["results"]] == [(6, 40), (3, 9)]
     for r in doc["results"]:
         assert "from_lengths (build)" in r["us"] and "kv_update_slices" in r["us"]
+        assert "validate" in r["us"] and "baseline: cumsum + slot gather" in r["us"]
         assert all(v > 0 for v in r["us"].values())
+        assert set(r["ratios"]) == {f"{a} / {b}" for a, b in bench_transforms.RATIOS}
+        for (a, b_), v in zip(bench_transforms.RATIOS, r["ratios"].values()):
+            assert v == pytest.approx(r["us"][a] / r["us"][b_])
 
 
 def test_mixed_lengths_sum_and_mix():
