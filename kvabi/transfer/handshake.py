@@ -1,0 +1,154 @@
+"""The transfer handshake message (``specs/transfer.md``, ``specs/transfer.schema.json``).
+
+A process that serves KV describes it in one JSON message: the ABI version, its transfer
+agent's name and listen address (and optionally the agent's metadata), the memory type,
+the layout descriptor, and the address and size of every registered plane.  The receiver
+treats the message as untrusted: :func:`parse_handshake` reads it with the strict JSON
+reader, checks every field's type and range, validates the layout descriptor in full, and
+checks that each plane holds at least the bytes the layout addresses.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import attrs
+import numpy as np
+
+from ..abi import ABI_VERSION
+from ..coerce import as_int
+from ..errors import KVABIError
+from ..layout import Layout
+from ..safe_json import loads
+
+MESSAGE = "kvabi.transfer.handshake"
+MEMORY_TYPES = ("DRAM", "VRAM")
+#: size limit of a handshake's text (agent metadata is a few KiB; 4096 planes ~ 300 KiB)
+MAX_HANDSHAKE_BYTES = 4 * 2**20
+MAX_DEPTH = 8
+MAX_PLANES = 4096
+#: largest user-space address we accept (x86-64 and arm64 user space is below 2**57)
+MAX_ADDRESS = 2**62
+_NAME = re.compile(r"^[A-Za-z0-9_.:@\-]{1,128}$")
+_HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")
+_FIELDS = {"kvabi_abi", "message", "agent", "memory", "layout", "planes"}
+_OPTIONAL = {"metadata"}
+
+
+@attrs.frozen(eq=False)
+class Handshake:
+    """A validated handshake: ``planes`` is int64 [n, 3] of (address, nbytes, device)."""
+
+    abi: tuple[int, int]
+    agent_name: str
+    host: str
+    port: int
+    memory: str
+    layout: Layout
+    planes: np.ndarray
+    metadata: bytes | None = None
+
+    @property
+    def plane_nbytes(self) -> np.ndarray:
+        return self.planes[:, 1]
+
+
+def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout: Layout,
+                   planes, metadata: bytes | None = None) -> str:
+    """The JSON message for planes ``[(address, nbytes, device), ...]`` of ``layout``."""
+    msg = {
+        "kvabi_abi": list(ABI_VERSION),
+        "message": MESSAGE,
+        "agent": {"name": agent_name, "host": host, "port": int(port)},
+        "memory": memory,
+        "layout": layout.to_dict(),
+        "planes": [{"address": int(a), "nbytes": int(n), "device": int(d)}
+                   for a, n, d in planes],
+    }
+    if metadata is not None:
+        msg["metadata"] = base64.b64encode(metadata).decode("ascii")
+    text = json.dumps(msg, sort_keys=True)
+    parse_handshake(text)  # what we send, we would accept
+    return text
+
+
+def _obj(v, field, keys, optional=()):
+    if not isinstance(v, dict):
+        raise KVABIError(f"{field}: must be a JSON object, got {type(v).__name__}")
+    missing = sorted(set(keys) - set(v))
+    if missing:
+        raise KVABIError(f"{field}.{missing[0]}: missing")
+    return v
+
+
+def _str(v, field, pattern, what):
+    if not isinstance(v, str) or not pattern.match(v):
+        raise KVABIError(f"{field}: must be {what}, got {v!r:.80}")
+    return v
+
+
+def parse_handshake(text) -> Handshake:
+    """Validate an untrusted handshake message (str or bytes); KVABIError names the field.
+
+    Refuses another ABI major version; a newer minor version's unknown fields are ignored,
+    this version's messages must not carry any.
+    """
+    d = loads(text, what="handshake", max_bytes=MAX_HANDSHAKE_BYTES, max_depth=MAX_DEPTH)
+    _obj(d, "handshake", ("kvabi_abi",))
+    ver = d["kvabi_abi"]
+    if (not isinstance(ver, list) or len(ver) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ver)):
+        raise KVABIError(f"kvabi_abi: must be [major, minor], got {ver!r:.80}")
+    if ver[0] != ABI_VERSION[0]:
+        raise KVABIError(f"kvabi_abi: the peer speaks ABI {ver[0]}.{ver[1]}; this reader "
+                         f"speaks {ABI_VERSION[0]}.x")
+    _obj(d, "handshake", sorted(_FIELDS))
+    if tuple(ver) <= ABI_VERSION:
+        extra = sorted(set(d) - _FIELDS - _OPTIONAL)
+        if extra:
+            raise KVABIError(f"handshake.{extra[0]}: unknown field in an ABI "
+                             f"{ver[0]}.{ver[1]} message")
+    if d["message"] != MESSAGE:
+        raise KVABIError(f"message: must be {MESSAGE!r}, got {d['message']!r:.80}")
+    agent = _obj(d["agent"], "agent", ("name", "host", "port"))
+    name = _str(agent["name"], "agent.name", _NAME, "1-128 characters of [A-Za-z0-9_.:@-]")
+    host = _str(agent["host"], "agent.host", _HOST, "a host name or IP address")
+    port = as_int(agent["port"], "agent.port", lo=1, hi=65535)
+    memory = d["memory"]
+    if memory not in MEMORY_TYPES:
+        raise KVABIError(f"memory: must be one of {', '.join(MEMORY_TYPES)}, got "
+                         f"{memory!r:.80}")
+    layout = Layout.from_json(_obj(d["layout"], "layout", ()))
+    planes = d["planes"]
+    if not isinstance(planes, list):
+        raise KVABIError(f"planes: must be a list, got {type(planes).__name__}")
+    if len(planes) != layout.num_planes:
+        raise KVABIError(f"planes: the layout has {layout.num_planes} planes, the message "
+                         f"lists {len(planes)}")
+    if len(planes) > MAX_PLANES:
+        raise KVABIError(f"planes: {len(planes)} planes, more than {MAX_PLANES}")
+    rows = []
+    for i, p in enumerate(planes):
+        f = f"planes[{i}]"
+        _obj(p, f, ("address", "nbytes", "device"))
+        addr = as_int(p["address"], f"{f}.address", lo=1, hi=MAX_ADDRESS)
+        nbytes = as_int(p["nbytes"], f"{f}.nbytes", lo=1, hi=MAX_ADDRESS)
+        dev = as_int(p["device"], f"{f}.device", lo=0, hi=1 << 16)
+        if nbytes < layout.plane_nbytes:
+            raise KVABIError(f"{f}.nbytes: {nbytes} bytes registered, but the layout addresses "
+                             f"{layout.plane_nbytes}")
+        if addr + nbytes > MAX_ADDRESS:
+            raise KVABIError(f"{f}: address + nbytes passes {MAX_ADDRESS}")
+        rows.append((addr, nbytes, dev))
+    meta = d.get("metadata")
+    if meta is not None:
+        if not isinstance(meta, str):
+            raise KVABIError(f"metadata: must be a base64 string, got {type(meta).__name__}")
+        try:
+            meta = base64.b64decode(meta.encode("ascii"), validate=True)
+        except (ValueError, UnicodeEncodeError):
+            raise KVABIError("metadata: not valid base64") from None
+    return Handshake(abi=(ver[0], ver[1]), agent_name=name, host=host, port=port,
+                     memory=memory, layout=layout,
+                     planes=np.array(rows, np.int64).reshape(-1, 3), metadata=meta)

@@ -1,0 +1,283 @@
+"""Moving KV between processes on NIXL (optional: ``pip install 'kvabi[nixl]'``).
+
+One :class:`NixlAgent` per process.  The serving side registers its cache and hands out
+:meth:`NixlAgent.handshake` (``specs/transfer.md``); the receiving side registers its own
+cache, :meth:`~NixlAgent.connect`\\ s with the peer's message (validated as untrusted input),
+and :meth:`~NixlAgent.pull`\\ s tokens with one NIXL READ whose regions come from a copy
+plan between the two layouts, bounds-checked against the peer's registered planes before
+anything is posted.  The READ carries a notification, so the serving side learns when its
+blocks may be reused (:meth:`~NixlAgent.wait_notification`).
+
+Planes in host memory register as DRAM; CUDA tensors as VRAM (same code, other memory
+type).  nixl is imported when an agent is made, never at ``import kvabi``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import numpy as np
+
+from ..cache import KVCache
+from ..coerce import as_float
+from ..errors import KVABIError
+from ..layout import Layout
+from .handshake import Handshake, make_handshake, parse_handshake
+from .plan import TransferPlan, plan_transfer
+
+INSTALL_HINT = "nixl is not installed: pip install 'kvabi[nixl]'"
+
+
+def nixl_api():
+    """nixl's agent classes, or KVABIError with the install hint."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        raise KVABIError(INSTALL_HINT) from None
+    if "NIXL_LOG_LEVEL" not in os.environ:  # nixl logs every agent at INFO to stdout
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    return nixl_agent, nixl_agent_config
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when nixl can be imported, else (False, why)."""
+    try:
+        nixl_api()
+    except KVABIError as e:
+        return False, str(e)
+    return True, ""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (for tests and examples)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _memory_of(plane) -> tuple[int, str, int]:
+    """(address, memory type, device id) of a numpy array or torch tensor."""
+    if isinstance(plane, np.ndarray):
+        return plane.__array_interface__["data"][0], "DRAM", 0
+    if type(plane).__module__.split(".")[0] == "torch":
+        if plane.device.type == "cuda":
+            return plane.data_ptr(), "VRAM", plane.device.index or 0
+        if plane.device.type == "cpu":
+            return plane.data_ptr(), "DRAM", 0
+    raise KVABIError(f"cache: NIXL registers numpy arrays and torch CPU/CUDA tensors, got "
+                     f"{type(plane).__name__} (jax arrays: pull into numpy planes, then "
+                     "convert)")
+
+
+class Peer:
+    """A connected peer: its validated handshake and NIXL agent name."""
+
+    def __init__(self, handshake: Handshake):
+        self.handshake = handshake
+        self.name = handshake.agent_name
+        self.layout: Layout = handshake.layout
+
+    def __repr__(self) -> str:
+        h = self.handshake
+        return (f"Peer({self.name} at {h.host}:{h.port}, {h.memory}, "
+                f"{self.layout.name or 'custom'} x {len(h.planes)} planes)")
+
+
+class NixlAgent:
+    """This process's NIXL agent (UCX backend), listening on ``host:port`` for metadata
+    requests (``port`` None: a free port)."""
+
+    def __init__(self, name: str, *, host: str = "127.0.0.1", port: int | None = None,
+                 backends=("UCX",)):
+        agent_cls, config_cls = nixl_api()
+        self.name, self.host = name, host
+        self.port = free_port(host) if port is None else port
+        cfg = config_cls(enable_prog_thread=True, enable_listen_thread=True,
+                         listen_port=self.port, backends=list(backends))
+        try:
+            self._agent = agent_cls(name, cfg)
+        except Exception as e:  # noqa: BLE001 - nixl raises plain exceptions
+            raise KVABIError(f"nixl: could not create agent {name!r}: {e}") from None
+        self._regs = []  # (cache, descs, rows [n, 3] address/nbytes/device, memory)
+        self._peers: dict[str, Peer] = {}
+
+    # -- local memory ------------------------------------------------------------------
+    def register(self, cache: KVCache) -> KVCache:
+        """Register every plane of ``cache`` (its ``plane_nbytes`` bytes) with NIXL."""
+        if not isinstance(cache, KVCache):
+            raise KVABIError(f"cache: must be a KVCache, got {type(cache).__name__}")
+        mems = [_memory_of(p) for p in cache]
+        types = {m for _, m, _ in mems}
+        if len(types) != 1:
+            raise KVABIError(f"cache: planes mix memory types {sorted(types)}")
+        mem = types.pop()
+        n = cache.layout.plane_nbytes
+        rows = np.array([(a, n, d) for a, _, d in mems], np.int64).reshape(-1, 3)
+        try:
+            descs = self._agent.register_memory(
+                [(int(a), int(n), int(d), "") for a, n, d in rows], mem)
+        except Exception as e:  # noqa: BLE001
+            raise KVABIError(f"nixl: registering {len(rows)} {mem} planes failed: {e}") from None
+        self._regs.append((cache, descs, rows, mem))
+        return cache
+
+    def _registration(self, cache: KVCache):
+        for reg in self._regs:
+            if reg[0] is cache:
+                return reg
+        raise KVABIError("cache: not registered with this agent (call register(cache) first)")
+
+    def handshake(self, cache: KVCache) -> str:
+        """The JSON handshake message describing registered ``cache`` to a peer."""
+        _, _, rows, mem = self._registration(cache)
+        return make_handshake(agent_name=self.name, host=self.host, port=self.port,
+                              memory=mem, layout=cache.layout, planes=rows.tolist())
+
+    # -- peers ---------------------------------------------------------------------------
+    def connect(self, message, *, timeout: float = 10.0) -> Peer:
+        """Validate a peer's handshake (untrusted) and fetch its NIXL metadata from its
+        listen address; KVABIError when the message is malformed or the peer does not
+        answer within ``timeout`` seconds."""
+        timeout = as_float(timeout, "timeout", positive=True)
+        h = parse_handshake(message)
+        if h.agent_name == self.name:
+            raise KVABIError(f"agent.name: the peer has this agent's own name {self.name!r}")
+        try:
+            # Metadata fetched earlier lacks memory the peer registered since: start afresh.
+            if h.agent_name in self._peers or self._agent.check_remote_metadata(h.agent_name):
+                self._agent.remove_remote_agent(h.agent_name)
+                self._peers.pop(h.agent_name, None)
+            if h.metadata is not None:
+                got = self._agent.add_remote_agent(h.metadata)
+                got = got.decode() if isinstance(got, bytes) else got
+                if got != h.agent_name:
+                    self._agent.remove_remote_agent(got)
+                    raise KVABIError(f"metadata: describes agent {got!r}, the message names "
+                                     f"{h.agent_name!r}")
+            else:
+                self._agent.fetch_remote_metadata(h.agent_name, h.host, h.port)
+                deadline = time.monotonic() + timeout
+                while not self._agent.check_remote_metadata(h.agent_name):
+                    if time.monotonic() > deadline:
+                        raise KVABIError(f"peer: agent {h.agent_name!r} at {h.host}:{h.port} "
+                                         f"did not answer within {timeout:g} s (unreachable?)")
+                    time.sleep(0.005)
+        except KVABIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise KVABIError(f"peer: connecting to {h.agent_name!r} at {h.host}:{h.port} "
+                             f"failed: {e}") from None
+        peer = Peer(h)
+        self._peers[peer.name] = peer
+        return peer
+
+    # -- transfers -------------------------------------------------------------------------
+    def pull(self, peer: Peer, dst: KVCache, src_slots, dst_slots, *, layers=None,
+             timeout: float = 30.0, notify: bytes = b"kvabi.pull") -> KVCache:
+        """READ the peer's tokens ``src_slots`` into ``dst_slots`` of registered ``dst``
+        (layouts may differ: the plan relayouts).  Returns ``dst`` once every byte has
+        arrived; KVABIError if the transfer fails or times out (the destination slots then
+        hold undefined data and must not be used)."""
+        if not isinstance(dst, KVCache):
+            raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
+        plan = plan_transfer(peer.layout, dst.layout, src_slots, dst_slots, layers=layers)
+        return self.pull_plan(peer, plan, dst, timeout=timeout, notify=notify)
+
+    def pull_plan(self, peer: Peer, plan: TransferPlan, dst: KVCache, *,
+                  timeout: float = 30.0, notify: bytes = b"kvabi.pull") -> KVCache:
+        """Run ``plan`` (source: the peer's layout) as one NIXL READ into ``dst``."""
+        timeout = as_float(timeout, "timeout", positive=True)
+        if not isinstance(peer, Peer) or self._peers.get(peer.name) is not peer:
+            raise KVABIError("peer: not connected to this agent (use connect(message))")
+        if not isinstance(plan, TransferPlan):
+            raise KVABIError(f"plan: must be a TransferPlan, got {type(plan).__name__}")
+        if plan.src_layout != peer.layout:
+            raise KVABIError("plan.src_layout: is not the peer's layout")
+        _, _, rows, mem = self._registration(dst)
+        if plan.dst_layout != dst.layout:
+            raise KVABIError("plan.dst_layout: is not the destination cache's layout")
+        h = peer.handshake
+        # Every region inside the peer's registered planes and ours, before posting.
+        plan.check(src_nbytes=h.plane_nbytes, dst_nbytes=rows[:, 1])
+        if not len(plan):
+            return dst
+        r = plan.regions
+        local = np.stack([rows[r[:, 2], 0] + r[:, 3], r[:, 4], rows[r[:, 2], 2]], axis=1)
+        remote = np.stack([h.planes[r[:, 0], 0] + r[:, 1], r[:, 4], h.planes[r[:, 0], 2]],
+                          axis=1)
+        self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64), h.memory,
+                   timeout, notify)
+        return dst
+
+    def _read(self, peer, local, local_mem, remote, remote_mem, timeout, notify):
+        ag = self._agent
+        handle = None
+        try:
+            ldescs = ag.get_xfer_descs(local, local_mem)
+            rdescs = ag.get_xfer_descs(remote, remote_mem)
+            handle = ag.initialize_xfer("READ", ldescs, rdescs, peer.name, notify)
+            state = ag.transfer(handle)
+            deadline = time.monotonic() + timeout
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise KVABIError(f"transfer: READ of {int(local[:, 1].sum())} bytes from "
+                                     f"{peer.name!r} did not finish within {timeout:g} s; the "
+                                     "destination slots hold undefined data")
+                time.sleep(0.0002)
+                state = ag.check_xfer_state(handle)
+            if state != "DONE":
+                raise KVABIError(f"transfer: NIXL reported {state} reading from {peer.name!r}; "
+                                 "the destination slots hold undefined data")
+        except KVABIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise KVABIError(f"transfer: READ from {peer.name!r} failed: {e}; the destination "
+                             "slots hold undefined data") from None
+        finally:
+            if handle is not None:
+                try:
+                    ag.release_xfer_handle(handle)
+                except Exception:  # noqa: BLE001 - an active transfer may refuse release
+                    pass
+
+    def wait_notification(self, prefix: bytes = b"kvabi.pull", *, timeout: float = 30.0,
+                          peer: str | None = None) -> tuple[str, bytes]:
+        """Block until a notification starting with ``prefix`` arrives (from ``peer`` if
+        given); returns (sender, message).  KVABIError after ``timeout`` seconds."""
+        timeout = as_float(timeout, "timeout", positive=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            for sender, msgs in self._agent.update_notifs().items():
+                if peer is not None and sender != peer:
+                    continue
+                for m in msgs:
+                    if m.startswith(prefix):
+                        msgs.remove(m)
+                        return sender, m
+            if time.monotonic() > deadline:
+                raise KVABIError(f"notification: none starting with {prefix!r} within "
+                                 f"{timeout:g} s")
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        """Forget peers and deregister memory (the agent itself goes with the object)."""
+        for name in list(self._peers):
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001
+                pass
+        self._peers.clear()
+        for _, descs, _, _ in self._regs:
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception:  # noqa: BLE001
+                pass
+        self._regs.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

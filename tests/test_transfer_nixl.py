@@ -1,0 +1,192 @@
+"""NIXL transfers: two agents in one process (UCX loopback), and two real processes end to
+end (cuda.triton on flashinfer.HND block 16 -> tpu.jax on tpu.combined block 32, or the
+reference backend where those are unavailable).  Skipped, with the reason, without nixl."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import attrs
+import numpy as np
+import pytest
+
+from kvabi import KVABIError, KVCache, KVSpec
+from kvabi.layout import Layout
+from kvabi.transfer import TransferPlan, plan_transfer
+from kvabi.transfer import nixl as kv_nixl
+
+ok, why = kv_nixl.available()
+pytestmark = pytest.mark.skipif(not ok, reason=why)
+
+SPEC = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")
+HERE = pathlib.Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def agents():
+    a, b = kv_nixl.NixlAgent("src-agent"), kv_nixl.NixlAgent("dst-agent")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _random(layout, seed, framework="numpy"):
+    cache = KVCache.allocate(layout, "numpy")
+    rng = np.random.default_rng(seed)
+    for p in cache:
+        p[...] = rng.standard_normal(p.shape).astype(p.dtype)
+    if framework == "torch":
+        import torch
+
+        t = KVCache.allocate(layout, "torch")
+        for p, q in zip(cache, t):
+            q.copy_(torch.from_numpy(np.ascontiguousarray(p)))
+        return t
+    return cache
+
+
+def _view(cache, layer, kv):
+    v = cache.kv_view(layer, kv)
+    return v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_pull_relayout_in_one_process(agents, framework):
+    if framework == "torch":
+        pytest.importorskip("torch")
+    a_agent, b_agent = agents
+    src_l = Layout.preset("flashinfer.HND", SPEC, 6, 2)
+    dst_l = Layout.preset("kvbm.fully_contiguous", attrs.evolve(SPEC, block_size=8), 4, 2)
+    src = a_agent.register(_random(src_l, 1, framework))
+    dst = b_agent.register(KVCache.allocate(dst_l, framework))
+    peer = b_agent.connect(a_agent.handshake(src))
+    s = np.array([4, 5, 6, 7, 0, 1, 22])
+    t = np.array([8, 9, 10, 11, 12, 13, 31])
+    assert b_agent.pull(peer, dst, s, t, notify=b"kvabi.pull 1") is dst
+    assert a_agent.wait_notification(b"kvabi.pull 1", timeout=10) == ("dst-agent",
+                                                                        b"kvabi.pull 1")
+    for layer in range(2):
+        for kv in range(2):
+            got, want = _view(dst, layer, kv), _view(src, layer, kv)
+            np.testing.assert_array_equal(got[t // 8, t % 8], want[s // 4, s % 4])
+            rest = np.setdiff1d(np.arange(32), t)
+            assert not got[rest // 8, rest % 8].any()
+
+
+def test_regions_checked_against_peer_planes_before_posting(agents):
+    a_agent, b_agent = agents
+    lay = Layout.preset("flash_attn", SPEC, 4, 1)
+    src = a_agent.register(_random(lay, 2))
+    dst = b_agent.register(KVCache.allocate(lay, "numpy"))
+    peer = b_agent.connect(a_agent.handshake(src))
+    plan = plan_transfer(lay, lay, [0, 1], [2, 3])
+    evil = attrs.evolve(plan, regions=plan.regions + np.array([0, lay.plane_nbytes, 0, 0, 0]))
+    with pytest.raises(KVABIError, match="src bytes .* outside plane"):
+        b_agent.pull_plan(peer, evil, dst, timeout=5)
+    assert not any(p.any() for p in dst)
+    other = Layout.preset("flashinfer.NHD", SPEC, 4, 1)
+    with pytest.raises(KVABIError, match="plan.src_layout: is not the peer's layout"):
+        b_agent.pull_plan(peer, plan_transfer(other, lay, [0], [0]), dst)
+    with pytest.raises(KVABIError, match="not registered"):
+        b_agent.pull(peer, KVCache.allocate(lay, "numpy"), [0], [0])
+    with pytest.raises(KVABIError, match="plan: must be a TransferPlan"):
+        b_agent.pull_plan(peer, plan.regions, dst)
+
+
+def test_lying_peer_fails_cleanly(agents):
+    """A peer whose message names memory it never registered: NIXL refuses the READ and
+    the caller gets a KVABIError, with nothing reported done."""
+    a_agent, b_agent = agents
+    lay = Layout.preset("flash_attn", SPEC, 4, 1)
+    src = a_agent.register(_random(lay, 3))
+    dst = b_agent.register(KVCache.allocate(lay, "numpy"))
+    msg = json.loads(a_agent.handshake(src))
+    for p in msg["planes"]:
+        p["address"] += 1 << 40  # passes kvabi's checks: the peer's claims are consistent
+    peer = b_agent.connect(json.dumps(msg))
+    with pytest.raises(KVABIError, match="transfer: .*src-agent"):
+        b_agent.pull(peer, dst, [0, 1], [0, 1], timeout=5)
+
+
+def test_unreachable_peer(agents):
+    _, b_agent = agents
+    lay = Layout.preset("flash_attn", SPEC, 4, 1)
+    src = kv_nixl.NixlAgent("lonely")
+    try:
+        src.register(KVCache.allocate(lay, "numpy"))
+        msg = json.loads(src.handshake(src._regs[0][0]))
+    finally:
+        src.close()
+    msg["agent"] = {"name": "nobody", "host": "127.0.0.1", "port": kv_nixl.free_port()}
+    with pytest.raises(KVABIError, match="peer: agent 'nobody' at 127.0.0.1:.* did not answer"):
+        b_agent.connect(json.dumps(msg), timeout=1.0)
+
+
+def test_refusals(agents):
+    a_agent, b_agent = agents
+    lay = Layout.preset("flash_attn", SPEC, 4, 1)
+    with pytest.raises(KVABIError, match="cache: must be a KVCache"):
+        a_agent.register([np.zeros(3)])
+    with pytest.raises(KVABIError, match="not registered"):
+        a_agent.handshake(KVCache.allocate(lay, "numpy"))
+    with pytest.raises(KVABIError, match="agent.name: the peer has this agent's own name"):
+        src = a_agent.register(KVCache.allocate(lay, "numpy"))
+        a_agent.connect(a_agent.handshake(src))
+    with pytest.raises(KVABIError, match="kvabi_abi: the peer speaks ABI 2.0"):
+        d = json.loads(a_agent.handshake(src))
+        d["kvabi_abi"] = [2, 0]
+        b_agent.connect(json.dumps(d))
+    stranger = kv_nixl.Peer(b_agent.connect(a_agent.handshake(src)).handshake)
+    with pytest.raises(KVABIError, match="peer: not connected"):
+        b_agent.pull_plan(stranger, plan_transfer(lay, lay, [0], [0]),
+                          b_agent.register(KVCache.allocate(lay, "numpy")))
+    with pytest.raises(KVABIError, match="timeout: must be > 0"):
+        b_agent.connect(a_agent.handshake(src), timeout=0)
+    jax = pytest.importorskip("jax")  # noqa: F841
+    with pytest.raises(KVABIError, match="jax arrays"):
+        a_agent.register(KVCache.allocate(lay, "jax"))
+    assert isinstance(plan_transfer(lay, lay, [0], [0]), TransferPlan)
+
+
+def test_two_processes_end_to_end(tmp_path):
+    """Process A writes a mixed batch's KV and serves it; process B pulls it over NIXL into
+    another backend's layout (other block size: a slot-level relayout) and attends.  B's
+    output must equal the reference backend's over the same tokens, and the pulled K/V the
+    tokens themselves."""
+    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = str(HERE / "transfer_peer.py")
+    serve = subprocess.Popen([sys.executable, script, "serve", str(tmp_path)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pull = subprocess.run([sys.executable, script, "pull", str(tmp_path)], env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert pull.returncode == 0, pull.stderr[-3000:]
+        out, err = serve.communicate(timeout=60)
+        assert serve.returncode == 0, err[-3000:]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    served = json.loads(out.strip().splitlines()[-1])
+    pulled = json.loads(pull.stdout.strip().splitlines()[-1])
+    assert served["notified_by"] == "decode" and pulled["peer"] == "prefill"
+    r = np.load(tmp_path / "result.npz")
+    np.testing.assert_allclose(r["out"], r["want"], rtol=1e-4, atol=1e-5)
+    sys.path.insert(0, str(HERE))
+    try:
+        import transfer_peer as tp
+    finally:
+        sys.path.pop(0)
+    kv, _ = tp.tokens()
+    t = tp.slots(tp.TABLE_B, 32)
+    seq = tp.CTX + tp.QLEN
+    for layer in range(tp.LAYERS):
+        for k in range(2):
+            want = np.concatenate([kv[layer][i][k] for i in range(len(seq))])
+            got = r["pulled"][layer, k][t // 32, t % 32]
+            np.testing.assert_array_equal(got, want)
+    print(f"served by {served['backend']}, attended by {pulled['backend']}, "
+          f"{pulled['regions']} regions")
