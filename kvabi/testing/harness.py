@@ -339,7 +339,7 @@ def cache_difference(layout: Layout, spec, got, want, step: StepData | None = No
             if len(slots):
                 parts.append(f"layer {layer} {_kv_name(layout, kv)}: {len(slots)} slot(s) "
                              f"differ, first {[int(s) for s in slots[:6]]}")
-                for s in slots[:3 - min(3, len(facts))]:
+                for s in slots[:16 - min(16, len(facts))]:
                     facts.append(_attribute(layout, spec, got, want, layer, kv, int(s),
                                             step, dt, u))
     if not parts:
@@ -347,6 +347,8 @@ def cache_difference(layout: Layout, spec, got, want, step: StepData | None = No
                 f"{bad_planes}")
         return text, {"planes": bad_planes}
     text = "; ".join(parts)
+    # A token's data in a wrong slot says the most: those first.
+    facts = sorted(facts, key=lambda f: "holds_token" not in f)[:3]
     if facts:
         text += ". " + "; ".join(_describe(f) for f in facts)
     return text, dict(facts[0]) if facts else {}

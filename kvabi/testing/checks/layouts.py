@@ -10,8 +10,8 @@ from ...dtypes import numpy_dtype
 from ...errors import KVABIError
 from ...layout import Layout
 from ..cases import exact_values, input_dtype
-from ..harness import (UINT, expect_same_cache, fill_meta, raw_items, take_cache, to_backend,
-                       to_planes)
+from ..harness import (UINT, StepData, expect_same_cache, fill_meta, raw_items, step_inputs,
+                       take_cache, to_backend, to_planes)
 from ..measure import ConformanceFailure
 from .attention import compare_outputs, reference_step
 from .base import KitOptions, Refused, attention_cases, spec_strategy, step_or_refusal
@@ -131,8 +131,9 @@ def check_foreign_layouts(backend, reference, case, options: KitOptions = KitOpt
         return result
     got, got_lse, planes = result
     r, want, want_lse = reference_step(reference, case)
+    k, v, _ = step_inputs(case)
     expect_same_cache("write_kv in a non-preferred layout", case.layout, case.spec, planes,
-                      r.planes())
+                      r.planes(), step=StepData(k, v, case.meta.slot_mapping, case.layer))
     rows = np.arange(case.meta.num_actual_tokens)
     return compare_outputs("attention in a non-preferred layout", case, got, want, rows,
                            options, got_lse=got_lse, want_lse=want_lse)

@@ -10,7 +10,7 @@ from ...merge import merge_attention
 from ...transforms import (cascade_split, local_virtual_batches, pad, permute_requests,
                            prefill_skip, reorder_decode_first, split_ubatches)
 from ..cases import exact_values
-from ..harness import Runner, expect_same_cache, step_inputs
+from ..harness import Runner, StepData, expect_same_cache, step_inputs
 from ..measure import ConformanceFailure
 from .attention import compare_outputs, reference_step
 from .base import KitOptions, NotApplicable, WithExtra, attention_cases, spec_strategy
@@ -118,7 +118,8 @@ def check_split_ubatches(backend, reference, params, options: KitOptions = KitOp
     rows = np.arange(meta.num_actual_tokens)
     err = compare_outputs(f"split_ubatches(cuts={list(cuts)})", case, got, want, rows,
                           options, got_lse=got_lse, want_lse=want_lse)
-    expect_same_cache("micro-batch writes", case.layout, case.spec, b.planes(), r.planes())
+    expect_same_cache("micro-batch writes", case.layout, case.spec, b.planes(), r.planes(),
+                      step=StepData(k, v, meta.slot_mapping, case.layer))
     return err
 
 
@@ -200,14 +201,15 @@ def check_pad(backend, reference, params, options: KitOptions = KitOptions()) ->
 
     b = Runner(backend, case, oracle=False)
     plan = b.plan(meta2)
-    b.write(plan, grow(k), grow(v))
+    k, v = grow(k), grow(v)
+    b.write(plan, k, v)
     got, got_lse = b.attend(plan, grow(q), lse=True)
     rows = np.arange(meta.num_actual_tokens)
     err = compare_outputs(f"pad(+{et} tokens, +{er} requests)", case, got[:meta.num_tokens],
                           want, rows, options, got_lse=got_lse[:meta.num_tokens],
                           want_lse=want_lse)
     expect_same_cache("write_kv over padded metadata", case.layout, case.spec, b.planes(),
-                      r.planes())
+                      r.planes(), step=StepData(k, v, meta2.slot_mapping, case.layer))
     return err
 
 
@@ -241,7 +243,7 @@ def check_permute(backend, reference, params, options: KitOptions = KitOptions()
     err = compare_outputs(f"permute_requests(perm={list(map(int, perm))})", case, got,
                           want[tp], rows, options, got_lse=got_lse, want_lse=want_lse[tp])
     expect_same_cache("write_kv over permuted requests", case.layout, case.spec, b.planes(),
-                      r.planes())
+                      r.planes(), step=StepData(k, v, meta2.slot_mapping, case.layer))
     return err
 
 

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from ...dtypes import numpy_dtype
 from ...transforms import kv_update_slices
-from ..harness import Runner, copy_planes, expect_same_cache, step_inputs
+from ..harness import Runner, StepData, copy_planes, expect_same_cache, step_inputs
 from ..measure import ConformanceFailure
 from .base import KitOptions, WithExtra, attention_cases
 
@@ -26,7 +26,8 @@ def check_write_kv(backend, reference, case, options: KitOptions = KitOptions())
     r.write(r.plan(case.meta), k, v)
     written = case.meta.slot_mapping[case.meta.slot_mapping >= 0]
     expect_same_cache(f"write_kv(layer={case.layer})", case.layout, case.spec, b.planes(),
-                      r.planes(), written=written)
+                      r.planes(), written=written,
+                      step=StepData(k, v, case.meta.slot_mapping, case.layer))
     return 0.0
 
 
@@ -75,7 +76,7 @@ def check_kv_update_slices(backend, reference, params, options: KitOptions = Kit
                       want, r.planes())
     b.write(b.plan(case.meta), k, v)
     expect_same_cache("write_kv vs kv_update_slices applied", case.layout, case.spec,
-                      b.planes(), want)
+                      b.planes(), want, step=StepData(k, v, case.meta.slot_mapping, case.layer))
     return 0.0
 
 
