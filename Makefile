@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) examples/thirdpar
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q "nixl>=1.5"  # kvabi[nixl]: NIXL transfers (~430 MB of wheels; keeps the CPU torch)
 	$(BIN)/pip install -q -e ".[test]" $(foreach b,$(wildcard backends/*/pyproject.toml),-e $(dir $(b)))
 	$(BIN)/pip install -q -e examples/thirdparty-backend  # the worked third-party backend (README)
 	touch $(STAMP)
