@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test clean
+.PHONY: setup run test thorough clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,12 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The long property and fuzz runs (e.g. 10,000 mutated layout descriptors): the `thorough`
+# Hypothesis profile over the hostile-input tests.
+THOROUGH_TESTS ?= tests/test_hostile_*.py
+thorough: setup
+	KVABI_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q $(THOROUGH_TESTS)
 
 clean:
 	rm -rf $(VENV)
