@@ -22,6 +22,16 @@ def _namespace(x):
     return np
 
 
+def _check_real(x, name: str) -> None:
+    """An array (numpy, torch, jax, array API) of real floating numbers."""
+    dt = getattr(x, "dtype", None)
+    if dt is None or not hasattr(x, "shape"):
+        raise KVABIError(f"{name}: must be an array, got {type(x).__name__}")
+    s = str(dt).replace("torch.", "")
+    if not (s.startswith(("float", "bfloat")) or s in ("half", "double")):
+        raise KVABIError(f"{name}: must hold real floating numbers, got dtype {s}")
+
+
 def _cast(x, like):
     return x.astype(like.dtype) if hasattr(x, "astype") else x.to(like.dtype)
 
@@ -35,6 +45,8 @@ def merge_attention(out1, lse1, out2, lse2):
     is output 0 and lse ``-inf``.  Works on numpy, torch, jax or any array-API arrays; the
     output keeps ``out1``'s dtype, the lse ``lse1``'s.
     """
+    for name, x in (("out1", out1), ("lse1", lse1), ("out2", out2), ("lse2", lse2)):
+        _check_real(x, name)
     s1, s2 = tuple(out1.shape), tuple(out2.shape)
     if s1 != s2:
         raise KVABIError(f"out2: shape must equal out1's {s1}, got {s2}")

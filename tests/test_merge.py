@@ -77,3 +77,17 @@ def test_torch_tensors():
 def test_shape_errors(shapes, field):
     with pytest.raises(KVABIError, match=field):
         merge_attention(*(np.zeros(s) for s in shapes))
+
+
+@pytest.mark.parametrize("i,bad,match", [
+    (0, [[1.0]], "out1: must be an array"),
+    (1, None, "lse1: must be an array"),
+    (2, np.zeros((2, 3), complex), "out2: must hold real floating numbers"),
+    (3, np.zeros(2, np.int64), "lse2: must hold real floating numbers"),
+    (0, np.zeros((2, 3), "U1"), "out1: must hold real floating numbers"),
+])
+def test_non_real_arrays_are_refused(i, bad, match):
+    args = [np.zeros((2, 3)), np.zeros(2), np.zeros((2, 3)), np.zeros(2)]
+    args[i] = bad
+    with pytest.raises(KVABIError, match=match):
+        merge_attention(*args)
