@@ -226,13 +226,7 @@ class TPUBackendBase(kvabi.Backend):
                 raise KVABIError(f"sinks: must be a float array of one logit per query head "
                                  f"({hq},), got {sinks.dtype} {tuple(sinks.shape)}")
             return sinks if sinks.dtype == jnp.float32 else sinks.astype(jnp.float32)
-        arr = real_array(sinks, "sinks").astype(np.float32)
-        if arr.shape != (hq,):
-            raise KVABIError(f"sinks: must have one logit per query head ({hq}), got shape "
-                             f"{arr.shape}")
-        if np.isnan(arr).any():
-            raise KVABIError("sinks: must not be NaN")
-        return to_jax(arr)
+        return to_jax(kvabi.check_sinks(sinks, hq).astype(np.float32))
 
     # -- the computations ----------------------------------------------------------------
     def _cheap_compile(self) -> bool:

@@ -5,7 +5,8 @@ is part of a plane's memory order and the per-layer tensor is a slice of it):
 
 - ``combined`` (preset ``tpu.combined``): one tensor ``[B, N, 2H, Dpad]`` with K and V
   interleaved on the head axis (k0, v0, k1, v1, ...), split ``[B, N, 2H/p, p, Dpad]`` when the
-  layout packs ``p`` values per 32-bit word (``p`` is 1 for float32).  Combined head ``c`` sits at ``(c // p, c % p)``.
+  layout packs ``p`` values per 32-bit word (``p`` is 1 for float32).
+  Combined head ``c`` sits at ``(c // p, c % p)``.
 - ``hidden`` (preset ``tpu.hidden``): separate K and V tensors ``[B, N, H*Dpad]``.
 
 Everything here works on jax arrays (values, not refs) except :meth:`CacheFormat.head_kv`,
@@ -144,9 +145,9 @@ class CacheFormat:
         ``[T, *write_slot_shape]`` except that the last dim is head_dim."""
         import jax.numpy as jnp
 
-        from .dtype import jnp_dtype
+        from kvabi.dtypes import numpy_dtype
 
-        dt = jnp_dtype(self.dtype)
+        dt = numpy_dtype(self.dtype)
         t, h, d = key.shape
         *lead, last = self.write_slot_shape
         shape = (t, *lead, last - (self.dpad - d))  # the padded lanes dropped

@@ -15,6 +15,8 @@ import jax
 from jax import lax
 from jax import numpy as jnp
 
+from kvabi.tensors import to_jax
+
 from .plan import (TILE_KVLEN, TILE_NPAGES, TILE_PAGE_LO, TILE_POS0, TILE_QLEN, TILE_REQ,
                    next_pow2)
 
@@ -171,7 +173,7 @@ def attend_impl(plan, backend):
     from .jax_buckets import buckets
 
     static, (out_index, *tiles) = buckets(plan, prefill_rows=backend.prefill_rows,
-                                          to_device=backend.asarray)
+                                          to_device=to_jax)
     bs = plan.spec.block_size
     most = next_pow2(-(-int(plan.meta.max_seq_len) // bs))
 

@@ -10,10 +10,11 @@ narrows the range), so a kernel reads only those pages.  Tile arrays are padded 
 of two so that steps of similar size share one compiled kernel.
 
 Index widths: the kernels index with int32 (TPU scalar memory holds 32-bit words, and jax
-runs without 64-bit integers by default).  A flat slot number would wrap past 2**31 slots,
-so writes address a slot as (block, offset in block), both int32 whatever the cache size;
-a layout with more blocks than int32 holds, or sequences whose positions int32 cannot
-hold, is refused with a KVABIError naming the size, never truncated.
+runs without 64-bit integers by default).  A flat slot number would wrap past 2**31 slots
+(where :func:`kvabi.index_dtype` says int64), so writes address a slot as (block, offset
+in block), both int32 whatever the cache size; a layout with more blocks than int32
+holds, or sequences whose positions int32 cannot hold, is refused with a KVABIError naming
+the size, never truncated.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import numpy as np
 
 import kvabi
 from kvabi import KVABIError
-from kvabi.coerce import INT32_MAX, as_int
+from kvabi.coerce import INT32_MAX
 
 #: rows of TPUPlan.tile_info
 TILE_REQ, TILE_POS0, TILE_QLEN, TILE_KVLEN, TILE_PAGE_LO, TILE_NPAGES = range(6)
@@ -124,9 +125,6 @@ def check_index_range(meta, spec, layout) -> None:
         raise KVABIError(f"layout.num_blocks: {layout.num_blocks} blocks "
                          f"({layout.num_blocks * bs} slots) exceed the {INT32_MAX} block ids "
                          f"the TPU kernels index with int32")
-    if meta.num_tokens > INT32_MAX // 2:
-        raise KVABIError(f"meta.num_tokens: {meta.num_tokens} tokens exceed what the TPU "
-                         f"kernels index with int32 ({INT32_MAX // 2})")
     pages = -(-int(meta.max_seq_len) // bs)
     if (pages + POSITION_MARGIN_PAGES) * bs > INT32_MAX:
         raise KVABIError(f"seq_lens: a sequence of {int(meta.max_seq_len)} tokens (block "
@@ -148,13 +146,9 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
     arrays to the backend's device arrays."""
     kvabi.check_step(meta, spec, layout)
     check_index_range(meta, spec, layout)
-    opts = kvabi.AttentionOptions.resolve(spec, scale, softcap, sinks)
+    opts = kvabi.AttentionOptions.resolve(spec, scale, softcap, sinks, num_q_heads=num_q_heads)
     if num_q_heads is not None:
-        num_q_heads = as_int(num_q_heads, "num_q_heads", lo=1)
-        if num_q_heads % spec.num_kv_heads:
-            raise KVABIError(f"num_q_heads: must be a multiple of the {spec.num_kv_heads} KV "
-                             f"heads, got {num_q_heads}")
-        opts.check_heads(num_q_heads)
+        num_q_heads = kvabi.check_num_q_heads(num_q_heads, spec)
     scale, softcap = opts.scale, opts.softcap
     sinks = None if opts.sinks is None else opts.sinks.astype(np.float32)
     bs = spec.block_size

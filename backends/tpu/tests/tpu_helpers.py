@@ -91,3 +91,41 @@ def cross_layer_layout(spec, num_blocks, num_layers, form):
     return kvabi.Layout(order=order, sizes=sizes, dtype=base.dtype, planes=planes,
                         extents=base.extents, folds=base.folds, packing=base.packing,
                         name=f"{form}.cross_layer")
+
+
+def visible_slots(meta, spec, tokens) -> set[int]:
+    """Cache slots the query ``tokens`` may see, straight from the semantics' visibility
+    rule (a key j of the token's request with j < seq_len, j <= p, and the window or
+    chunk condition): an oracle independent of every backend's masking."""
+    qsl, bs = meta.query_start_loc, spec.block_size
+    out: set[int] = set()
+    for t in tokens:
+        r = int(np.searchsorted(qsl, t, side="right")) - 1
+        p = int(meta.positions[t])
+        j = np.arange(int(meta.seq_lens[r]))
+        vis = j <= p
+        if spec.kind == "sliding_window":
+            vis &= j > p - spec.window
+        elif spec.kind == "chunked_local":
+            vis &= j // spec.chunk == p // spec.chunk
+        j = j[vis]
+        out.update((meta.block_table[r, j // bs].astype(np.int64) * bs + j % bs).tolist())
+    return out
+
+
+def poison_invisible(layout, spec, planes, keep: set[int], rng) -> int:
+    """Copies of numpy ``planes`` whose K and V rows of every slot not in ``keep`` (every
+    layer) hold NaN, +inf or -inf (drawn per row), and whose padding bytes hold NaN; returns
+    (planes, number of poisoned slots)."""
+    out = layout.allocate_numpy(np.nan)
+    slots = layout.num_blocks * spec.block_size
+    bad = np.array(sorted(set(range(slots)) - keep), np.int64)
+    kinds = np.array([np.nan, np.inf, -np.inf])
+    for layer in range(layout.num_layers):
+        for kv in (0, 1):
+            src, dst = layout.kv_view(planes, layer, kv), layout.kv_view(out, layer, kv)
+            dst[...] = src
+            if len(bad):
+                dst[bad // spec.block_size, bad % spec.block_size] = \
+                    kinds[rng.integers(0, 3, len(bad))][:, None, None]
+    return out, len(bad)

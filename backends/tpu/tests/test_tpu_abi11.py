@@ -1,0 +1,157 @@
+"""ABI 1.1 on both TPU backends: KVCache handles and 1.0 lists, per-call sinks (one plan,
+one compiled step, different sinks per layer), ``out=``, ``num_q_heads``, output and lse
+dtypes, and donated caches (consumed; the returned cache is right; a consumed cache is
+refused).  Every result against the reference (numpy float64)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tpu_helpers import (JAX, PALLAS, REFERENCE, TOL, filled_cache, make_spec, rel_l2,
+                         to_backend, values)
+
+import kvabi
+from kvabi import KVABIError
+from kvabi_tpu.steps import compiled
+
+BACKENDS = [PALLAS, JAX]
+ids = lambda b: b.name  # noqa: E731
+
+
+def small_step(kind="sliding_window", span=5, dtype="float32", form="tpu.combined"):
+    spec = make_spec(kind, 16, 2, 64, dtype, span)
+    meta = kvabi.CommonAttentionMetadata.from_lengths([5, 1, 3], [0, 20, 14],
+                                                      [[3, 0], [1, 4], [5, 2]], 16,
+                                                      num_blocks=6, num_tokens=10)
+    layout = kvabi.Layout.preset(form, spec, 6, num_layers=2)
+    return spec, meta, layout
+
+
+def test_abi_version_and_framework():
+    for b in BACKENDS:
+        assert b.abi_version == (1, 1) and kvabi.abi_at_least(b, (1, 1))
+        assert b.framework == "jax"
+        assert isinstance(b.allocate(small_step()[2]), kvabi.KVCache)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=ids)
+def test_per_call_sinks_per_layer_with_one_plan(backend):
+    """One plan (with default sinks), two layers with their own sinks: each layer equals
+    the reference planned with that layer's sinks, the plan's sinks apply when the call
+    gives none, and the second layer's sinks reuse the first layer's compiled step."""
+    spec, meta, layout = small_step()
+    rng = np.random.default_rng(0)
+    planes = filled_cache(layout, spec, rng)
+    cache = kvabi.KVCache.wrap(layout, to_backend(backend, planes))
+    q = values(rng, (meta.num_tokens, 4, 64), "float32")
+    default = rng.uniform(-2, 2, 4)
+    per_layer = [rng.uniform(-2, 2, 4).astype(np.float32), rng.uniform(-2, 2, 4)]
+    plan = backend.plan(meta, spec, layout, num_q_heads=4, sinks=default)
+    step = compiled("attend", donate=False, cheap=backend._cheap_compile())
+    n = meta.num_actual_tokens
+    sizes = []
+    for layer, sinks in ((0, per_layer[0]), (1, backend.asarray(per_layer[1])),
+                         (1, None)):
+        ref_sinks = default if sinks is None else np.asarray(sinks)
+        want, want_lse = REFERENCE.attention(
+            q, planes, layout, REFERENCE.plan(meta, spec, layout, sinks=ref_sinks),
+            layer=layer, return_lse=True)
+        out, lse = backend.attention(backend.asarray(q), cache, layout, plan, layer=layer,
+                                     sinks=sinks, return_lse=True)
+        sizes.append(step._cache_size())
+        assert rel_l2(backend.to_numpy(out)[:n], want[:n]) <= TOL["float32"]
+        assert np.abs(backend.to_numpy(lse)[:n] - want_lse[:n]).max() <= 1e-4
+    assert sizes[0] == sizes[1] == sizes[2], f"compiled steps per call: {sizes}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=ids)
+def test_out_and_dtypes(backend):
+    """``out`` is checked, the result returned (jax writes nothing in place); the output
+    has the query's dtype (bfloat16 queries over a float32 cache), lse is float32."""
+    import jax.numpy as jnp
+
+    spec, meta, layout = small_step("full", None)
+    rng = np.random.default_rng(1)
+    planes = filled_cache(layout, spec, rng)
+    cache = to_backend(backend, planes)
+    q = values(rng, (meta.num_tokens, 2, 64), "bfloat16")
+    plan = backend.plan(meta, spec, layout)
+    want = REFERENCE.attention(q.astype(np.float32), planes, layout,
+                               REFERENCE.plan(meta, spec, layout))
+    buf = jnp.zeros((meta.num_tokens, 2, 64), jnp.bfloat16)
+    out, lse = backend.attention(backend.asarray(q), cache, layout, plan, out=buf,
+                                 return_lse=True)
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    n = meta.num_actual_tokens
+    assert rel_l2(backend.to_numpy(out)[:n], want[:n]) <= TOL["bfloat16"]
+    for bad, what in ((jnp.zeros((meta.num_tokens, 2, 64), jnp.float32), "dtype"),
+                      (jnp.zeros((meta.num_tokens, 4, 64), jnp.bfloat16), "shape"),
+                      (np.zeros(3), "shape")):
+        with pytest.raises(KVABIError, match="out"):
+            backend.attention(backend.asarray(q), cache, layout, plan, out=bad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=ids)
+def test_num_q_heads_and_sinks_refusals(backend):
+    spec, meta, layout = small_step()
+    cache = backend.allocate(layout)
+    q2 = backend.asarray(np.zeros((meta.num_tokens, 2, 64), np.float32))
+    plan = backend.plan(meta, spec, layout, num_q_heads=4)
+    with pytest.raises(KVABIError, match="num_q_heads=4"):
+        backend.attention(q2, cache, layout, plan)
+    for bad in (3, 0, True, 2.0, "4"):
+        with pytest.raises(KVABIError, match="num_q_heads"):
+            backend.plan(meta, spec, layout, num_q_heads=bad)
+    with pytest.raises(KVABIError, match="sinks"):
+        backend.plan(meta, spec, layout, num_q_heads=4, sinks=np.zeros(2))
+    plan2 = backend.plan(meta, spec, layout)
+    for bad in (np.zeros(3), np.array([0.0, np.nan]), np.zeros(2, complex), ["a", "b"],
+                backend.asarray(np.zeros(3, np.float32)),
+                backend.asarray(np.zeros(2, np.int32))):
+        with pytest.raises(KVABIError, match="sinks"):
+            backend.attention(q2, cache, layout, plan2, sinks=bad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=ids)
+def test_list_cache_of_abi_1_0(backend):
+    """A plain list of planes works as in ABI 1.0: write_kv returns a list."""
+    spec, meta, layout = small_step("chunked_local", 7, "bfloat16", "tpu.hidden")
+    rng = np.random.default_rng(2)
+    planes = filled_cache(layout, spec, rng)
+    k, v = (values(rng, (meta.num_tokens, 2, 64), "bfloat16") for _ in range(2))
+    q = values(rng, (meta.num_tokens, 4, 64), "bfloat16")
+    ref_plan = REFERENCE.plan(meta, spec, layout)
+    REFERENCE.write_kv(planes, layout, k, v, ref_plan, layer=1)
+    want = REFERENCE.attention(q, planes, layout, ref_plan, layer=1)
+    plan = backend.plan(meta, spec, layout)
+    cache = to_backend(backend, filled_cache(layout, spec, np.random.default_rng(2)))
+    cache = backend.write_kv(cache, layout, k, v, plan, layer=1)
+    assert type(cache) is list
+    out = backend.attention(backend.asarray(q), cache, layout, plan, layer=1)
+    n = meta.num_actual_tokens
+    assert rel_l2(backend.to_numpy(out)[:n], want[:n]) <= TOL["bfloat16"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=ids)
+def test_donated_cache_is_consumed_and_refused_after(backend):
+    """write_kv consumes the planes of the layer it writes; the returned KVCache holds the
+    reference's bytes; the consumed handle is refused with a KVABIError, not a crash."""
+    spec, meta, layout = small_step()
+    rng = np.random.default_rng(3)
+    planes = filled_cache(layout, spec, rng)
+    k = values(rng, (meta.num_tokens, 2, 64), "float32")
+    REFERENCE.write_kv(planes, layout, k, k, REFERENCE.plan(meta, spec, layout), layer=0)
+    old = kvabi.KVCache.wrap(layout, to_backend(
+        backend, filled_cache(layout, spec, np.random.default_rng(3))))
+    plan = backend.plan(meta, spec, layout)
+    new = backend.write_kv(old, layout, k, k, plan, layer=0)
+    assert isinstance(new, kvabi.KVCache) and new.layout is layout
+    assert old[0].is_deleted() and not old[1].is_deleted() and new[1] is old[1]
+    for g, w in zip(new, planes):
+        assert np.array_equal(backend.to_numpy(g), w)
+    q = backend.asarray(values(rng, (meta.num_tokens, 2, 64), "float32"))
+    with pytest.raises(KVABIError, match="consumed"):
+        backend.attention(q, old, layout, plan, layer=0)
+    with pytest.raises(KVABIError, match="consumed"):
+        backend.write_kv(old, layout, k, k, plan, layer=0)
+    backend.attention(q, old, layout, plan, layer=1)  # layer 1's plane was not donated
