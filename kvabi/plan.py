@@ -24,6 +24,7 @@ import re
 
 import attrs
 
+from .coerce import as_int
 from .errors import KVABIError, require
 from .spec import KVSpec, ModelKV
 
@@ -189,13 +190,13 @@ def plan_memory(model: ModelKV, memory_bytes: int, max_model_len: int | None = N
     ``max_model_len``).
     """
     require(isinstance(model, ModelKV), "model", "must be a ModelKV", type(model).__name__)
-    require(isinstance(memory_bytes, int) and not isinstance(memory_bytes, bool)
-            and memory_bytes > 0, "memory_bytes", "must be a positive int", memory_bytes)
-    require(max_model_len is None or (isinstance(max_model_len, int) and max_model_len > 0),
-            "max_model_len", "must be a positive int or None", max_model_len)
-    require(isinstance(max_query_len, int) and max_query_len > 0, "max_query_len",
-            "must be a positive int", max_query_len)
-    require(scheme in SCHEMES, "scheme", f"must be one of {', '.join(SCHEMES)}", scheme)
+    # Strict ints (no bool, no float) within int64, like every kvabi size.
+    memory_bytes = as_int(memory_bytes, "memory_bytes", lo=1)
+    if max_model_len is not None:
+        max_model_len = as_int(max_model_len, "max_model_len", lo=1)
+    max_query_len = as_int(max_query_len, "max_query_len", lo=1)
+    require(isinstance(scheme, str) and scheme in SCHEMES, "scheme",
+            f"must be one of {', '.join(SCHEMES)}", scheme)
 
     groups = model.groups
     page = [layout_page_bytes(g.spec, layout) for g in groups]

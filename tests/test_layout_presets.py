@@ -187,3 +187,19 @@ def test_page_align_counts_head_dim_padding():
     layout.kv_view(planes, 0, 1)[1, 3, 0, 63] = 5
     flat = np.lib.stride_tricks.as_strided(planes[0], (layout.plane_nbytes // 4,), (4,))
     assert flat[(6000 + 3 * 1024 + 512 + 63 * 4) // 4] == 5
+
+
+@pytest.mark.parametrize("args,field", [((True, 1), "num_blocks"), ((4.0, 1), "num_blocks"),
+                                        ((4, False), "num_layers"), ((0, 1), "num_blocks"),
+                                        ((4, 2**63), "num_layers")])
+def test_preset_counts_are_strict(args, field):
+    spec = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8)
+    with pytest.raises(KVABIError, match=f"^{field}"):
+        Layout.preset("flash_attn", spec, *args)
+
+
+def test_preset_too_large_for_int64_is_refused():
+    spec = KVSpec(kind="full", block_size=2**20, num_kv_heads=2**10, head_dim=2**10,
+                  dtype="float32")
+    with pytest.raises(KVABIError, match="int64"):
+        Layout.preset("vllm.LBHNC", spec, 2**31, 32)

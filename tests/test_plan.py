@@ -186,7 +186,9 @@ def test_plan_never_exceeds_budget(model, budget, max_len, q, scheme):
     ({"memory_bytes": True}, "memory_bytes"), ({"memory_bytes": 1.0e9}, "memory_bytes"),
     ({"memory_bytes": 1}, "memory_bytes"), ({"max_model_len": 0}, "max_model_len"),
     ({"max_query_len": 0}, "max_query_len"), ({"scheme": "greedy"}, "scheme"),
-    ({"scheme": "demand"}, "max_model_len"),
+    ({"scheme": "demand"}, "max_model_len"), ({"max_model_len": True}, "max_model_len"),
+    ({"max_model_len": 4096.0}, "max_model_len"), ({"max_query_len": True}, "max_query_len"),
+    ({"memory_bytes": 2**63}, "memory_bytes"), ({"scheme": ["equal"]}, "scheme"),
 ])
 def test_plan_rejects_bad_arguments(kwargs, field):
     model = ModelKV([LayerKV("a", KVSpec("full", 16, 2, 8))])

@@ -16,3 +16,26 @@ def test_first_visible_key_follows_the_masks():
         assert lo_w == min(j for j in range(pi + 1) if j > pi - 7)
         assert lo_c == min(j for j in range(pi + 1) if j // 12 == pi // 12)
         assert lo_f == 0
+
+
+def test_kvspec_integers_are_strict():
+    """bools are not ints (True would silently be a block size of 1), floats neither."""
+    import pytest
+
+    from kvabi import KVABIError, KVSpec
+
+    base = dict(kind="full", block_size=4, num_kv_heads=2, head_dim=8)
+    for field, bad in (("block_size", True), ("num_kv_heads", True), ("head_dim", 8.0),
+                       ("page_align", False), ("head_dim_v", True)):
+        with pytest.raises(KVABIError, match=f"^{field}"):
+            KVSpec(**{**base, field: bad})
+    with pytest.raises(KVABIError, match="^window"):
+        KVSpec(**{**base, "kind": "sliding_window", "window": True})
+    with pytest.raises(KVABIError, match="^chunk"):
+        KVSpec(**{**base, "kind": "chunked_local", "chunk": 4.0})
+    with pytest.raises(KVABIError, match="^kind"):
+        KVSpec(**{**base, "kind": ["full"]})
+    with pytest.raises(KVABIError, match="^dtype"):
+        KVSpec(**base, dtype=["bfloat16"])
+    with pytest.raises(KVABIError, match="^max_len"):
+        KVSpec(**base).blocks_per_request(True)
