@@ -1,11 +1,17 @@
-"""``kvabi bench cuda [--json]``: the cache write's bandwidth as a ratio of a plain copy.
+"""``kvabi bench cuda [--json] [--suite write|dispatch|all]``: the cache write's bandwidth
+as a ratio of a plain copy, and the host cost of ``cuda.triton`` per step and per layer.
 
-Writes T new tokens of K and V into a ``flash_attn`` layout cache at a shuffled slot
+Write: writes T new tokens of K and V into a ``flash_attn`` layout cache at a shuffled slot
 mapping, with the Triton kernel and with the torch index_put fallback, and times a plain
 ``clone`` of the same K and V bytes on the same device.  A ratio of 1.0 means the write
 moves bytes as fast as a copy.  Both writes are first checked equal to each other.
 Without a CUDA device the Triton kernel runs in its interpreter: its figure then measures
 Python, not a kernel, and the output says so.
+
+Dispatch (:mod:`kvabi_cuda.bench_dispatch`): ``plan`` per step and ``write_kv`` +
+``attention`` per layer with the kernels replaced by no-ops, called the ABI 1.0 way (a
+list of planes, no ``num_q_heads``) and the 1.1 way (the KVCache handle, ``num_q_heads``,
+``out=``), side by side in one run.
 """
 from __future__ import annotations
 
@@ -18,17 +24,25 @@ import numpy as np
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="kvabi bench cuda", description=__doc__.split("\n")[0])
+    from kvabi.commands.argtypes import int_arg
+
+    pos = int_arg(lo=1, hi=1 << 24, name="positive integer")
+    p = argparse.ArgumentParser(prog="kvabi bench cuda",
+                                description=__doc__.split("\n\n")[0].strip('"` '))
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--tokens", type=int, default=None,
+    p.add_argument("--suite", choices=["write", "dispatch", "all"], default="all",
+                   help="the cache-write bandwidth, the per-layer host cost, or both")
+    p.add_argument("--tokens", type=pos, default=None,
                    help="new tokens written (default 16384 on CUDA, 512 interpreted)")
-    p.add_argument("--heads", type=int, default=8, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--heads", type=pos, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=pos, default=128)
+    p.add_argument("--block-size", type=pos, default=16)
     p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--repeats", type=pos, default=None,
                    help="timed repetitions (default 20 on CUDA, 3 interpreted)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--layers", type=pos, default=32,
+                   help="layers of the dispatch suite's cross-layer cache")
+    p.add_argument("--threads", type=pos, default=None,
                    help="torch CPU threads (default: torch's; on a busy machine 1 avoids "
                         "thread-pool contention dominating small copies)")
     return p
@@ -134,11 +148,31 @@ def measure(tokens=None, heads=8, head_dim=128, block_size=16, dtype="float16",
 
 def run(argv=None) -> int:
     args = _parser().parse_args(argv)
-    res = measure(args.tokens, args.heads, args.head_dim, args.block_size, args.dtype,
-                  args.repeats, args.threads)
+    res = {"suite": "cuda"}
+    if args.suite in ("write", "all"):
+        res.update(measure(args.tokens, args.heads, args.head_dim, args.block_size,
+                           args.dtype, args.repeats, args.threads))
+    if args.suite in ("dispatch", "all"):
+        from .bench_dispatch import measure_dispatch
+
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        res["dispatch"] = measure_dispatch(args.layers, args.repeats or 20)
     if args.json:
         print(json.dumps(res, sort_keys=True))
         return 0
+    if "bytes" in res:
+        _print_write(res)
+    if "dispatch" in res:
+        from .bench_dispatch import report
+
+        print("\n".join(report(res["dispatch"])))
+    return 0
+
+
+def _print_write(res: dict) -> None:
     print(f"cuda bench: cache write of {res['tokens']} tokens x {res['heads']} heads x "
           f"{res['head_dim']} ({res['dtype']}, block {res['block_size']}), "
           f"{res['bytes'] / 1e6:.2f} MB of K+V, on {res['device']} ({res['device_name']}, "
@@ -152,4 +186,3 @@ def run(argv=None) -> int:
     for name, t, bw, ratio in rows:
         print(f"  {name:<26}{t * 1e3:>10.3f}ms{bw:>10.2f}{ratio:>10.3f}")
     print(f"  note: {res['note']}")
-    return 0

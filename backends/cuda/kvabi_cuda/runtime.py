@@ -92,3 +92,8 @@ def device():
     import torch
 
     return torch.device("cuda" if triton_mode()[0] == "compiled" else "cpu")
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1); plain Python, for launch sizes."""
+    return 1 << max(int(n) - 1, 0).bit_length()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .runtime import triton_mode
+from .runtime import pow2, triton_mode
 
 triton_mode()  # must run before the kernels below are decorated: it may enable the interpreter
 
@@ -182,9 +182,9 @@ def block_sizes(group: int, max_query_len: int, interpret: bool) -> tuple[int, i
     ``tl.dot`` needs every dimension >= 16 when compiled, so BLOCK_Q * BLOCK_G >= 16.
     The interpreter pays per operation, not per element: it gets bigger key tiles.
     """
-    bg = triton.next_power_of_2(max(group, 1))
+    bg = pow2(max(group, 1))
     bq_min = max(1, 16 // bg)
-    bq = min(max(bq_min, triton.next_power_of_2(max(max_query_len, 1))), max(bq_min, 64 // bg))
+    bq = min(max(bq_min, pow2(max(max_query_len, 1))), max(bq_min, 64 // bg))
     bn = 64 if interpret else 32
     return bq, bg, bn
 
@@ -230,6 +230,6 @@ def paged_attention(q, k_view, v_view, out, lse, sinks, block_table, ctx, qsl, t
         # float32 must not silently drop to TF32 on tensor cores: IEEE products there.
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", BLOCK_Q=block_q,
         BLOCK_G=block_g, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        BLOCK_D=max(16, pow2(head_dim)),
+        BLOCK_DV=max(16, pow2(head_dim_v)),
     )

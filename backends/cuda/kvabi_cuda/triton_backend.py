@@ -9,7 +9,7 @@ from kvabi import Backend, Capabilities, UnsupportedError, check_kv, check_step
 from kvabi.tensors import to_torch
 
 from . import boundary, runtime
-from .index_width import index_values, needs_int64, tensor_extent
+from .index_width import index_dtype, index_values, needs_int64, tensor_extent
 from .layouts import d_contiguous_presets
 from .views import kv_views
 
@@ -47,9 +47,10 @@ class TritonPlan:
             from .triton_attention import query_tiles
 
             dev = self.slots.device
-            dt = np.int64 if self.idx64 else np.int32
-            t = self._tiles[block_q] = tuple(
-                to_torch(a, dev) for a in query_tiles(self.meta.query_start_loc, block_q, dt))
+            tiles = query_tiles(self.meta.query_start_loc, block_q, index_dtype(self.idx64))
+            packed = to_torch(np.concatenate(tiles), dev)  # one host-to-device copy
+            n = len(tiles[0])
+            t = self._tiles[block_q] = (packed[:n], packed[n:2 * n], packed[2 * n:])
         return t
 
 
@@ -61,6 +62,7 @@ class TritonBackend(Backend):
 
     def __init__(self):
         self._sinks = boundary.SinkTensors()
+        self._dev = None
 
     def available(self) -> tuple[bool, str]:
         mode, why = runtime.triton_mode()
@@ -87,7 +89,9 @@ class TritonBackend(Backend):
         return d_contiguous_presets(spec)
 
     def device(self):
-        return runtime.device()
+        if self._dev is None:
+            self._dev = runtime.device()
+        return self._dev
 
     # -- plan --------------------------------------------------------------------------
     def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
@@ -103,27 +107,37 @@ class TritonBackend(Backend):
         bt = np.asarray(meta.block_table)
         need = -(-np.asarray(meta.seq_lens, np.int64) // spec.block_size)
         used = np.arange(bt.shape[1])[None, :] < need[:, None]
+        # Entries past a request's blocks are never read: zeroed, not cast blindly.
+        parts = [index_values(np.where(used, bt, 0), "block_table", wide, ndim=2),
+                 index_values(meta.context_lens, "context_lens", wide),
+                 index_values(meta.query_start_loc, "query_start_loc", wide)]
+        bq = None
+        if hq is not None:  # the query tiles too, in the same copy
+            from .triton_attention import query_tiles
+
+            bq = self._block_sizes(meta, spec, hq)[0]
+            parts += query_tiles(meta.query_start_loc, bq, index_dtype(wide))
+        # One host-to-device copy for every index array of the step (views of it).
+        packed = to_torch(np.concatenate([a.ravel() for a in parts]), dev)
+        views, at = [], 0
+        for a in parts:
+            views.append(packed[at:at + a.size].view(a.shape))
+            at += a.size
         plan = TritonPlan(
             meta, spec, layout, opts, hq, wide,
             slots=to_torch(np.asarray(meta.slot_mapping, np.int64), dev),
-            # Entries past a request's blocks are never read: zeroed, not cast blindly.
-            block_table=to_torch(index_values(np.where(used, bt, 0), "block_table", wide,
-                                              ndim=2), dev),
-            context_lens=to_torch(index_values(meta.context_lens, "context_lens", wide), dev),
-            query_start_loc=to_torch(index_values(meta.query_start_loc, "query_start_loc",
-                                                  wide), dev),
+            block_table=views[0], context_lens=views[1], query_start_loc=views[2],
             sinks=None if opts.sinks is None else torch.as_tensor(
                 opts.sinks, dtype=torch.float32, device=dev),
         )
-        if hq is not None:
-            plan.tiles(self._block_sizes(plan, hq)[0])
+        if bq is not None:
+            plan._tiles[bq] = tuple(views[3:])
         return plan
 
-    def _block_sizes(self, plan, hq: int):
+    def _block_sizes(self, meta, spec, hq: int):
         from .triton_attention import block_sizes
 
-        return block_sizes(hq // plan.spec.num_kv_heads, plan.meta.max_query_len,
-                           self._interpret())
+        return block_sizes(hq // spec.num_kv_heads, meta.max_query_len, self._interpret())
 
     def _require_available(self):
         ok, why = self.available()
@@ -192,7 +206,7 @@ class TritonBackend(Backend):
         o = boundary.out_tensor(out, (t, hq, dv), q.dtype, dev)
         lse = torch.full((t, hq), float("-inf"), dtype=torch.float32,
                          device=dev) if return_lse else None
-        bq, bg, bn = self._block_sizes(plan, hq)
+        bq, bg, bn = self._block_sizes(meta, spec, hq)
         wide = plan.idx64 or tensor_extent(q) > _I32 or tensor_extent(o) > _I32
         upcast = q.dtype != k_view.dtype or q.dtype == torch.float32
         paged_attention(

@@ -8,7 +8,7 @@ past int32 (:mod:`kvabi_cuda.index_width`), int64 ones (``IDX64``).
 """
 from __future__ import annotations
 
-from .runtime import triton_mode
+from .runtime import pow2, triton_mode
 
 triton_mode()  # must run before the kernel below is decorated: it may enable the interpreter
 
@@ -63,9 +63,9 @@ def _write_kv_kernel(
 def tokens_per_program(num_heads: int, head_dim: int, interpret: bool) -> int:
     """Tokens one program writes: about 4K elements per tile when compiled; the interpreter
     pays per program and per operation, so it gets much bigger tiles."""
-    per_token = triton.next_power_of_2(num_heads) * triton.next_power_of_2(head_dim)
+    per_token = pow2(num_heads) * pow2(head_dim)
     budget = (1 << 16) if interpret else (1 << 12)
-    return max(1, min(256, triton.next_power_of_2(max(1, budget // per_token))))
+    return max(1, min(256, pow2(max(1, budget // per_token))))
 
 
 def write_kv(key, value, k_view, v_view, slots, block_size: int, *,
@@ -82,10 +82,10 @@ def write_kv(key, value, k_view, v_view, slots, block_size: int, *,
     else:
         value, v_view, dvh = key, k_view, d  # unused: HAS_V is off
     bt = tokens_per_program(h, max(d, dvh), interpret)
-    _write_kv_kernel[(triton.cdiv(t, bt),)](
+    _write_kv_kernel[(-(-t // bt),)](
         key, value, k_view, v_view, slots, t,
         *key.stride(), *value.stride(), *k_view.stride(), *v_view.stride(),
         block_size, h, d, dvh,
-        HAS_V=has_v, IDX64=bool(idx64), BLOCK_T=bt, BLOCK_H=triton.next_power_of_2(h),
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dvh),
+        HAS_V=has_v, IDX64=bool(idx64), BLOCK_T=bt, BLOCK_H=pow2(h),
+        BLOCK_D=pow2(d), BLOCK_DV=pow2(dvh),
     )
