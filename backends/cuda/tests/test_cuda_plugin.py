@@ -7,7 +7,7 @@ import pytest
 import kvabi
 from kvabi import UnsupportedError, registry
 
-from cuda_testlib import make_step
+from cuda_testlib import arr, make_step
 
 NAMES = ("cuda.triton", "cuda.flashinfer", "cuda.flash_attn")
 
@@ -86,7 +86,7 @@ def test_triton_refuses_what_it_cannot_do():
         be.plan(bad.meta, step.spec, layout)
     plan = be.plan(step.meta, step.spec, layout)
     with pytest.raises(kvabi.KVABIError, match="query"):
-        be.attention(be.asarray(__import__("numpy").zeros((3, 3, 8))), be.allocate(layout),
+        be.attention(arr(be, __import__("numpy").zeros((3, 3, 8))), be.allocate(layout),
                      layout, plan)
 
 

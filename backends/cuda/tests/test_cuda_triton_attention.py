@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 
 import kvabi
 
-from cuda_testlib import compare, make_step, mismatch, reference, run_step, steps
+from cuda_testlib import arr, compare, host, make_step, mismatch, reference, run_step, steps
 
 TRITON = kvabi.get_backend("cuda.triton")
 SETTINGS = settings(max_examples=16, deadline=None, derandomize=True,
@@ -76,10 +76,10 @@ def test_layers_are_independent():
     layout = step.layout()
     cache = TRITON.allocate(layout)
     p = TRITON.plan(step.meta, step.spec, layout)
-    q = TRITON.asarray(np.ones((step.meta.num_tokens, step.num_q_heads, 8)))
+    q = arr(TRITON, np.ones((step.meta.num_tokens, step.num_q_heads, 8)))
     o0, l0 = TRITON.attention(q, cache, layout, p, layer=0, return_lse=True)
-    np.testing.assert_allclose(TRITON.to_numpy(o0)[:2], 0.0)
-    np.testing.assert_allclose(TRITON.to_numpy(l0)[:2], np.log([[4.0] * 4, [5.0] * 4]),
+    np.testing.assert_allclose(host(o0)[:2], 0.0)
+    np.testing.assert_allclose(host(l0)[:2], np.log([[4.0] * 4, [5.0] * 4]),
                                rtol=1e-6)
     assert np.abs(o).max() > 0
 

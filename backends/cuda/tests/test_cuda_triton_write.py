@@ -5,8 +5,9 @@ import pytest
 import kvabi
 from kvabi import UnsupportedError
 from kvabi.presets import preset_names
+from kvabi.tensors import to_numpy
 
-from cuda_testlib import make_step, reference, step_data
+from cuda_testlib import arr, make_step, reference, step_data
 
 TRITON = kvabi.get_backend("cuda.triton")
 
@@ -19,9 +20,9 @@ def _written(backend, step, layer=1):
     for meta, kk, vv in ((step.hist, kh, vh), (step.meta, k, v)):
         if meta.num_tokens:
             p = backend.plan(meta, spec, layout)
-            backend.write_kv(cache, layout, backend.asarray(kk),
-                             None if vv is None else backend.asarray(vv), p, layer=layer)
-    return [np.asarray(backend.to_numpy(x)) for x in cache]
+            backend.write_kv(cache, layout, arr(backend, kk), arr(backend, vv), p,
+                             layer=layer)
+    return [to_numpy(x) for x in cache]
 
 
 def _bytes(planes):
@@ -54,8 +55,8 @@ def test_write_rounds_like_numpy_and_skips_padding(dtype):
     for be in (TRITON, reference()):
         cache = be.allocate(layout)
         p = be.plan(step.meta, spec, layout)
-        be.write_kv(cache, layout, be.asarray(k), be.asarray(v), p, layer=0)
-        planes[be.name] = _bytes([np.asarray(be.to_numpy(x)) for x in cache])
+        be.write_kv(cache, layout, arr(be, k), arr(be, v), p, layer=0)
+        planes[be.name] = _bytes([to_numpy(x) for x in cache])
     for g, w in zip(planes["cuda.triton"], planes["reference"]):
         np.testing.assert_array_equal(g, w)
     # Only the real tokens' K and V bytes can be non-zero.
