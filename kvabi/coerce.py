@@ -103,12 +103,13 @@ def _numpy_of(x, field: str) -> np.ndarray:
 
 
 def _has_bool(seq) -> bool:
-    """Whether nested lists/tuples hold a bool (one pass, as converting them took)."""
-    for v in seq:
-        if v.__class__ is bool or v.__class__ is np.bool_:
-            return True
-        if isinstance(v, (list, tuple)) and _has_bool(v):
-            return True
+    """Whether nested lists/tuples hold a bool (the entries' types collected in C; Python
+    steps only through nested rows)."""
+    types = set(map(type, seq))
+    if bool in types or np.bool_ in types:
+        return True
+    if list in types or tuple in types:
+        return any(_has_bool(v) for v in seq if isinstance(v, (list, tuple)))
     return False
 
 
