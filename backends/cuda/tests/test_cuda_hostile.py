@@ -282,3 +282,15 @@ def test_triton_int64_kernels_match_the_reference(kind, monkeypatch):
     for g, w in zip(got[2], want[2]):
         np.testing.assert_array_equal(np.ascontiguousarray(g).view(np.uint8),
                                       np.ascontiguousarray(w).view(np.uint8))
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_issue_10_lengths_never_reach_a_kernel(name, no_kernels):
+    # The reproduction of issue 10: context_lens=[2**31 - 1] once wrapped seq_lens and
+    # wrote past the cache.  It is refused with a KVABIError naming the length, and a
+    # plan cannot be built from it.
+    spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=8)
+    with pytest.raises(KVABIError, match="seq_len|context_lens"):
+        meta = kvabi.CommonAttentionMetadata.from_lengths([1], [INT32_MAX], [[0]], 16,
+                                                          num_blocks=4)
+        BACKENDS[name]().plan(meta, spec, Layout.preset("flash_attn", spec, 4))
