@@ -560,3 +560,18 @@ def test_a_1_0_style_caller_and_a_kvcache_give_the_same_bytes():
     q = rng.standard_normal((3, 4, 4))
     np.testing.assert_array_equal(BACKEND.attention(q, planes, layout, plan),
                                   BACKEND.attention(q, handle, layout, plan))
+
+
+def test_planes_of_the_right_shape_over_too_little_memory_are_refused():
+    """A page-aligned layout addresses more bytes than its shape's product: dense planes
+    of that shape would be written past their end, so they are refused (issue 10)."""
+    spec = KVSpec("full", 4, 2, 6, dtype="float32", page_align=256)
+    layout = Layout.preset("flashinfer.NHD", spec, num_blocks=3)
+    meta = CommonAttentionMetadata.from_lengths([1], [10], [[0, 1, 2]], 4)
+    plan = BACKEND.plan(meta, spec, layout)
+    dense = [np.zeros(layout.plane_shape, np.float32) for _ in range(layout.num_planes)]
+    with pytest.raises(KVABIError, match="cache"):
+        BACKEND.write_kv(dense, layout, np.ones((1, 2, 6)), np.ones((1, 2, 6)), plan)
+    good = layout.allocate_numpy()
+    BACKEND.write_kv(good, layout, np.ones((1, 2, 6)), np.ones((1, 2, 6)), plan)
+    assert BACKEND.attention(np.ones((1, 2, 6)), good, layout, plan).shape == (1, 2, 6)
