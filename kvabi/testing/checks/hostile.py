@@ -72,42 +72,52 @@ def _fewer_blocks(case) -> int:
     return int(real.max()) // case.spec.block_size if len(real) else 0
 
 
+def _on_host(backend) -> bool:
+    """Whether the backend's arrays live in host memory the kit can guard (numpy, CPU
+    torch); jax and device arrays are handed as copies and compared after the call."""
+    fw = getattr(backend, "framework", "numpy")
+    if fw == "numpy":
+        return True
+    if fw != "torch":
+        return False
+    dev = backend.device() if callable(getattr(backend, "device", None)) else None
+    return dev is None or str(dev) == "cpu"
+
+
 def hostile_variants(backend, case) -> list[str]:
     """The hostile caches that apply to ``backend`` and ``case``."""
     fw = getattr(backend, "framework", "numpy")
     lay = case.layout
     out = []
-    if fw == "numpy" or (fw == "torch" and lay.plane_nbytes > _extent(
+    if _on_host(backend) and (fw == "numpy" or lay.plane_nbytes > _extent(
             lay.plane_shape, lay.plane_strides, lay.itemsize)):
         out.append("short_memory")
-    if fw in ("numpy", "torch", "jax"):
-        out.append("other_dtype")
+    out.append("other_dtype")
     if lay.name and _fewer_blocks(case) >= 1:
         out += ["fewer_blocks_layout", "fewer_blocks_plan"]
     return out
 
 
-def _to_framework(backend, guarded: Guarded | None, arrays):
-    """Planes in the backend's framework over the same memory (numpy, torch) or copied
-    (jax: dense arrays have no raw memory to get wrong)."""
+def _to_framework(backend, arrays):
+    """Planes in the backend's framework: over the same (guarded) memory for numpy and
+    CPU torch, copies otherwise."""
     fw = getattr(backend, "framework", "numpy")
+    if not _on_host(backend):
+        return [to_backend(backend, np.array(a)) for a in arrays]
     if fw == "numpy":
         return list(arrays)
-    if fw == "torch":
-        import torch
+    import torch
 
-        from ...tensors import torch_dtype
+    from ...tensors import torch_dtype
 
-        out = []
-        for a in arrays:
-            name = str(a.dtype)
-            raw = {"bfloat16": np.int16, "float8_e4m3fn": np.uint8,
-                   "float8_e5m2": np.uint8}.get(name)
-            t = torch.from_numpy(a.view(raw) if raw is not None else a)
-            out.append(t.view(torch_dtype(name)) if raw is not None else t)
-        dev = backend.device()
-        return out if dev is None or str(dev) == "cpu" else None
-    return [to_backend(backend, np.array(a)) for a in arrays]
+    out = []
+    for a in arrays:
+        name = str(a.dtype)
+        raw = {"bfloat16": np.int16, "float8_e4m3fn": np.uint8,
+               "float8_e5m2": np.uint8}.get(name)
+        t = torch.from_numpy(a.view(raw) if raw is not None else a)
+        out.append(t.view(torch_dtype(name)) if raw is not None else t)
+    return out
 
 
 def _hostile_cache(backend, case, variant):
@@ -177,15 +187,15 @@ def check_hostile_cache(backend, reference, params, options: KitOptions = KitOpt
     lay = case.layout
     plan = b.plan(case.meta)  # for the case's layout (fewer_blocks_plan: the bigger one)
     planes, arg_layout, _, guarded, what = _hostile_cache(backend, case, variant)
-    fw_planes = _to_framework(backend, guarded, planes)
-    if fw_planes is None:
-        return Refused("hostile caches need host memory (device backend)")
+    fw_planes = _to_framework(backend, planes)
+    if not _on_host(backend):
+        guarded = None  # copies: compared after each call instead
     hand_layout = arg_layout if variant != "fewer_blocks_layout" else \
         Layout.preset(lay.name, case.spec, _fewer_blocks(case), lay.num_layers)
     cache = _hand(backend, fw_planes, hand_layout)
     k, v, q = step_inputs(case)
-    before = [from_backend(backend, p).copy() for p in fw_planes] \
-        if getattr(backend, "framework", "numpy") == "jax" else None
+    before = None if guarded is not None else \
+        [from_backend(backend, p).copy() for p in fw_planes]
     _refused(f"write_kv with {what}", lambda: backend.write_kv(
         cache, arg_layout, to_backend(backend, k), to_backend(backend, v), plan,
         layer=case.layer))
