@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .chunked_local import attention_meta
+from .index_width import library_int32
 
 
 def flash_attn_args(meta, spec, *, scale: float, softcap: float | None = None) -> dict:
@@ -29,17 +30,19 @@ def flash_attn_args(meta, spec, *, scale: float, softcap: float | None = None) -
     cu_k = np.zeros(len(seq) + 1, np.int64)
     np.cumsum(seq, out=cu_k[1:])
     need = max(1, -(-am.max_seq_len // spec.block_size))
-    bt = np.zeros((am.num_reqs, need), np.int32)
+    bt = np.zeros((am.num_reqs, need), np.int64)
     cols = min(need, am.block_table.shape[1])
     bt[:, :cols] = am.block_table[:, :cols]
+    used = np.arange(need)[None, :] < -(-seq[:, None] // spec.block_size)
+    bt = np.where(used, bt, 0)  # entries past a request's pages are never read
     window = (spec.window - 1, 0) if spec.kind == "sliding_window" else (-1, -1)
     return {
         "cu_seqlens_q": am.query_start_loc.astype(np.int32),
-        "cu_seqlens_k": cu_k.astype(np.int32),
+        "cu_seqlens_k": library_int32(cu_k, "cu_seqlens_k", "cuda.flash_attn"),
         "seqused_k": seq.astype(np.int32),
         "max_seqlen_q": int(am.max_query_len),
         "max_seqlen_k": int(am.max_seq_len),
-        "block_table": bt,
+        "block_table": library_int32(bt, "block_table", "cuda.flash_attn", ndim=2),
         "softmax_scale": float(scale),
         "causal": True,
         "window_size": window,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvabi import KVABIError, UnsupportedError
 from kvabi.coerce import INT32_MAX, index_array
 
 #: headroom for a key tile past the last position (the kernels' largest BLOCK_N, rounded up)
@@ -56,3 +57,15 @@ def index_values(x, field: str, wide: bool, *, ndim: int = 1) -> np.ndarray:
     """``x`` as the kernel's index dtype, refusing (KVABIError naming ``field``) values
     that do not fit instead of wrapping them."""
     return index_array(x, field, index_dtype(wide), ndim=ndim)
+
+
+def library_int32(x, field: str, backend: str, *, ndim: int = 1) -> np.ndarray:
+    """``x`` as int32 for a library that takes int32 indices (FlashInfer's CSR pages,
+    flash-attn's block table and cumulative lengths); a value past int32 (a pool of more
+    than 2**31 blocks, a step whose keys total more than 2**31 - 1) is UnsupportedError
+    naming ``field``, never a wrapped index."""
+    try:
+        return index_array(x, field, np.int32, ndim=ndim)
+    except KVABIError as e:
+        raise UnsupportedError(f"{backend}: unsupported: {e} (the library takes int32 "
+                               "indices)") from None

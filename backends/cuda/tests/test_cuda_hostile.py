@@ -294,3 +294,29 @@ def test_issue_10_lengths_never_reach_a_kernel(name, no_kernels):
         meta = kvabi.CommonAttentionMetadata.from_lengths([1], [INT32_MAX], [[0]], 16,
                                                           num_blocks=4)
         BACKENDS[name]().plan(meta, spec, Layout.preset("flash_attn", spec, 4))
+
+
+def test_library_indices_past_int32_are_refused_not_wrapped():
+    # FlashInfer's CSR pages and flash-attn's cumulative key lengths are int32 in the
+    # libraries: a value past int32 is an UnsupportedError naming the argument.
+    from kvabi import UnsupportedError
+    from kvabi_cuda.flash_attn_args import flash_attn_args
+    from kvabi_cuda.paged_csr import pages_csr
+
+    with pytest.raises(UnsupportedError, match="paged_kv_indices"):
+        pages_csr([16], [[INT32_MAX + 1]], 16)  # a block id of a pool past 2**31 blocks
+    with pytest.raises(UnsupportedError, match="paged_kv_indptr"):
+        pages_csr([INT32_MAX] * 2, np.zeros((2, 1), np.int64), 1)  # pages in all past int32
+    bs = 1 << 20  # two requests of 2**30 + 1 keys: each fits int32, their sum does not
+    spec = KVSpec("full", block_size=bs, num_kv_heads=1, head_dim=8, dtype="float16")
+    need = -(-((1 << 30) + 1) // bs)
+    bt = np.arange(2 * need).reshape(2, need)
+    meta = kvabi.CommonAttentionMetadata.from_lengths([1, 1], [1 << 30, 1 << 30], bt, bs,
+                                                      num_blocks=2 * need)
+    with pytest.raises(UnsupportedError, match="cu_seqlens_k"):
+        flash_attn_args(meta, spec, scale=1.0)
+    small = kvabi.CommonAttentionMetadata.from_lengths([1], [1 << 30], bt[:1], bs,
+                                                       num_blocks=2 * need)
+    args = flash_attn_args(small, spec, scale=1.0)
+    assert args["cu_seqlens_k"].tolist() == [0, (1 << 30) + 1]
+    assert args["block_table"].dtype == np.int32
