@@ -31,10 +31,16 @@ def _builtin_overhead(argv):
     return overhead.run(argv)
 
 
+def _builtin_transfer(argv):
+    from ..bench import transfer
+
+    return transfer.run(argv)
+
+
 def suites() -> dict:
     """{name: callable(argv) -> int}: the built-in suites plus those of plugins."""
     found = {"transforms": _builtin_transforms, "layout": _builtin_layout,
-             "overhead": _builtin_overhead}
+             "overhead": _builtin_overhead, "transfer": _builtin_transfer}
     try:
         from .. import registry
     except ImportError:  # registry not available: built-in suites only

@@ -104,10 +104,12 @@ def _copy_all(regions, sbytes, dbytes, *, torch_side: bool):
     r = regions
     # Group by (src plane, dst plane): one vectorized copy per pair.
     pair = r[:, 0] * len(dbytes) + r[:, 2]
-    order = np.argsort(pair, kind="stable")
-    bounds = np.flatnonzero(np.r_[True, pair[order][1:] != pair[order][:-1], True])
+    if np.any(pair[1:] < pair[:-1]):  # plans come sorted by source plane: usually grouped
+        r = r[np.argsort(pair, kind="stable")]
+        pair = r[:, 0] * len(dbytes) + r[:, 2]
+    bounds = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1], True])
     for a, b in zip(bounds[:-1], bounds[1:]):
-        g = r[order[a:b]]
+        g = r[a:b]
         sb, db = sbytes[int(g[0, 0])], dbytes[int(g[0, 2])]
         large = g[:, 4] >= LARGE
         for so, do, n in g[large][:, [1, 3, 4]].tolist():
@@ -118,10 +120,20 @@ def _copy_all(regions, sbytes, dbytes, *, torch_side: bool):
 
 
 def _rows(flat, u, torch_side):
+    """``flat`` as rows of ``u`` bytes: numpy one void element per row (a fancy-index copy
+    then moves each row with one memcpy), torch a 2-D tensor of the widest integer type
+    that divides ``u``."""
     n = flat.shape[0] // u
     if torch_side:
-        return flat.as_strided((n, u), (u, 1), flat.storage_offset())
-    return np.lib.stride_tricks.as_strided(flat, (n, u), (u, 1))
+        torch = _torch()
+        for dt, w in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+            if u % w == 0 and flat.storage_offset() % w == 0:
+                try:
+                    return flat[:n * u].view(dt).view(n, u // w)
+                except RuntimeError:  # unaligned storage: try a narrower type
+                    continue
+        return flat[:n * u].view(n, u)
+    return flat[:n * u].view(np.dtype((np.void, u)))
 
 
 def _gather_scatter(so, do, n, sb, db, torch_side):

@@ -123,6 +123,15 @@ class NixlAgent:
         self._regs.append((cache, descs, rows, mem))
         return cache
 
+    def deregister(self, cache: KVCache) -> None:
+        """Release ``cache``'s registration (peers must not read it afterwards)."""
+        reg = self._registration(cache)
+        self._regs.remove(reg)
+        try:
+            self._agent.deregister_memory(reg[1])
+        except Exception as e:  # noqa: BLE001
+            raise KVABIError(f"nixl: deregistering failed: {e}") from None
+
     def _registration(self, cache: KVCache):
         for reg in self._regs:
             if reg[0] is cache:

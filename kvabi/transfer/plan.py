@@ -44,6 +44,8 @@ class TransferPlan:
     regions: np.ndarray
     src_layout: Layout
     dst_layout: Layout
+    # plane sizes a check() already passed for (a plan is immutable: checked once per size)
+    _verified: set = attrs.field(factory=set, init=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -65,14 +67,19 @@ class TransferPlan:
         counts).  Also refuses empty or negative regions and overlapping destination ranges.
         KVABIError names the first bad region.
         """
+        ss = _sizes(src_nbytes, self.src_layout, "src")
+        ds = _sizes(dst_nbytes, self.dst_layout, "dst")
+        key = (ss.tobytes(), ds.tobytes())
+        if key in self._verified:
+            return self
         r = self.regions
         if not (isinstance(r, np.ndarray) and r.dtype == np.int64 and r.ndim == 2
                 and r.shape[1] == 5):
             raise KVABIError(f"regions: must be an int64 array [n, 5], got "
                              f"{getattr(r, 'dtype', type(r).__name__)} "
                              f"{getattr(r, 'shape', '')}")
-        _check_side(r[:, 0], r[:, 1], r[:, 4], src_nbytes, self.src_layout, "src")
-        _check_side(r[:, 2], r[:, 3], r[:, 4], dst_nbytes, self.dst_layout, "dst")
+        _check_side(r[:, 0], r[:, 1], r[:, 4], ss, "src")
+        _check_side(r[:, 2], r[:, 3], r[:, 4], ds, "dst")
         if len(r) > 1:
             o = np.lexsort((r[:, 3], r[:, 2]))
             p, off, n = r[o, 2], r[o, 3], r[o, 4]
@@ -81,6 +88,7 @@ class TransferPlan:
                 i = int(o[bad[0] + 1])
                 raise KVABIError(f"regions[{i}]: destination bytes overlap another region "
                                  f"(plane {int(r[i, 2])}, offset {int(r[i, 3])})")
+        self._verified.add(key)
         return self
 
 
@@ -93,8 +101,7 @@ def _sizes(nbytes, layout: Layout, side: str) -> np.ndarray:
                    np.int64)
 
 
-def _check_side(plane, off, n, nbytes, layout, side):
-    sizes = _sizes(nbytes, layout, side)
+def _check_side(plane, off, n, sizes, side):
     if not len(plane):
         return
     bad = np.flatnonzero((plane < 0) | (plane >= len(sizes)))

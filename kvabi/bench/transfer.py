@@ -1,0 +1,318 @@
+"""``kvabi bench transfer``: moving one request's KV, per preset layout, on a
+Llama-3-8B-like KV group (32 layers, 8 KV heads x 128, bfloat16, block 16; a 2048-token
+request = 128 blocks, as one run of blocks and scattered).
+
+For each preset: regions per transfer and GB/s of a local ``execute`` (cache to cache), of a
+NIXL READ between two processes (UCX on loopback; skipped without nixl), and of host
+offload/onload through a ``HostPool``; one ``memcpy`` of the same bytes in the same run as the
+ceiling; a relayout row (``flashinfer.HND`` block 16 -> ``tpu.combined`` block 64).  The goals
+of the transfer work are printed with pass/fail marks (figures vary with the machine's load:
+ratios measured side by side in one run are what count).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+
+import attrs
+import numpy as np
+
+from ..cache import KVCache
+from ..layout import Layout
+from ..presets import PRESETS
+from ..spec import KVSpec
+from ..transfer import HostPool, TransferPlan, execute, plan_block_transfer
+
+SPEC = KVSpec(kind="full", block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+NUM_LAYERS = 32
+TOKENS = 2048
+CROSS = "kvbm.fully_contiguous"  # the cross-layer preset the goals compare
+PER_LAYER = "flashinfer.HND"  # the per-layer preset the goals compare
+
+
+@attrs.frozen
+class Setup:
+    """Sizes of one run (``--quick`` shrinks them; the JSON shape stays the same)."""
+
+    layers: int = NUM_LAYERS
+    tokens: int = TOKENS
+    repeat: int = 3
+
+    @property
+    def blocks(self) -> int:
+        return self.tokens // SPEC.block_size
+
+    @property
+    def num_blocks(self) -> int:  # room to scatter the request
+        return self.blocks * 3 // 2
+
+
+def block_sets(setup: Setup, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    n, nb = setup.blocks, setup.num_blocks
+    return {"contiguous": np.arange(nb - n, nb),
+            "scattered": np.sort(rng.choice(nb, n, replace=False))}
+
+
+def best_seconds(fn, repeat: int) -> float:
+    """Best of ``repeat`` timed calls after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 2)
+
+
+def _layout(name, setup, block_size=None, num_blocks=None):
+    spec = SPEC if block_size is None else attrs.evolve(SPEC, block_size=block_size)
+    return Layout.preset(name, spec, num_blocks or setup.num_blocks, setup.layers)
+
+
+def _filled(layout):
+    return KVCache.allocate(layout, "numpy", fill=1)  # values do not matter, bytes do
+
+
+# -- the serving process for NIXL rows -------------------------------------------------------
+def _serve(conn):
+    """Child process: allocate and register source caches on request, hand out handshakes."""
+    from ..transfer.nixl import NixlAgent
+
+    agent = NixlAgent("bench-source")
+    caches = {}
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "stop":
+            agent.close()
+            conn.send("bye")
+            return
+        if cmd == "alloc":
+            layout = Layout.from_json(args[0])
+            caches[args[1]] = agent.register(_filled(layout))
+            conn.send(agent.handshake(caches[args[1]]))
+        elif cmd == "free":
+            agent.deregister(caches.pop(args[0]))
+            conn.send("ok")
+
+
+class NixlRig:
+    """This process's agent plus a spawned serving process; None rows without nixl."""
+
+    def __init__(self):
+        from ..transfer.nixl import NixlAgent
+
+        self.agent = NixlAgent("bench-puller")
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc.start()
+
+    def _ask(self, *msg, timeout=120):
+        self.conn.send(msg)
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"bench: the NIXL serving process did not answer {msg[0]!r}")
+        return self.conn.recv()
+
+    def measure(self, src_layout, dst_layout, plans, repeat) -> dict:
+        """{label: (regions, GB/s)} pulling each plan from a cache of ``src_layout`` served
+        by the other process into one of ``dst_layout`` here."""
+        message = self._ask("alloc", src_layout.to_json(), "src")
+        dst = self.agent.register(KVCache.allocate(dst_layout, "numpy"))
+        try:
+            peer = self.agent.connect(message, timeout=30)
+            out = {}
+            for label, plan in plans.items():
+                plan = attrs.evolve(plan, src_layout=peer.layout)
+                s = best_seconds(lambda: self.agent.pull_plan(peer, plan, dst, timeout=60),
+                                 repeat)
+                out[label] = (len(plan), gbps(plan.nbytes, s))
+            return out
+        finally:
+            self.agent.deregister(dst)
+            self._ask("free", "src")
+
+    def close(self):
+        try:
+            self._ask("stop", timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.agent.close()
+
+
+# -- the run -------------------------------------------------------------------------------
+def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None) -> dict:
+    say = progress or (lambda msg: None)
+    sets = block_sets(setup)
+    nbytes = setup.layers * setup.tokens * 2 * SPEC.num_kv_heads * SPEC.head_dim * 2
+    a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    memcpy = gbps(nbytes, best_seconds(lambda: np.copyto(b, a), setup.repeat))
+    del a, b
+    rows = []
+    rig = None
+    if nixl:
+        from ..transfer.nixl import available
+
+        ok, why = available()
+        if ok:
+            rig = NixlRig()
+        else:
+            say(f"NIXL rows skipped: {why}")
+    result = {"memcpy_gbps": memcpy, "nixl_single_gbps": None, "rows": rows}
+    try:
+        for i, name in enumerate(presets):
+            say(f"[{i + 1}/{len(presets)}] {name}")
+            lay = _layout(name, setup)
+            src, dst = _filled(lay), KVCache.allocate(lay, "numpy")
+            plans = {k: plan_block_transfer(lay, lay, v, v) for k, v in sets.items()}
+            for label, plan in plans.items():
+                s = best_seconds(lambda: execute(plan, src, dst), setup.repeat)
+                rows.append(dict(src=name, dst=name, blocks=label, executor="local",
+                                 regions=len(plan), gbps=gbps(plan.nbytes, s)))
+            pool = HostPool(lay, setup.blocks)
+            for label, blocks in sets.items():
+                ids = pool.offload(src, blocks)
+                regions = len(plan_block_transfer(lay, pool.layout, blocks, ids))
+                pool.free(ids)
+
+                def offload():
+                    pool.free(pool.offload(src, blocks))
+
+                s = best_seconds(offload, setup.repeat)
+                rows.append(dict(src=name, dst=pool.layout.name, blocks=label,
+                                 executor="offload", regions=regions,
+                                 gbps=gbps(plans[label].nbytes, s)))
+                ids = pool.offload(src, blocks)
+                s = best_seconds(lambda: pool.onload(dst, ids, blocks), setup.repeat)
+                pool.free(ids)
+                rows.append(dict(src=pool.layout.name, dst=name, blocks=label,
+                                 executor="onload", regions=regions,
+                                 gbps=gbps(plans[label].nbytes, s)))
+            del src, dst, pool
+            if rig is not None:
+                got = rig.measure(lay, lay, plans, setup.repeat)
+                for label, (regions, g) in got.items():
+                    rows.append(dict(src=name, dst=name, blocks=label, executor="nixl",
+                                     regions=regions, gbps=g))
+                if name == CROSS:  # one region of the same bytes: the READ ceiling
+                    one = TransferPlan(np.array([[0, 0, 0, 0, plans["contiguous"].nbytes]],
+                                                np.int64), lay, lay)
+                    result["nixl_single_gbps"] = rig.measure(
+                        lay, lay, {"one": one}, setup.repeat)["one"][1]
+        say("relayout flashinfer.HND block 16 -> tpu.combined block 64")
+        a_l = _layout("flashinfer.HND", setup)
+        b_l = _layout("tpu.combined", setup, block_size=64, num_blocks=setup.tokens // 64)
+        plan = plan_block_transfer(a_l, b_l, sets["contiguous"], np.arange(setup.tokens // 64))
+        src, dst = _filled(a_l), KVCache.allocate(b_l, "numpy")
+        s = best_seconds(lambda: execute(plan, src, dst), setup.repeat)
+        rows.append(dict(src="flashinfer.HND/16", dst="tpu.combined/64", blocks="contiguous",
+                         executor="local", regions=len(plan), gbps=gbps(plan.nbytes, s)))
+        del src, dst
+        if rig is not None:
+            got = rig.measure(a_l, b_l, {"relayout": plan}, setup.repeat)
+            rows.append(dict(src="flashinfer.HND/16", dst="tpu.combined/64",
+                             blocks="contiguous", executor="nixl",
+                             regions=got["relayout"][0], gbps=got["relayout"][1]))
+    finally:
+        if rig is not None:
+            rig.close()
+    return result
+
+
+# -- goals -----------------------------------------------------------------------------------
+def _row(rows, src, executor, blocks, dst=None):
+    for r in rows:
+        if r["src"] == src and r["executor"] == executor and r["blocks"] == blocks and (
+                dst is None or r["dst"] == dst):
+            return r
+    return None
+
+
+def goals(result: dict) -> list[tuple[str, bool | None, str]]:
+    """(goal, passed (None: not measured), figures) for the issue's targets."""
+    rows, memcpy = result["rows"], result["memcpy_gbps"]
+    out = []
+    for blocks in ("contiguous", "scattered"):
+        c, p = _row(rows, CROSS, "local", blocks), _row(rows, PER_LAYER, "local", blocks)
+        if c and p:
+            ratio = p["regions"] / c["regions"]
+            out.append((f"cross-layer >= 32x fewer regions than per-layer ({blocks})",
+                        ratio >= 32, f"{p['regions']} / {c['regions']} = {ratio:.1f}x"))
+    for name in (CROSS, PER_LAYER):
+        for blocks in ("contiguous", "scattered"):
+            r = _row(rows, name, "local", blocks)
+            if r:
+                f = r["gbps"] / memcpy
+                out.append((f"local execute >= 90% of memcpy ({name}, {blocks})", f >= 0.9,
+                            f"{r['gbps']} / {memcpy} GB/s = {f:.0%}"))
+    single = result.get("nixl_single_gbps")
+    for blocks in ("contiguous", "scattered"):
+        c, p = _row(rows, CROSS, "nixl", blocks), _row(rows, PER_LAYER, "nixl", blocks)
+        if c and p:
+            f = c["gbps"] / p["gbps"]
+            out.append((f"NIXL cross-layer >= 1.5x per-layer GB/s ({blocks})", f >= 1.5,
+                        f"{c['gbps']} / {p['gbps']} GB/s = {f:.2f}x"))
+        if c and single:
+            f = c["gbps"] / single
+            out.append((f"NIXL cross-layer >= 70% of one single-region READ ({blocks})",
+                        f >= 0.7, f"{c['gbps']} / {single} GB/s = {f:.0%}"))
+        elif not c:
+            out.append((f"NIXL goals ({blocks})", None, "not measured (no nixl)"))
+    r = _row(rows, "flashinfer.HND/16", "local", "contiguous")
+    if r:
+        f = r["gbps"] / memcpy
+        out.append(("relayout >= 30% of memcpy", f >= 0.3,
+                    f"{r['gbps']} / {memcpy} GB/s = {f:.0%}"))
+    return out
+
+
+def run(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kvabi bench transfer",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes (4 layers, 256 tokens, one timed run): checks the suite")
+    p.add_argument("--no-nixl", action="store_true", help="skip the NIXL rows")
+    p.add_argument("--presets", default=None,
+                   help="comma-separated presets (default: all)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per figure (best kept)")
+    args = p.parse_args(argv)
+    setup = Setup(layers=4, tokens=256, repeat=1) if args.quick else Setup(repeat=args.repeat)
+    presets = PRESETS if args.presets is None else tuple(args.presets.split(","))
+    unknown = [x for x in presets if x not in PRESETS]
+    if unknown:
+        p.error(f"--presets: unknown preset {unknown[0]!r}; presets are {', '.join(PRESETS)}")
+
+    def progress(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    result = measure(setup, presets=presets, nixl=not args.no_nixl, progress=progress)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"{setup.layers} layers, {SPEC.num_kv_heads} KV heads x {SPEC.head_dim} {SPEC.dtype}, "
+          f"block {SPEC.block_size}; one {setup.tokens}-token request = {setup.blocks} blocks "
+          f"({setup.layers * setup.tokens * 4096 / 2**20:.0f} MiB)")
+    print(f"memcpy of the same bytes: {result['memcpy_gbps']} GB/s; one-region NIXL READ: "
+          f"{result['nixl_single_gbps']} GB/s")
+    cols = ["src", "dst", "blocks", "executor", "regions", "gbps"]
+    width = [max(len(c), *(len(str(r[c])) for r in result["rows"])) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, width)) + "  of memcpy")
+    for r in result["rows"]:
+        print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, width))
+              + f"  {r['gbps'] / result['memcpy_gbps']:.0%}")
+    print("goals:")
+    for goal, passed, figures in goals(result):
+        mark = {True: "PASS", False: "FAIL", None: "----"}[passed]
+        print(f"  [{mark}] {goal}: {figures}")
+    return 0
