@@ -18,6 +18,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+#: a plan keeps its chunks' index arrays up to about this many elements (else per call)
+WORK_KEEP_ELEMENTS = 1 << 22
 #: masks up to this many elements per plan are kept; larger ones are rebuilt per call
 MASK_KEEP_ELEMENTS = 1 << 22
 
@@ -110,43 +112,67 @@ def _mask(spec, j, pos, kvalid, tvalid):
     return mask
 
 
-def step_work(meta, spec, pieces: Pieces, num_q_heads: int, budget: int) -> list[ChunkWork]:
+def step_work(meta, spec, pieces: Pieces, num_q_heads: int, budget: int):
     """The chunks of a step for ``num_q_heads`` query heads, each under ``budget`` float64
-    elements, with everything that does not depend on the layer precomputed."""
+    elements, with everything that does not depend on the layer precomputed: a list of
+    :class:`ChunkWork` when their index arrays fit :data:`WORK_KEEP_ELEMENTS` (every small
+    step, decodes above all), else an iterable that builds each chunk per call, so a plan
+    for a long prefill holds no more than that."""
     h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
     per_key = h * (d + (0 if spec.is_mla else dv))
-    bs = spec.block_size
-    bt = meta.block_table
+    bounds = list(_chunks(pieces, per_key, 3 * num_q_heads, budget))
+    size = sum(len(idx) * (3 * w + 4 * s) for idx, w, s in bounds)
+    if size > WORK_KEEP_ELEMENTS:
+        return _PerCall(meta, spec, pieces, bounds)
     out, kept = [], 0
-    for idx, w, s in _chunks(pieces, per_key, 3 * num_q_heads, budget):
-        r = pieces.req[idx]
-        seq = meta.seq_lens[r].astype(np.int64)
-        # Query tokens [v, w]; padding columns of a piece repeat its first token.
-        col = np.arange(w, dtype=np.int64)
-        tvalid = col[None, :] < pieces.length[idx][:, None]
-        tok = np.where(tvalid, pieces.start[idx][:, None] + col[None, :],
-                       pieces.start[idx][:, None])
-        pos = meta.positions[tok]
-        # Key positions [v, s] and their cache rows; rows past seq_len read block 0 row 0.
-        j = pieces.key0[idx][:, None] + np.arange(s, dtype=np.int64)[None, :]
-        kvalid = j < seq[:, None]
-        jc = np.where(kvalid, j, 0)
-        blk = np.where(kvalid, bt[r[:, None], jc // bs], 0)
-        mask = None
-        if kept + len(idx) * w * s <= MASK_KEEP_ELEMENTS:
-            mask = _mask(spec, j, pos, kvalid, tvalid)
-            kept += mask.size
-        out.append(ChunkWork(len(idx), w, s, tok, np.nonzero(tvalid), tok[tvalid], blk,
-                             jc % bs, pos, j, kvalid, tvalid, mask))
+    for idx, w, s in bounds:
+        keep_mask = kept + len(idx) * w * s <= MASK_KEEP_ELEMENTS
+        c = _chunk_work(meta, spec, pieces, idx, w, s, keep_mask)
+        kept += 0 if c.mask is None else c.mask.size
+        out.append(c)
     return out
 
 
-def attend(query, kview, vview, spec, work: list[ChunkWork], scale: float, softcap,
+@attrs.frozen(eq=False)
+class _PerCall:
+    """Chunks built on each iteration (a step too large to keep them)."""
+
+    meta: object
+    spec: object
+    pieces: Pieces
+    bounds: list
+
+    def __iter__(self):
+        for idx, w, s in self.bounds:
+            yield _chunk_work(self.meta, self.spec, self.pieces, idx, w, s, False)
+
+
+def _chunk_work(meta, spec, pieces, idx, w, s, keep_mask: bool) -> ChunkWork:
+    bs = spec.block_size
+    r = pieces.req[idx]
+    seq = meta.seq_lens[r].astype(np.int64)
+    # Query tokens [v, w]; padding columns of a piece repeat its first token.
+    col = np.arange(w, dtype=np.int64)
+    tvalid = col[None, :] < pieces.length[idx][:, None]
+    tok = np.where(tvalid, pieces.start[idx][:, None] + col[None, :],
+                   pieces.start[idx][:, None])
+    pos = meta.positions[tok]
+    # Key positions [v, s] and their cache rows; rows past seq_len read block 0 row 0.
+    j = pieces.key0[idx][:, None] + np.arange(s, dtype=np.int64)[None, :]
+    kvalid = j < seq[:, None]
+    jc = np.where(kvalid, j, 0)
+    blk = np.where(kvalid, meta.block_table[r[:, None], jc // bs], 0)
+    mask = _mask(spec, j, pos, kvalid, tvalid) if keep_mask else None
+    return ChunkWork(len(idx), w, s, tok, np.nonzero(tvalid), tok[tvalid], blk, jc % bs,
+                     pos, j, kvalid, tvalid, mask)
+
+
+def attend(query, kview, vview, spec, work, scale: float, softcap,
            sink, out, lse) -> None:
     """Fill ``out`` [T, Hq, Dv] and ``lse`` [T, Hq] (float64) at the real tokens.
 
     ``kview``/``vview``: numpy [B, N, H, D] / [B, N, H, Dv] cache views; ``sink``: float64
-    [H, g] (``-inf`` without sinks); ``work`` from :func:`step_work`.
+    [H, g] (``-inf`` without sinks); ``work`` (chunks) from :func:`step_work`.
     """
     h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
     hq = query.shape[1]

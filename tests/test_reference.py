@@ -575,3 +575,22 @@ def test_planes_of_the_right_shape_over_too_little_memory_are_refused():
     good = layout.allocate_numpy()
     BACKEND.write_kv(good, layout, np.ones((1, 2, 6)), np.ones((1, 2, 6)), plan)
     assert BACKEND.attention(np.ones((1, 2, 6)), good, layout, plan).shape == (1, 2, 6)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(batches())
+def test_work_built_per_call_equals_work_kept_in_the_plan(b):
+    """Steps too large to keep their chunk work (and masks) in the plan rebuild it per
+    call: same results as the oracle."""
+    from unittest import mock
+
+    import kvabi.reference_attention as ra
+
+    with mock.patch.object(ra, "WORK_KEEP_ELEMENTS", 0), \
+            mock.patch.object(ra, "MASK_KEEP_ELEMENTS", 0):
+        r = run_step(b)
+        assert r["meta"].num_actual_tokens == 0 or isinstance(r["plan"].work(b["hq"]),
+                                                              ra._PerCall)
+    n = r["meta"].num_actual_tokens
+    np.testing.assert_allclose(r["out"][:n], r["want_out"][:n], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(r["lse"][:n], r["want_lse"][:n], rtol=1e-9, atol=1e-12)
