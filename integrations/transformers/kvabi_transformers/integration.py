@@ -1,7 +1,8 @@
 """``use(model, backend, layout)``: transformers' continuous batching on a kvabi backend."""
 from __future__ import annotations
 
-import types
+import os
+import sys
 
 import kvabi
 from kvabi import KVABIError
@@ -81,7 +82,22 @@ def _backend(backend):
     ok, why = b.available()
     if not ok:
         raise KVABIError(f"backend: {b.name} is not available here: {why}")
+    _check_triton_interpreter(b)
     return b
+
+
+def _check_triton_interpreter(backend) -> None:
+    """Triton's interpreter converts triton.language's library functions only when
+    TRITON_INTERPRET=1 is set before triton.language is first imported; transformers
+    imports it early, and kernels then fail mid-generation."""
+    if not backend.name.startswith("cuda.") or os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    tl = sys.modules.get("triton.language")
+    if tl is not None and type(getattr(tl, "zeros", None)).__name__ != "InterpretedFunction":
+        raise KVABIError(f"backend: {backend.name} runs in Triton's interpreter, but "
+                         "triton.language was imported before TRITON_INTERPRET=1 was set; "
+                         "set TRITON_INTERPRET=1 in the environment (or import kvabi_cuda) "
+                         "before importing transformers")
 
 
 def _block_size(block_size, backend) -> int:

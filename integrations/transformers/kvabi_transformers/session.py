@@ -2,6 +2,7 @@
 plans, and the per-layer attention that transformers calls."""
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 
@@ -83,6 +84,8 @@ class Session:
         self.new_abi = kvabi.abi_at_least(self.backend, (1, 1))
         self.call_sinks = self.new_abi and accepts(self.backend.attention, "sinks")
         self.step: Step | None = None
+        #: steps, tokens, and rows the KV-shared layers skipped (prefill skip)
+        self.stats = collections.Counter()
         self.sinks = {i: kt.to_numpy(s.detach().float()).astype(np.float64)
                       for i, s in integration.sinks.items()}
 
@@ -98,6 +101,10 @@ class Session:
             if len(logits) < meta.num_actual_tokens:
                 keep = logits
         self.step = Step(self, meta, keep)
+        self.stats["steps"] += 1
+        self.stats["tokens"] += meta.num_actual_tokens
+        if keep is not None:
+            self.stats["skipped_rows"] += meta.num_actual_tokens - len(keep)
         return self.step
 
     # -- per layer -----------------------------------------------------------------------
