@@ -115,6 +115,7 @@ def _check_test(name: str, summary: str):
         self.run_kit_check(name)
 
     test.__name__ = f"test_{name}"
+    test.__qualname__ = f"BackendConformance.test_{name}"
     test.__doc__ = f"Conformance check {name!r}: {summary}."
     return test
 
