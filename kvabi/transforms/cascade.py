@@ -68,6 +68,6 @@ def cascade_split(meta: CommonAttentionMetadata, common_prefix_blocks: int
     last = int(row[-1]) * bs + bs - 1  # slot of the last prefix key
     real = np.arange(n) < total
     prefix = assemble(meta, np.ones(total, np.int64), np.full(total, prefix_len - 1),
-                     np.repeat(row[None, :], total, axis=0),
-                     np.where(real, prefix_len - 1, 0), np.where(real, last, -1))
+                      np.repeat(row[None, :], total, axis=0),
+                      np.where(real, prefix_len - 1, 0), np.where(real, last, -1))
     return prefix_len, prefix, suffix

@@ -62,5 +62,5 @@ def permute_requests(meta: CommonAttentionMetadata, perm
     token_perm = np.concatenate([qsl[p][owner] + i,
                                  np.arange(meta.num_actual_tokens, meta.num_tokens)])
     meta2 = assemble(meta, q2, c[p], meta.block_table[p], meta.positions[token_perm],
-                    meta.slot_mapping[token_perm])
+                     meta.slot_mapping[token_perm])
     return meta2, token_perm.astype(np.int64)

@@ -46,5 +46,5 @@ def split_ubatches(meta: CommonAttentionMetadata, token_boundaries
         lo = np.maximum(first[sel], a)
         hi = np.minimum(last[sel], b)
         out.append(assemble(meta, hi - lo, c[sel] + (lo - first[sel]), meta.block_table[sel],
-                           meta.positions[a:b], meta.slot_mapping[a:b]))
+                            meta.positions[a:b], meta.slot_mapping[a:b]))
     return out
