@@ -90,8 +90,9 @@ def check_step(meta, spec, layout) -> None:
     ``[0, layout.num_blocks)``, so every real token's slot is in ``[0, layout.num_blocks *
     block_size)`` and fits the dtype :func:`index_dtype` gives (int64 always; int32 when
     that says so); ``seq_lens``, ``context_lens``, ``query_start_loc`` and ``num_tokens``
-    fit in int32 (the metadata refuses longer ones when built).  Cheap: it runs per plan,
-    in O(block table) vectorized work with no per-request loop.
+    fit in int32 (the metadata refuses longer ones when built).  The slot mapping itself is
+    checked against the layout too (``-1`` or inside it).  Cheap: it runs per plan, in
+    O(block table + tokens) vectorized work with no per-request loop.
     """
     if not isinstance(meta, CommonAttentionMetadata):
         raise KVABIError(f"meta: must be a CommonAttentionMetadata, got {type(meta).__name__}")
@@ -120,6 +121,15 @@ def check_step(meta, spec, layout) -> None:
                          f"be indexed in int64")
     if meta.num_tokens > INT32_MAX:
         raise KVABIError(f"meta.num_tokens: must fit in int32, got {meta.num_tokens}")
+    slots = meta.slot_mapping
+    if len(slots):
+        # Consistent metadata has its slots in its blocks; checking them too costs two
+        # reductions and keeps the guarantee if an array was changed after validation.
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < -1 or hi >= n * spec.block_size:
+            t = int(np.argmax((slots < -1) | (slots >= n * spec.block_size)))
+            raise KVABIError(f"slot_mapping: token {t} has slot {int(slots[t])}, outside the "
+                             f"layout's {n} blocks of {spec.block_size} slots")
     bt = meta.block_table
     if not bt.size:
         return

@@ -106,3 +106,14 @@ def test_sinks_and_num_q_heads_checks():
     for bad in (True, "0.5", 1j, float("nan")):
         with pytest.raises(KVABIError, match="scale"):
             AttentionOptions.resolve(SPEC, scale=bad)
+
+
+def test_check_step_refuses_slots_outside_the_layout_even_if_changed_after_validation():
+    layout = Layout.preset("flash_attn", SPEC, 3)
+    meta = CommonAttentionMetadata.from_lengths([2, 1], [3, 0], [[0, 1], [2, 0]], 4)
+    meta.slot_mapping[1] = 12  # a caller changed the array after validation
+    with pytest.raises(KVABIError, match="slot_mapping: token 1 has slot 12"):
+        check_step(meta, SPEC, layout)
+    meta.slot_mapping[1] = -2
+    with pytest.raises(KVABIError, match="slot_mapping: token 1 has slot -2"):
+        check_step(meta, SPEC, layout)
