@@ -121,6 +121,9 @@ def check_step(meta, spec, layout) -> None:
                          f"be indexed in int64")
     if meta.num_tokens > INT32_MAX:
         raise KVABIError(f"meta.num_tokens: must fit in int32, got {meta.num_tokens}")
+    bt = meta.block_table
+    if bt.size:
+        _check_block_ids(bt, meta, spec, n)
     slots = meta.slot_mapping
     if len(slots):
         # Consistent metadata has its slots in its blocks; checking them too costs two
@@ -130,11 +133,12 @@ def check_step(meta, spec, layout) -> None:
             t = int(np.argmax((slots < -1) | (slots >= n * spec.block_size)))
             raise KVABIError(f"slot_mapping: token {t} has slot {int(slots[t])}, outside the "
                              f"layout's {n} blocks of {spec.block_size} slots")
-    bt = meta.block_table
-    if not bt.size:
-        return
-    # Fast path without the used-columns mask: as unsigned, an id is >= n exactly when it
-    # is negative or too large; only then find whether a used entry is the culprit.
+
+
+def _check_block_ids(bt, meta, spec, n) -> None:
+    """Every used block table entry in ``[0, n)``.  Fast path without the used-columns
+    mask: as unsigned, an id is >= n exactly when it is negative or too large; only then
+    find whether a used entry is the culprit."""
     if bool((bt.view(np.uint32) >= min(n, 1 << 31)).any()):
         need = -(-meta.seq_lens.astype(np.int64) // spec.block_size)
         used = np.arange(bt.shape[1])[None, :] < need[:, None]
