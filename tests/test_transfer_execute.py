@@ -176,3 +176,22 @@ def test_host_pool_from_spec_and_other_preset():
         HostPool("flashinfer.HND", 4)
     with pytest.raises(KVABIError, match="num_blocks"):
         HostPool(SPEC, 0)
+
+
+@pytest.mark.gpu
+def test_cuda_caches():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    a = Layout.preset("flashinfer.HND", SPEC, 6, 2)
+    b = Layout.preset("tpu.combined", attrs.evolve(SPEC, block_size=8), 4, 2)
+    host = _filled(a, "torch", 11)
+    src = KVCache.wrap(a, [p.cuda() for p in host])
+    dst = KVCache.allocate(b, "torch", device="cuda")
+    s, t = np.array([0, 1, 2, 3, 9]), np.array([8, 9, 10, 11, 30])
+    assert execute(plan_transfer(a, b, s, t), src, dst) is dst
+    back = KVCache.wrap(b, [p.cpu() for p in dst])
+    for layer in range(2):
+        for kv in range(2):
+            np.testing.assert_array_equal(_tokens(back, t, layer, kv).view(np.uint32),
+                                          _tokens(host, s, layer, kv).view(np.uint32))

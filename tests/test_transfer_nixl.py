@@ -190,3 +190,22 @@ def test_two_processes_end_to_end(tmp_path):
             np.testing.assert_array_equal(got, want)
     print(f"served by {served['backend']}, attended by {pulled['backend']}, "
           f"{pulled['regions']} regions")
+
+
+@pytest.mark.gpu
+def test_vram_planes(agents):
+    """CUDA planes register as VRAM with the same code; a DRAM peer pulls into them."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    a_agent, b_agent = agents
+    lay = Layout.preset("flash_attn", SPEC, 4, 1)
+    src = a_agent.register(_random(lay, 5))
+    dst = b_agent.register(KVCache.allocate(lay, "torch", device="cuda"))
+    assert b_agent._registration(dst)[3] == "VRAM"
+    peer = b_agent.connect(a_agent.handshake(src))
+    b_agent.pull(peer, dst, [0, 1, 2], [5, 6, 7])
+    for kv in range(2):
+        got = dst.kv_view(0, kv).cpu().numpy()
+        np.testing.assert_array_equal(got[[1, 1, 1], [1, 2, 3]],
+                                      src.kv_view(0, kv)[[0, 0, 0], [0, 1, 2]])
