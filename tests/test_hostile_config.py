@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from kvabi import KVABIError, KVSpec, LayerKV, ModelKV
 from kvabi.dtypes import DTYPES
-from kvabi.hf_config import MAX_LAYERS
+from kvabi.hf_config import MAX_LAYERS, MODEL_TYPE_DEFAULTS
 from kvabi.testing.profiles import current_profile
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
@@ -183,6 +183,8 @@ def check_read_as_written(cfg: dict, model: ModelKV):
     kvh = dec.get("num_key_value_heads")
     assert kvh is None or type(kvh) is int
     usw = dec.get("use_sliding_window")
+    # the documented per-model-type defaults (e.g. Gemma 3's pattern of 6) apply first
+    dec = {**MODEL_TYPE_DEFAULTS.get(dec.get("model_type"), {}), **dec}
     plain = (dec.get("layer_types") is None and dec.get("model_type") != "gemma2"
              and dec.get("sliding_window_pattern") is None
              and dec.get("_sliding_window_pattern") is None
