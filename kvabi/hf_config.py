@@ -23,6 +23,11 @@ configuration classes (the semantics, not their code):
 The window W of ``sliding_window`` is used as is: Hugging Face masks keys j <= p - W, so a
 query sees W keys including itself, which is kvabi's convention too.
 
+Configs are untrusted (``specs/security.md``): a file is read as bytes through the strict
+JSON reader, every field read is type-checked (an integer is not a boolean or a float, a
+boolean is not the string ``"false"``) and every error names the field; at most
+:data:`MAX_LAYERS` (65,536) layers, and the work is linear in the layers.
+
 Layers are named ``layers.<i>``.  Multimodal wrappers keep the decoder under
 ``text_config``; it is read from there, and the outer ``torch_dtype`` applies when the
 inner config has none.  Draft (MTP) layers such as DeepSeek's ``num_nextn_predict_layers``
