@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from kvabi_transformers.compare import cb_config, run_batch  # noqa: E402
+from kvabi_transformers.session import Session  # noqa: E402
 from kvabi_transformers.tiny_models import tiny_model, tiny_prompts  # noqa: E402
 
 logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
@@ -49,3 +50,17 @@ def baseline(family):
 @pytest.fixture
 def family_baseline():
     return baseline
+
+
+@pytest.fixture
+def sessions(monkeypatch):
+    """Every Session that begins a step, in order."""
+    seen = []
+    orig = Session.begin_step
+
+    def begin_step(self, kwargs, skip):
+        seen.append(self)
+        return orig(self, kwargs, skip)
+
+    monkeypatch.setattr(Session, "begin_step", begin_step)
+    return seen

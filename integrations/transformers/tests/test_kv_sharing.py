@@ -1,0 +1,64 @@
+"""KV-shared layers (Gemma 4) never write, and prefill skip changes no token."""
+import pytest
+import kvabi
+import kvabi_transformers
+from kvabi.reference import ReferenceBackend
+from kvabi_transformers.model_kv import config_dict
+from kvabi_transformers.compare import cb_config, run_batch, worst_step_error
+
+from conftest import NEW_TOKENS, baseline, model_of, prompts
+
+
+class Spy(ReferenceBackend):
+    """The reference backend, recording the (kind, layer) of every write and attention."""
+
+    name = "reference"
+
+    def __init__(self):
+        super().__init__()
+        self.writes, self.reads = [], []
+
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
+        self.writes.append((plan.spec.kind, layer))
+        return super().write_kv(cache, layout, key, value, plan, layer=layer)
+
+    def attention(self, query, cache, layout, plan, *, layer=0, **kw):
+        self.reads.append((plan.spec.kind, layer))
+        return super().attention(query, cache, layout, plan, layer=layer, **kw)
+
+
+def test_shared_layers_never_write(sessions):
+    model = model_of("gemma4")
+    mkv = kvabi.ModelKV.from_hf_config(config_dict(model.config), kv_dtype="float32")
+    # layers 0 (sliding) and 1 (full) own caches; 2 and 3 read them
+    assert mkv.shared_layers == {"layers.2": "layers.0", "layers.3": "layers.1"}
+    spy = Spy()
+    kvabi_transformers.use(model, spy)
+    tokens, _ = run_batch(model, prompts(), NEW_TOKENS, config=cb_config(), logits=False)
+    assert tokens == baseline("gemma4")[0]
+    steps = sessions[-1].stats["steps"]
+    assert steps >= NEW_TOKENS
+    # one write per owner per step, in each group's only layer; every layer attends
+    assert sorted(set(spy.writes)) == [("full", 0), ("sliding_window", 0)]
+    assert len(spy.writes) == 2 * steps
+    assert len(spy.reads) == 4 * steps
+
+
+@pytest.mark.parametrize("backend,layout", [("reference", None), ("tpu.jax", "tpu.combined")])
+def test_prefill_skip_same_tokens(backend, layout, sessions):
+    ok, why = kvabi.get_backend(backend).available()
+    if not ok:
+        pytest.skip(why)
+    want_tokens, want_logits = baseline("gemma4")
+    model = kvabi_transformers.use(model_of("gemma4"), backend, layout, prefill_skip=True)
+    tokens, logits = run_batch(model, prompts(), NEW_TOKENS, config=cb_config())
+    assert tokens == want_tokens
+    assert worst_step_error(logits, want_logits) <= 1e-5
+    stats = sessions[-1].stats
+    # The prefill step ran the shared layers on 7 rows instead of every prompt token.
+    assert stats["skipped_rows"] == sum(len(p) for p in prompts()) - len(prompts())
+
+
+def test_prefill_skip_refused_without_shared_layers():
+    with pytest.raises(kvabi.KVABIError, match="prefill_skip: llama has no KV-shared"):
+        kvabi_transformers.use(model_of("llama"), prefill_skip=True)

@@ -1,0 +1,23 @@
+"""kvabi's memory plan decides the pool; transformers' allocator hands out exactly it."""
+import kvabi
+import kvabi_transformers
+from kvabi.plan import plan_memory
+from kvabi_transformers.compare import cb_config, run_batch
+from kvabi_transformers.model_kv import config_dict
+
+from conftest import NEW_TOKENS, baseline, model_of, prompts
+
+
+def test_pool_is_the_memory_plan(sessions):
+    model = model_of("gemma4")
+    kvabi_transformers.use(model, "reference", "vllm.BLHNC", block_size=8, memory="256KiB")
+    tokens, _ = run_batch(model, prompts(), NEW_TOKENS, config=cb_config(), logits=False)
+    assert tokens == baseline("gemma4")[0]
+    mkv = kvabi.ModelKV.from_hf_config(config_dict(model.config), block_size=8,
+                                       kv_dtype="float32")
+    plan = plan_memory(mkv, 256 * 1024, layout="vllm.BLHNC")
+    session = sessions[-1]
+    want = plan.groups[0].num_blocks
+    assert session.num_blocks == want
+    assert [lay.num_blocks for lay in session.layouts] == [want] * len(plan.groups)
+    assert sum(lay.total_nbytes for lay in session.layouts) == plan.used_bytes <= 256 * 1024

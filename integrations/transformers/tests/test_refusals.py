@@ -1,0 +1,78 @@
+"""What the integration cannot serve fails at use(), naming the model, option or backend."""
+import pytest
+import kvabi
+import kvabi_transformers
+from kvabi.reference import ReferenceBackend
+from kvabi_transformers.tiny_models import tiny_config, tiny_model
+
+from conftest import model_of
+
+
+class NoSinks(ReferenceBackend):
+    """A backend that refuses attention sinks."""
+
+    name = "vendor.nosinks"
+
+    def capabilities(self, spec=None):
+        import attrs
+
+        return attrs.evolve(super().capabilities(spec), sinks=False)
+
+
+def test_unknown_layout_names_it_and_the_supported_ones():
+    with pytest.raises(kvabi.KVABIError, match=r"layout: tpu.jax does not support "
+                       r"'flash_attn' for llama layers .*it supports tpu.combined"):
+        kvabi_transformers.use(model_of("llama"), "tpu.jax", "flash_attn")
+
+
+def test_dtype_the_backend_refuses():
+    model = tiny_model("llama", layers=2, dtype="bfloat16")
+    with pytest.raises(kvabi.UnsupportedError, match=r"llama layers .*cuda.triton: "
+                       r"unsupported: dtype 'bfloat16'"):
+        kvabi_transformers.use(model, "cuda.triton")
+
+
+def test_sinks_the_backend_refuses():
+    with pytest.raises(kvabi.UnsupportedError, match="gpt_oss .*attention sinks not supported"):
+        kvabi_transformers.use(model_of("gpt_oss"), NoSinks())
+
+
+def test_unavailable_backend():
+    b = kvabi.get_backend("cuda.flashinfer")
+    if b.available()[0]:
+        pytest.skip("FlashInfer is available here")
+    with pytest.raises(kvabi.KVABIError, match="backend: cuda.flashinfer is not available"):
+        kvabi_transformers.use(model_of("llama"), "cuda.flashinfer")
+
+
+def test_model_kvabi_cannot_read():
+    import transformers as tf
+
+    config = tiny_config("gemma4", layers=4)
+    config.attention_k_eq_v = True
+    model = tf.Gemma4ForCausalLM(config)
+    with pytest.raises(kvabi.KVABIError, match="model: kvabi cannot read the 'gemma4_text' "
+                       "config: attention_k_eq_v"):
+        kvabi_transformers.use(model)
+
+
+@pytest.mark.parametrize("bad", [0, 3, 2.5, True, "16"])
+def test_bad_block_size(bad):
+    with pytest.raises(kvabi.KVABIError, match="block_size: must be an int >= 4"):
+        kvabi_transformers.use(model_of("llama"), block_size=bad)
+
+
+def test_bad_backend_and_kv_dtype():
+    with pytest.raises(kvabi.KVABIError, match="no-such-backend"):
+        kvabi_transformers.use(model_of("llama"), "no-such-backend")
+    with pytest.raises(kvabi.KVABIError, match="kv_dtype"):
+        kvabi_transformers.use(model_of("llama"), kv_dtype="float64")
+
+
+def test_kvabi_attention_outside_continuous_batching():
+    import torch
+
+    model = kvabi_transformers.use(model_of("llama"))
+    model.set_attn_implementation("kvabi")
+    with pytest.raises(kvabi.KVABIError, match="generate_batch"):
+        model(torch.tensor([[5, 6, 7]]))
