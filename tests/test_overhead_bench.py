@@ -10,6 +10,7 @@ from kvabi.commands import bench
 from kvabi.reference import ReferenceBackend
 
 KEYS = {"backend", "abi", "framework", "dtype", "layout", "layer_us", "layer_us_min",
+        "layer_cpu_us",
         "plan_us", "view", "view_lookup_us", "layout_view_us", "as_cache_us", "wrap_list_us",
         "check_step_us", "checks_pct"}
 
