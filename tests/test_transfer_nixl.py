@@ -76,6 +76,25 @@ def test_pull_relayout_in_one_process(agents, framework):
             assert not got[rest // 8, rest % 8].any()
 
 
+def test_metadata_in_the_message(agents):
+    """The peer's metadata may travel in the handshake (no fetch from its listen port)."""
+    a_agent, b_agent = agents
+    lay = Layout.preset("vllm.BLNHC", SPEC, 4, 2)
+    src = a_agent.register(_random(lay, 4))
+    dst = b_agent.register(KVCache.allocate(lay, "numpy"))
+    msg = json.loads(a_agent.handshake(src, include_metadata=True))
+    assert msg["metadata"]
+    msg["agent"]["port"] = kv_nixl.free_port()  # nobody listens there: unused
+    peer = b_agent.connect(json.dumps(msg), timeout=2)
+    b_agent.pull(peer, dst, [0, 1, 2, 3], [12, 13, 14, 15])
+    for layer in range(2):
+        for kv in range(2):
+            np.testing.assert_array_equal(dst.kv_view(layer, kv)[3], src.kv_view(layer, kv)[0])
+    msg["agent"]["name"] = "impostor"
+    with pytest.raises(KVABIError, match="metadata: describes agent 'src-agent'"):
+        b_agent.connect(json.dumps(msg), timeout=2)
+
+
 def test_regions_checked_against_peer_planes_before_posting(agents):
     a_agent, b_agent = agents
     lay = Layout.preset("flash_attn", SPEC, 4, 1)

@@ -138,11 +138,15 @@ class NixlAgent:
                 return reg
         raise KVABIError("cache: not registered with this agent (call register(cache) first)")
 
-    def handshake(self, cache: KVCache) -> str:
-        """The JSON handshake message describing registered ``cache`` to a peer."""
+    def handshake(self, cache: KVCache, *, include_metadata: bool = False) -> str:
+        """The JSON handshake message describing registered ``cache`` to a peer; with
+        ``include_metadata`` it also carries this agent's NIXL metadata, so the peer needs
+        no round trip to the listen address."""
         _, _, rows, mem = self._registration(cache)
+        meta = self._agent.get_agent_metadata() if include_metadata else None
         return make_handshake(agent_name=self.name, host=self.host, port=self.port,
-                              memory=mem, layout=cache.layout, planes=rows.tolist())
+                              memory=mem, layout=cache.layout, planes=rows.tolist(),
+                              metadata=meta)
 
     # -- peers ---------------------------------------------------------------------------
     def connect(self, message, *, timeout: float = 10.0) -> Peer:
@@ -162,7 +166,8 @@ class NixlAgent:
                 got = self._agent.add_remote_agent(h.metadata)
                 got = got.decode() if isinstance(got, bytes) else got
                 if got != h.agent_name:
-                    self._agent.remove_remote_agent(got)
+                    if got not in self._peers:  # never drop a peer connected earlier
+                        self._agent.remove_remote_agent(got)
                     raise KVABIError(f"metadata: describes agent {got!r}, the message names "
                                      f"{h.agent_name!r}")
             else:
