@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import numpy as np
 
@@ -32,21 +31,41 @@ MAX_DEPTH = 64
 #: int64's range: the default for ``max_int``.
 MAX_INT = INT64_MAX
 
-# A JSON string token (what the parser treats as one): strings may hold brackets.
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-_OPEN = np.frombuffer(b"[{", np.uint8)
-_CLOSE = np.frombuffer(b"]}", np.uint8)
+# Bytes that matter to nesting: a lookup table picks them out of the text in one pass.
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_STEP = np.zeros(256, np.int8)
+_STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
+_KEEP = _STEP != 0
+_KEEP[[_QUOTE, _BACKSLASH]] = True
 
 
 def nesting_depth(text: str) -> int:
-    """Deepest nesting of arrays and objects in ``text`` (linear time, no recursion).
+    """Deepest nesting of arrays and objects in ``text`` (vectorized, linear time, no
+    recursion).  Brackets inside strings do not count: a quote opens or closes a string
+    unless an odd run of backslashes precedes it.
 
     For a malformed document the count up to the first syntax error matches the parser's,
     which is all the depth guard needs: the parser stops there.
     """
-    stripped = _STRING.sub("", text).encode("utf-8", "surrogatepass")
-    a = np.frombuffer(stripped, np.uint8)
-    step = np.isin(a, _OPEN).astype(np.int64) - np.isin(a, _CLOSE).astype(np.int64)
+    a = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
+    pos = np.flatnonzero(_KEEP[a])  # brackets, quotes and backslashes only
+    if not pos.size:
+        return 0
+    v = a[pos]
+    k = np.arange(v.size)
+    bs = v == _BACKSLASH
+    adjacent = np.zeros(v.size, bool)
+    adjacent[1:] = np.diff(pos) == 1
+    # Runs of backslashes adjacent in the text; the length of the run just before a quote.
+    prev_bs = np.zeros(v.size, bool)
+    prev_bs[1:] = bs[:-1]
+    run_start = np.maximum.accumulate(np.where(bs & ~(prev_bs & adjacent), k, 0))
+    run_before = np.zeros(v.size, np.int64)
+    follows = prev_bs & adjacent
+    run_before[follows] = k[follows] - run_start[k[follows] - 1]
+    quote = (v == _QUOTE) & (run_before % 2 == 0)
+    in_string = (np.cumsum(quote) - quote) % 2 == 1  # odd count of quotes strictly before
+    step = np.where(in_string, 0, _STEP[v]).astype(np.int64)
     return int(np.cumsum(step).max(initial=0))
 
 
@@ -88,12 +107,14 @@ def loads(data, *, what: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_D
             out[k] = v
         return out
 
+    limit_digits = None if max_int is None else len(str(max_int)) + 1
+
     def integer(s: str) -> int:
-        digits = len(s) - s.startswith("-")
-        if max_int is not None and digits > len(str(max_int)):
+        # The length first: converting thousands of digits costs quadratic time.
+        if limit_digits is not None and len(s) > limit_digits:
             raise KVABIError(f"{what}: integer {_short(s)} is beyond +-{max_int}")
         v = int(s)
-        if max_int is not None and abs(v) > max_int:
+        if max_int is not None and not -max_int <= v <= max_int:
             raise KVABIError(f"{what}: integer {v} is beyond +-{max_int}")
         return v
 
