@@ -12,21 +12,28 @@ import argparse
 import math
 import re
 
+from ..coerce import INT64_MAX
 from ..errors import KVABIError
 
 _INT = re.compile(r"[+-]?[0-9]+")
 
 
 def int_arg(lo: int | None = None, hi: int | None = None, name: str = "integer"):
-    """A ``type=`` for a decimal integer in ``[lo, hi]`` (no float, no ``1e3``)."""
+    """A ``type=`` for a decimal integer in ``[lo, hi]`` (no float, no ``1e3``; never
+    beyond int64)."""
+    top = INT64_MAX if hi is None else min(hi, INT64_MAX)
+
     def parse(text: str) -> int:
-        if not _INT.fullmatch(text.strip()) or len(text.strip()) > 20:
+        t = text.strip()
+        if not _INT.fullmatch(t):
             raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
-        v = int(text)
+        if len(t) > 20:  # beyond int64 whatever the digits; never convert thousands of them
+            raise argparse.ArgumentTypeError(f"must be <= {top}, got {t[:24]}...")
+        v = int(t)
+        if v > top:
+            raise argparse.ArgumentTypeError(f"must be <= {top}, got {v}")
         if lo is not None and v < lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        if hi is not None and v > hi:
-            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {v}")
         return v
 
     parse.__name__ = name  # argparse names the type in some messages
