@@ -15,13 +15,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A Python int (not a bool) within int64, kvabi's range for every size."""
+    return isinstance(value, int) and not isinstance(value, bool) and value <= _INT64_MAX
 
 
 def _positive(field):
     def check(inst, attr, value):
-        require(_is_int(value) and value > 0, field, "must be a positive int", value)
+        require(_is_int(value) and value > 0, field, "must be a positive int (int64)", value)
 
     return check
 

@@ -26,7 +26,7 @@ def test_kvspec_integers_are_strict():
 
     base = dict(kind="full", block_size=4, num_kv_heads=2, head_dim=8)
     for field, bad in (("block_size", True), ("num_kv_heads", True), ("head_dim", 8.0),
-                       ("page_align", False), ("head_dim_v", True)):
+                       ("page_align", False), ("head_dim_v", True), ("block_size", 2**63)):
         with pytest.raises(KVABIError, match=f"^{field}"):
             KVSpec(**{**base, field: bad})
     with pytest.raises(KVABIError, match="^window"):
