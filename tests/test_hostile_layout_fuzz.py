@@ -235,6 +235,19 @@ def check_sound(layout: Layout, d: dict | None, max_bytes, data):
                                         ("L", "B", "KV", "N", "H", "D")))
     assert [(int(p), int(x)) for p, x in zip(planes, offs)] == \
         [oracle_offset(o, e) for e in elems]
+    # views over real memory (small layouts): every view lies inside its plane's buffer and
+    # addresses each element where the formula says
+    if o["total"] <= 2**18:
+        planes = layout.allocate_numpy()
+        e = elems[0]
+        view = layout.kv_view(planes, e["L"], e["KV"])
+        plane, off = oracle_offset(o, e)
+        start = planes[plane].__array_interface__["data"][0]
+        lo = view.__array_interface__["data"][0]
+        hi = lo + sum((n - 1) * st_ for n, st_ in zip(view.shape, view.strides)) + o["isz"]
+        assert start <= lo and hi <= start + o["plane_nbytes"]
+        elem = view[e["B"], e["N"], e["H"], e["D"]:e["D"] + 1]
+        assert elem.__array_interface__["data"][0] - start == off
     # block regions, where their number is small enough to list
     blocks = data.draw(st.lists(st.integers(0, size["B"] - 1), min_size=1, max_size=4))
     layers = data.draw(st.none() | st.lists(st.integers(0, size["L"] - 1), min_size=1,
