@@ -152,11 +152,14 @@ def run(argv=None) -> int:
                    help="comma-separated backends (default: tpu.jax,reference, plus "
                         "tpu.pallas on a TPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--big-mib", type=int, default=256,
-                   help="size of the large cache of the write-scaling rows (MiB)")
+    p.add_argument("--big-mib", type=int, default=None,
+                   help="size of the large cache of the write-scaling rows in MiB "
+                        "(default 256; 16 with --quick)")
     a = p.parse_args(argv)
     if a.quick:
-        a.reqs, a.tokens, a.context, a.repeat, a.big_mib = 8, 64, 128, 2, 16
+        a.reqs, a.tokens, a.context, a.repeat = 8, 64, 128, 2
+    if a.big_mib is None:
+        a.big_mib = 16 if a.quick else 256
     for field in ("reqs", "tokens", "context", "block_size", "kv_heads", "q_heads",
                   "head_dim", "repeat", "big_mib"):
         if getattr(a, field) < 1:

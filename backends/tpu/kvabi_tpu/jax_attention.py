@@ -106,12 +106,12 @@ def _bucket(query, planes, tile_info, page_table, q_index, sinks, *, rows, fmt, 
             m = s.max(axis=-1)
             safe = jnp.where(jnp.isfinite(m), m, 0.0)
             e = jnp.exp(s - safe[..., None])
-            bad = ~jnp.isfinite(v)
-            pv = jnp.einsum("hmn,hnd->hmd", e, jnp.where(bad, 0.0, v), precision=prec)
+            fin = jnp.isfinite(v)
+            pv = jnp.einsum("hmn,hnd->hmd", e, jnp.where(fin, v, 0.0), precision=prec)
             # a non-finite value a row does see (weight > 0) still makes that row NaN
-            hit = jnp.einsum("hmn,hnd->hmd", (e > 0).astype(jnp.float32),
-                             bad.astype(jnp.float32), precision=prec) > 0
-            return m, e.sum(axis=-1), jnp.where(hit, jnp.nan, pv)
+            bad = (~fin.all(axis=-1)).astype(jnp.float32)  # [H, n]
+            hit = jnp.einsum("hmn,hn->hm", (e > 0).astype(jnp.float32), bad) > 0
+            return m, e.sum(axis=-1), jnp.where(hit[..., None], jnp.nan, pv)
 
         def merge(state, piece):
             m0, l0, o0 = state

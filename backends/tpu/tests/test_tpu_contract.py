@@ -154,13 +154,20 @@ def test_bench_suite_runs_and_reports_json(capsys):
     from kvabi_tpu.bench import run
 
     assert run(["--quick", "--json", "--reqs", "3", "--tokens", "9", "--context", "20",
-                "--kv-heads", "1", "--q-heads", "2", "--head-dim", "64", "--repeat", "1"]) == 0
+                "--kv-heads", "1", "--q-heads", "2", "--head-dim", "64", "--repeat", "1",
+                "--big-mib", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["suite"] == "tpu"
     names = [r["backend"] for r in report["results"]]
     assert names[:2] == ["tpu.jax", "reference"]
     for r in report["results"]:
         assert r["attention_tokens_per_s"] > 0 and r["write_tokens_per_s"] > 0
+    sizes = [r["cache_mib"] for r in report["write_scaling"]]
+    assert sizes == [1.0, 2.0]
+    for r in report["write_scaling"]:
+        assert r["tokens"] == 64 and r["in_place_ms"] > 0 and r["copy_ms"] > 0
+    with pytest.raises(SystemExit):
+        run(["--big-mib", "0"])
 
 
 def test_without_jax_the_backends_register_as_unavailable():

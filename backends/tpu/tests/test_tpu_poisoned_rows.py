@@ -91,7 +91,7 @@ def test_jax_poisoned_invisible_rows(case):
     check_poisoned(JAX, *case)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(poison_cases())
 def test_jax_split_paths_poisoned_invisible_rows(case):
     """Small tiles and one-page chunks: poison in unmasked and masked chunk paths."""
