@@ -181,8 +181,15 @@ def check_hostile_cache(backend, reference, params, options: KitOptions = KitOpt
                         ) -> float:
     """A cache that does not fit the step (too little memory, another dtype, another
     layout's block count) is refused by ``write_kv`` and ``attention`` with a KVABIError,
-    and no byte of it (or past it) changes."""
-    case, variant = params.case, params.extra["variant"]
+    and no byte of it (or past it) changes.  ``params.extra["variants"]`` names the
+    hostile caches tried, each in turn (see :func:`hostile_variants`)."""
+    case = params.case
+    variants = params.extra.get("variants") or (params.extra["variant"],)
+    reasons = [_hostile_step(backend, case, v) for v in variants]
+    return Refused("; ".join(reasons))
+
+
+def _hostile_step(backend, case, variant) -> str:
     b = Runner(backend, case, oracle=False)
     lay = case.layout
     plan = b.plan(case.meta)  # for the case's layout (fewer_blocks_plan: the bigger one)
@@ -203,7 +210,7 @@ def check_hostile_cache(backend, reference, params, options: KitOptions = KitOpt
     _refused(f"attention with {what}", lambda: backend.attention(
         to_backend(backend, q), cache, arg_layout, plan, layer=case.layer))
     _unchanged(backend, f"attention with {what}", guarded, fw_planes, before)
-    return Refused(what)
+    return what
 
 
 def _unchanged(backend, what, guarded, planes, before):
@@ -225,12 +232,7 @@ def _unchanged(backend, what, guarded, planes, before):
 @st.composite
 def _hostile_params(draw, backend, options):
     case = draw(attention_cases(backend, options, num_layers=(1, 2)))
-    choices = hostile_variants(backend, case)
-    if not choices:
-        from hypothesis import reject
-
-        reject()
-    return WithExtra(case, {"variant": draw(st.sampled_from(choices))})
+    return WithExtra(case, {"variants": tuple(hostile_variants(backend, case))})
 
 
 def hostile_cache_strategy(backend, options):
@@ -300,18 +302,24 @@ def check_huge_lengths(backend, reference, params, options: KitOptions = KitOpti
     length near or past 2**31, a block id past the layout's blocks or whose slot wraps
     modulo 2**32 onto a real one, a slot or query start past int32) is refused with a
     KVABIError by ``from_lengths``/the metadata constructor, by ``plan``, or by
-    ``write_kv`` and ``attention`` before any write; never a crash or a write."""
-    case, variant, value = params.case, params.extra["variant"], params.extra["value"]
+    ``write_kv`` and ``attention`` before any write; never a crash or a write.
+    ``params.extra["attempts"]`` lists the (variant, value) pairs tried, each in turn."""
+    attempts = params.extra.get("attempts") or \
+        ((params.extra["variant"], params.extra["value"]),)
+    return Refused("; ".join(_huge_step(backend, params.case, v, x) for v, x in attempts))
+
+
+def _huge_step(backend, case, variant, value) -> str:
     what = f"metadata with {variant} {value}"
     try:
         meta = huge_meta(case, variant, value)
     except KVABIError as e:
-        return Refused(f"kvabi refused {what}: {e}")
+        return f"kvabi refused {what}: {e}"
     b = Runner(backend, case, oracle=False)
     try:
         plan = b.plan(meta)
     except KVABIError as e:
-        return Refused(f"plan refused {what}: {e}")
+        return f"plan refused {what}: {e}"
     except ConformanceFailure:
         raise
     except Exception as e:  # noqa: BLE001
@@ -325,15 +333,15 @@ def check_huge_lengths(backend, reference, params, options: KitOptions = KitOpti
             raise ConformanceFailure(f"write_kv({what}): refused, but cache plane {i} "
                                      f"changed")
     _refused(f"attention({what})", lambda: b.attend(plan, q))
-    return Refused(what)
+    return f"write_kv and attention refused {what}"
 
 
 @st.composite
 def _huge_params(draw, backend, options):
     case = draw(attention_cases(backend, options, num_layers=(1,)))
-    variant = draw(st.sampled_from(("block_id", "context_len", "slot", "query_start_loc")))
-    value = draw(st.sampled_from(huge_values(case, variant)))
-    return WithExtra(case, {"variant": variant, "value": value})
+    attempts = tuple((v, draw(st.sampled_from(huge_values(case, v))))
+                     for v in ("block_id", "context_len", "slot", "query_start_loc"))
+    return WithExtra(case, {"attempts": attempts})
 
 
 def huge_lengths_strategy(backend, options):
