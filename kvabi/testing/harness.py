@@ -27,7 +27,7 @@ from ..layout import Layout
 from ..metadata import CommonAttentionMetadata
 from ..tensors import convert
 from ..tensors import to_numpy as _to_numpy
-from .cases import AttentionCase, Inputs, input_dtype
+from .cases import AttentionCase, input_dtype
 from .measure import ConformanceFailure
 
 #: byte the cache is poisoned with before a case runs (finite in every cache dtype)
