@@ -10,6 +10,7 @@ import pytest
 
 from kvabi import KVABIError, KVCache, KVSpec
 from kvabi.layout import Layout
+from kvabi.presets import PRESETS
 from kvabi.transfer import HostPool, execute, plan_block_transfer, plan_transfer
 from transfer_oracle import POISON, element_bytes, gather, raw_planes
 
@@ -195,3 +196,29 @@ def test_cuda_caches():
         for kv in range(2):
             np.testing.assert_array_equal(_tokens(back, t, layer, kv).view(np.uint32),
                                           _tokens(host, s, layer, kv).view(np.uint32))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_cross_layer_host_pool_moves_whole_blocks(name):
+    """The twin host layout keeps the device's byte order: offload regions are whole
+    (layer, block) ranges of the device, merged across runs of blocks."""
+    a = Layout.preset(name, SPEC, 8, 3)
+    pool = HostPool(a, 5, preset="cross_layer")
+    assert pool.layout.order[0] == "B" and not pool.layout.planes
+    blocks = [6, 1, 2, 3]
+    plan = plan_block_transfer(a, pool.layout, blocks, [0, 1, 2, 3])
+    if not a.extents:  # never splits a device (layer, block) range (padding would)
+        split = a.num_planes * int(np.prod([a.size(x) for x in a.order[:a.order.index("B")]]))
+        assert len(plan) <= len(blocks) * split
+        if a.is_block_contiguous and not a.planes:  # cross-layer device: one per run
+            assert len(plan) == 2
+    cache = _filled(a, "numpy", 9)
+    ids = pool.offload(cache, blocks)
+    fresh = KVCache.allocate(a, "numpy")
+    pool.onload(fresh, ids, [0, 4, 5, 7])
+    for layer in range(3):
+        for kv in range(2):
+            np.testing.assert_array_equal(_kv(fresh, layer, kv)[[0, 4, 5, 7]].view(np.uint32),
+                                          _kv(cache, layer, kv)[blocks].view(np.uint32))
+    with pytest.raises(KVABIError, match="preset: 'cross_layer' is built from a device Layout"):
+        HostPool(SPEC, 4, num_layers=2, preset="cross_layer")

@@ -159,6 +159,7 @@ def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None) 
     memcpy = gbps(nbytes, best_seconds(lambda: np.copyto(b, a), setup.repeat))
     del a, b
     rows = []
+    done = 0
     rig = None
     if nixl:
         from ..transfer.nixl import available
@@ -171,6 +172,10 @@ def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None) 
     result = {"memcpy_gbps": memcpy, "nixl_single_gbps": None, "rows": rows}
     try:
         for i, name in enumerate(presets):
+            if rows:
+                say("  " + ", ".join(f"{r['executor']}/{r['blocks'][:4]} {r['regions']} "
+                                     f"regions {r['gbps']} GB/s" for r in rows[done:]))
+            done = len(rows)
             say(f"[{i + 1}/{len(presets)}] {name}")
             lay = _layout(name, setup)
             src, dst = _filled(lay), KVCache.allocate(lay, "numpy")

@@ -18,6 +18,21 @@ from .execute import execute
 from .plan import check_compatible, plan_block_transfer
 
 DEFAULT_PRESET = "kvbm.fully_contiguous"
+#: a host layout built from the device layout: cross-layer blocks (B, then L, outermost)
+#: holding each layer's block in the device's own byte order, so offload is no relayout
+CROSS_LAYER = "cross_layer"
+
+
+def cross_layer_twin(layout: Layout, num_blocks: int, num_layers: int | None = None) -> Layout:
+    """A compact cross-layer layout (``B`` outermost, then ``layout``'s plane axes, then its
+    other axes in its order; no plane axes, no padding): a device block of one layer is one contiguous
+    range of it, in the same byte order, so a copy between the two moves whole blocks."""
+    order = ("B",) + tuple(layout.planes) + tuple(a for a in layout.order if a != "B")
+    sizes = {a: layout.size(a) for a in order}
+    sizes["B"] = num_blocks
+    if num_layers is not None:
+        sizes["L"] = num_layers
+    return Layout(order=order, sizes=sizes, dtype=layout.dtype, name=CROSS_LAYER)
 
 
 def spec_of(layout: Layout) -> KVSpec:
@@ -31,7 +46,8 @@ def spec_of(layout: Layout) -> KVSpec:
 
 class HostPool:
     """``num_blocks`` host blocks for caches of ``source`` (a device Layout, or a KVSpec
-    with ``num_layers``).
+    with ``num_layers``), in the layout of ``preset`` (default ``kvbm.fully_contiguous``;
+    ``"cross_layer"``: :func:`cross_layer_twin` of the device layout, no relayout).
 
     ``offload(cache, blocks) -> host_ids`` copies the blocks into free host blocks;
     ``onload(cache, host_ids, blocks)`` copies them back (into any device blocks);
@@ -52,7 +68,12 @@ class HostPool:
         else:
             raise KVABIError(f"source: must be a Layout or a KVSpec, got "
                              f"{type(source).__name__}")
-        if layout is None:
+        if layout is None and preset == CROSS_LAYER:
+            if not isinstance(source, Layout):
+                raise KVABIError(f"preset: {CROSS_LAYER!r} is built from a device Layout, "
+                                 "not a KVSpec")
+            layout = cross_layer_twin(source, num_blocks, layers)
+        elif layout is None:
             layout = Layout.preset(preset, spec, num_blocks, layers)
         elif not isinstance(layout, Layout):
             raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
