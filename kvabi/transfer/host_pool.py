@@ -18,20 +18,23 @@ from .execute import execute
 from .plan import check_compatible, plan_block_transfer
 
 DEFAULT_PRESET = "kvbm.fully_contiguous"
-#: a host layout built from the device layout: cross-layer blocks (B, then L, outermost)
-#: holding each layer's block in the device's own byte order, so offload is no relayout
+#: a host layout built from the device layout: cross-layer blocks (B outermost) holding
+#: each layer's block in the device's own byte order, so offload is no relayout
 CROSS_LAYER = "cross_layer"
 
 
 def cross_layer_twin(layout: Layout, num_blocks: int, num_layers: int | None = None) -> Layout:
-    """A compact cross-layer layout (``B`` outermost, then ``layout``'s plane axes, then its
-    other axes in its order; no plane axes, no padding): a device block of one layer is one contiguous
-    range of it, in the same byte order, so a copy between the two moves whole blocks."""
+    """A compact cross-layer layout: ``B`` outermost, then ``layout``'s plane axes, then its
+    other axes in its order (one plane, no padding).  A device block of one layer is one
+    contiguous range of it in the same byte order, so copies between the two move whole
+    blocks."""
     order = ("B",) + tuple(layout.planes) + tuple(a for a in layout.order if a != "B")
     sizes = {a: layout.size(a) for a in order}
     sizes["B"] = num_blocks
-    if num_layers is not None:
+    if num_layers is not None and "L" in sizes:
         sizes["L"] = num_layers
+    elif num_layers not in (None, 1):
+        raise KVABIError(f"num_layers: the device layout has no layer axis, got {num_layers}")
     return Layout(order=order, sizes=sizes, dtype=layout.dtype, name=CROSS_LAYER)
 
 
