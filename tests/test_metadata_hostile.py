@@ -7,6 +7,10 @@ from hypothesis import given, settings, strategies as st
 
 from kvabi import CommonAttentionMetadata, KVABIError
 from kvabi import transforms as T
+from kvabi.testing.profiles import current_profile
+
+#: junk examples per fuzz test: a few hundred in ci, 10,000 in the thorough profile
+FUZZ = 10_000 if current_profile() == "thorough" else 300
 
 I32 = 2**31 - 1
 FL = CommonAttentionMetadata.from_lengths
@@ -198,7 +202,7 @@ JUNK = st.one_of(
 SHAPES = st.recursive(JUNK, lambda inner: st.lists(inner, max_size=4), max_leaves=12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=FUZZ, deadline=None)
 @given(SHAPES, SHAPES, SHAPES, SHAPES, st.one_of(st.none(), SHAPES), st.one_of(st.none(),
                                                                              SHAPES))
 def test_from_lengths_on_junk_refuses_or_is_sound(q, c, bt, bs, nb, nt):
@@ -211,7 +215,7 @@ def test_from_lengths_on_junk_refuses_or_is_sound(q, c, bt, bs, nb, nt):
     assert m.seq_lens.tolist() == (ql + cl).tolist()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=FUZZ, deadline=None)
 @given(st.sampled_from(["query_start_loc", "seq_lens", "context_lens", "positions",
                         "slot_mapping", "block_table", "block_size", "num_blocks"]), SHAPES)
 def test_hand_built_junk_refuses_or_is_sound(field, value):
@@ -222,3 +226,36 @@ def test_hand_built_junk_refuses_or_is_sound(field, value):
         assert str(e).split(":")[0] in FIELD_NAMES, str(e)
         return
     m.validate()
+
+
+TRANSFORMS = {
+    "pad": lambda a, b: T.pad(META, a, b),
+    "prefill_skip": lambda a, b: T.prefill_skip(META, a),
+    "local_virtual_batches": lambda a, b: T.local_virtual_batches(META, a),
+    "permute_requests": lambda a, b: T.permute_requests(META, a),
+    "reorder_decode_first": lambda a, b: T.reorder_decode_first(META, a),
+    "split_decode_prefill": lambda a, b: T.split_decode_prefill(META, a),
+    "split_ubatches": lambda a, b: T.split_ubatches(META, a),
+    "cascade_split": lambda a, b: T.cascade_split(META, a),
+    "kv_update_slices": lambda a, b: T.kv_update_slices(META, a),
+}
+
+
+def _metas(x):
+    """Every CommonAttentionMetadata in a transform's result."""
+    if isinstance(x, CommonAttentionMetadata):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _metas(v)
+
+
+@settings(max_examples=FUZZ, deadline=None)
+@given(st.sampled_from(sorted(TRANSFORMS)), SHAPES, SHAPES)
+def test_transform_junk_arguments_refuse_or_give_valid_metadata(name, a, b):
+    try:
+        out = TRANSFORMS[name](a, b)
+    except KVABIError:
+        return
+    for m in _metas(out):
+        m.validate()
