@@ -149,8 +149,21 @@ def _check_block_ids(bt, meta, spec, n) -> None:
                              f"outside the layout's {n} blocks")
 
 
+def _real_dtype(x, field: str) -> None:
+    """``x`` holds real numbers (any framework): complex, bool, string and object arrays
+    would lose data or fail deep inside a kernel."""
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        raise KVABIError(f"{field}: must be an array, got {type(x).__name__}")
+    kind = getattr(dt, "kind", None)
+    name = str(dt)
+    if kind in ("c", "b", "U", "S", "O") or "complex" in name or name.endswith("bool"):
+        raise KVABIError(f"{field}: must hold real numbers, got dtype {name}")
+
+
 def check_query(query, meta, spec) -> int:
-    """Check a query tensor [T, Hq, D] (any framework); returns Hq."""
+    """Check a query tensor [T, Hq, D] (any framework; real dtype); returns Hq."""
+    _real_dtype(query, "query")
     t, h = meta.num_tokens, spec.num_kv_heads
     shape = tuple(query.shape)
     if len(shape) != 3 or shape[0] != t or shape[2] != spec.head_dim:
@@ -163,7 +176,10 @@ def check_query(query, meta, spec) -> int:
 
 
 def check_kv(key, value, meta, spec) -> None:
-    """Check new K/V tensors [T, H, D] / [T, H, Dv] (value None for MLA)."""
+    """Check new K/V tensors [T, H, D] / [T, H, Dv] (value None for MLA; real dtypes)."""
+    _real_dtype(key, "key")
+    if value is not None:
+        _real_dtype(value, "value")
     t, h = meta.num_tokens, spec.num_kv_heads
     if tuple(key.shape) != (t, h, spec.head_dim):
         raise KVABIError(f"key: must be [{t}, {h}, {spec.head_dim}], got {tuple(key.shape)}")

@@ -117,3 +117,22 @@ def test_check_step_refuses_slots_outside_the_layout_even_if_changed_after_valid
     meta.slot_mapping[1] = -2
     with pytest.raises(KVABIError, match="slot_mapping: token 1 has slot -2"):
         check_step(meta, SPEC, layout)
+
+
+def test_query_and_kv_must_be_real_arrays():
+    for bad in (np.zeros((3, 4, 8), complex), np.zeros((3, 4, 8), bool),
+                np.zeros((3, 4, 8), "U1"), np.zeros((3, 4, 8), object)):
+        with pytest.raises(KVABIError, match="query: must hold real numbers"):
+            check_query(bad, META, SPEC)
+    with pytest.raises(KVABIError, match="query: must be an array"):
+        check_query([[[0.0] * 8] * 4] * 3, META, SPEC)
+    with pytest.raises(KVABIError, match="key: must hold real numbers"):
+        check_kv(np.zeros((3, 2, 8), complex), np.zeros((3, 2, 8)), META, SPEC)
+    with pytest.raises(KVABIError, match="value: must hold real numbers"):
+        check_kv(np.zeros((3, 2, 8)), np.zeros((3, 2, 8), np.complex64), META, SPEC)
+    torch = pytest.importorskip("torch")
+    check_query(torch.zeros((3, 4, 8), dtype=torch.bfloat16), META, SPEC)
+    with pytest.raises(KVABIError, match="query: must hold real numbers"):
+        check_query(torch.zeros((3, 4, 8), dtype=torch.complex64), META, SPEC)
+    with pytest.raises(KVABIError, match="key: must hold real numbers"):
+        check_kv(torch.zeros((3, 2, 8), dtype=torch.bool), torch.zeros((3, 2, 8)), META, SPEC)
