@@ -37,6 +37,7 @@ def install(model, integration) -> None:
         session = getattr(kwargs.get("cache"), "kvabi", None)
         if session is None:
             return None
+        integration.session = session
         skip = integration.prefill_skip and "logits_to_keep" in kwargs
         step = session.begin_step(kwargs, skip)
         if step.skip_meta is not None:

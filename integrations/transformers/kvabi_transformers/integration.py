@@ -52,6 +52,8 @@ class Integration:
             _check_prefill_skip(model, self.model_kv, self.model_type)
         self.memory = None if memory is None else parse_bytes(memory)
         self.memory_plan = None
+        #: the Session of the latest step (its stats and timing), None before any
+        self.session = None
 
     def plan_blocks(self, workload_hints=None) -> int:
         """Blocks per KV group from kvabi's memory plan: of ``memory`` if given, else of

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import time
 
 import numpy as np
 import kvabi
@@ -59,7 +60,9 @@ class Step:
                 kw["sinks"] = sinks
             if s.new_abi and accepts(s.backend.plan, "num_q_heads"):
                 kw["num_q_heads"] = s.num_q_heads
+            t0 = time.perf_counter()
             plan = s.backend.plan(meta, s.specs[group], s.layouts[group], **kw)
+            s.timing["plan"] += time.perf_counter() - t0
             self.plans[key] = plan
         return plan
 
@@ -86,11 +89,14 @@ class Session:
         self.step: Step | None = None
         #: steps, tokens, and rows the KV-shared layers skipped (prefill skip)
         self.stats = collections.Counter()
+        #: seconds spent building step metadata and plans (kvabi's per-step overhead)
+        self.timing = collections.Counter()
         self.sinks = {i: kt.to_numpy(s.detach().float()).astype(np.float64)
                       for i, s in integration.sinks.items()}
 
     # -- per step ------------------------------------------------------------------------
     def begin_step(self, kwargs, prefill_skip: bool) -> Step:
+        t0 = time.perf_counter()
         meta = step_metadata(kwargs["cu_seq_lens_q"], kwargs["position_ids"],
                              kwargs["write_index"][0], kwargs["read_index"][0],
                              block_size=self.block_size, stride=self.stride,
@@ -101,6 +107,7 @@ class Session:
             if len(logits) < meta.num_actual_tokens:
                 keep = logits
         self.step = Step(self, meta, keep)
+        self.timing["metadata"] += time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["tokens"] += meta.num_actual_tokens
         if keep is not None:

@@ -1,0 +1,63 @@
+"""Timing generate_batch runs step by step: every model forward (one CB step) is timed,
+so prefill and decode steps can be told apart and compared side by side."""
+from __future__ import annotations
+
+import statistics
+import time
+
+from .compare import run_batch
+
+
+class ForwardTimer:
+    """Seconds of every forward of ``model`` while active (hooks on the top module)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.seconds: list[float] = []
+        self._t0 = 0.0
+        self._hooks = []
+
+    def __enter__(self):
+        def pre(*_):
+            self._t0 = time.perf_counter()
+
+        def post(*_):
+            self.seconds.append(time.perf_counter() - self._t0)
+
+        self._hooks = [self.model.register_forward_pre_hook(pre),
+                       self.model.register_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+
+
+def timed_runs(model, prompts, new_tokens, config, *, repeat=1, warmup=0, progress=None):
+    """Run ``generate_batch`` ``warmup`` + ``repeat`` times; returns a dict with the tokens,
+    the median prefill forward (first step), the median decode forward per step, wall
+    seconds per run, and (kvabi) the per-step metadata+plan seconds."""
+    prefill, decode, wall, tokens = [], [], [], None
+    overhead = []
+    integration = getattr(model, "_kvabi_integration", None)
+    for i in range(warmup + repeat):
+        with ForwardTimer(model) as timer:
+            t0 = time.perf_counter()
+            tokens, _ = run_batch(model, prompts, new_tokens, config=config, logits=False)
+            seconds = time.perf_counter() - t0
+        if progress is not None:
+            progress.update(1)
+        if i < warmup:
+            continue
+        wall.append(seconds)
+        prefill.append(timer.seconds[0])
+        decode.extend(timer.seconds[1:])
+        session = integration.session if integration is not None else None
+        if session is not None:
+            steps = max(session.stats["steps"], 1)
+            overhead.append((session.timing["metadata"] + session.timing["plan"]) / steps)
+    med = statistics.median
+    return {"tokens": tokens, "prefill_s": med(prefill),
+            "decode_s": med(decode) if decode else None, "wall_s": med(wall),
+            "generated": sum(len(t) for t in tokens),
+            "overhead_s": med(overhead) if overhead else None}
