@@ -21,6 +21,8 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated kvabi backends (unavailable ones are reported)")
     p.add_argument("--prompts", type=int, default=8, help="prompts in the batch")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per prompt")
+    p.add_argument("--skip-prompt-len", type=int, default=512,
+                   help="prompt length of the prefill-skip measurement (8 prompts)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
 
@@ -81,14 +83,15 @@ def run(args, say=print) -> dict:
             name = fast[-1]
             wide = tiny_model("gemma4", layers=8, hidden=256, window=128, shared=4,
                               vocab=256, seed=0)
-            heavy = [rng.integers(3, 256, 512).tolist() for _ in range(8)]
-            cfg = cb_config(max_batch_tokens=8 * 512, num_blocks=8 * 34, page_size=16)
+            n = args.skip_prompt_len
+            heavy = [rng.integers(3, 256, n).tolist() for _ in range(8)]
+            cfg = cb_config(max_batch_tokens=8 * n, num_blocks=8 * (n // 16 + 2), page_size=16)
             kvabi_transformers.use(wide, name, block_size=16)
             plain = timed_runs(wide, heavy, 1, cfg, warmup=1)
             kvabi_transformers.use(wide, name, block_size=16, prefill_skip=True)
             skip = timed_runs(wide, heavy, 1, cfg, warmup=1)
             speedup = plain["prefill_s"] / skip["prefill_s"]
-            say(f"prefill skip ({name}; 8 layers, 4 KV-shared, hidden 256; 8 x 512-token "
+            say(f"prefill skip ({name}; 8 layers, 4 KV-shared, hidden 256; 8 x {n}-token "
                 f"prompts): prefill forward "
                 f"{plain['prefill_s'] * 1e3:.0f} ms -> {skip['prefill_s'] * 1e3:.0f} ms, "
                 f"{speedup:.2f}x; tokens {'match' if plain['tokens'] == skip['tokens'] else 'DIFFER'}")
@@ -104,8 +107,9 @@ def main(argv=None) -> int:
     from .bench import quiet_transformers
 
     args = parser().parse_args(argv)
-    if args.prompts < 1 or args.new_tokens < 1:
-        print("kvabi-transformers demo: error: --prompts and --new-tokens must be >= 1",
+    if min(args.prompts, args.new_tokens, args.skip_prompt_len) < 1:
+        print("kvabi-transformers demo: error: --prompts, --new-tokens and "
+              "--skip-prompt-len must be >= 1",
               file=sys.stderr)
         return 2
     quiet_transformers()

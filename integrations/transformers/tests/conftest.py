@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models and transformers' own continuous-batching results."""
+"""Fixtures of the kvabi-transformers tests (cases live in tf_cases.py)."""
 import logging
 import os
 
@@ -17,39 +17,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvabi_transformers.compare import cb_config, run_batch  # noqa: E402
 from kvabi_transformers.session import Session  # noqa: E402
-from kvabi_transformers.tiny_models import tiny_model, tiny_prompts  # noqa: E402
 
 logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
 logging.getLogger("transformers").setLevel(logging.ERROR)
-
-NEW_TOKENS = 6
-#: layers per family: Gemma 4 needs owners of both kinds before its KV-shared half
-LAYERS = {"llama": 2, "mistral": 2, "gpt_oss": 2, "gemma4": 4}
-_BASELINES: dict = {}
-
-
-def prompts():
-    """7 prompts of 3..29 tokens (window 8: most are longer), three sharing a prefix."""
-    return tiny_prompts(7)
-
-
-def model_of(family):
-    return tiny_model(family, layers=LAYERS[family], seed=1)
-
-
-def baseline(family):
-    """transformers' own generate_batch (its default CB attention) on the tiny model."""
-    if family not in _BASELINES:
-        _BASELINES[family] = run_batch(model_of(family), prompts(), NEW_TOKENS,
-                                       config=cb_config())
-    return _BASELINES[family]
-
-
-@pytest.fixture
-def family_baseline():
-    return baseline
 
 
 @pytest.fixture

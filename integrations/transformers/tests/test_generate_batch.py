@@ -5,7 +5,7 @@ import kvabi
 import kvabi_transformers
 from kvabi_transformers.compare import cb_config, run_batch, worst_step_error
 
-from conftest import NEW_TOKENS, baseline, model_of, prompts
+from tf_cases import NEW_TOKENS, baseline, model_of, prompts
 
 #: float32 logits after a few layers: attention agrees to ~1e-6 relative (specs/
 #: conformance.md: 1e-5); per-step logits carry that through the MLPs and the LM head.

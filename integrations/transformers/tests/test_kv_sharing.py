@@ -6,7 +6,7 @@ from kvabi.reference import ReferenceBackend
 from kvabi_transformers.model_kv import config_dict
 from kvabi_transformers.compare import cb_config, run_batch, worst_step_error
 
-from conftest import NEW_TOKENS, baseline, model_of, prompts
+from tf_cases import NEW_TOKENS, baseline, model_of, prompts
 
 
 class Spy(ReferenceBackend):

@@ -5,7 +5,7 @@ from kvabi.plan import plan_memory
 from kvabi_transformers.compare import cb_config, run_batch
 from kvabi_transformers.model_kv import config_dict
 
-from conftest import NEW_TOKENS, baseline, model_of, prompts
+from tf_cases import NEW_TOKENS, baseline, model_of, prompts
 
 
 def test_pool_is_the_memory_plan(sessions):

@@ -5,7 +5,7 @@ import kvabi_transformers
 from kvabi.reference import ReferenceBackend
 from kvabi_transformers.tiny_models import tiny_config, tiny_model
 
-from conftest import model_of
+from tf_cases import model_of
 
 
 class NoSinks(ReferenceBackend):

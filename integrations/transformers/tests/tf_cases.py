@@ -1,0 +1,26 @@
+"""The cases the integration tests share: tiny models, prompts, transformers' baselines."""
+from kvabi_transformers.compare import cb_config, run_batch
+from kvabi_transformers.tiny_models import tiny_model, tiny_prompts
+
+NEW_TOKENS = 6
+#: layers per family: Gemma 4 needs owners of both kinds before its KV-shared half
+LAYERS = {"llama": 2, "mistral": 2, "gpt_oss": 2, "gemma4": 4}
+_BASELINES: dict = {}
+
+
+def prompts():
+    """7 prompts of 3..29 tokens (window 8: most are longer), three sharing a prefix."""
+    return tiny_prompts(7)
+
+
+def model_of(family):
+    return tiny_model(family, layers=LAYERS[family], seed=1)
+
+
+def baseline(family):
+    """transformers' own generate_batch (its default CB attention) on the tiny model:
+    (tokens per prompt, logits per step), computed once per family."""
+    if family not in _BASELINES:
+        _BASELINES[family] = run_batch(model_of(family), prompts(), NEW_TOKENS,
+                                       config=cb_config())
+    return _BASELINES[family]
