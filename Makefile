@@ -10,19 +10,21 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) examples/thirdparty-backend/pyproject.toml
+$(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) examples/thirdparty-backend/pyproject.toml integrations/transformers/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q "nixl>=1.5"  # kvabi[nixl]: NIXL transfers (~430 MB of wheels; keeps the CPU torch)
 	$(BIN)/pip install -q -e ".[test]" $(foreach b,$(wildcard backends/*/pyproject.toml),-e $(dir $(b)))
 	$(BIN)/pip install -q -e examples/thirdparty-backend  # the worked third-party backend (README)
+	$(BIN)/pip install -q -e integrations/transformers  # kvabi-transformers: transformers>=5.23 (torch already pinned)
 	touch $(STAMP)
 
 run: setup
 	$(BIN)/kvabi backends
 	$(BIN)/kvabi plan examples/configs/*.json
 	$(BIN)/kvabi conformance --all --quick
+	$(BIN)/kvabi-transformers demo  # generate_batch of a Gemma-4-like model on kvabi backends
 
 test: setup
 	$(BIN)/python -m pytest -q
