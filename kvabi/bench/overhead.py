@@ -11,9 +11,10 @@ preferred layout): the compute is negligible, so the figures are dispatch.  Per 
 - ``plan_us``: one ``plan`` (once per step and KV group);
 - ``view_lookup_us`` / ``layout_view_us``: a layer's cache view from the KVCache handle
   (``cache.kv_view``; ``layer_view`` for jax) vs recomputed by the layout;
-- ``as_cache_us``, ``check_step_us``: the boundary checks; ``checks_pct`` is their cost per
-  layer (two ``as_cache`` per layer plus one ``check_step`` per step, spread over the
-  layers) as a percentage of ``layer_us``.
+- ``as_cache_us``, ``check_step_us``: the boundary checks (``wrap_list_us``: ``as_cache``
+  of an ABI 1.0 list of planes, the full memory check a 1.0 caller pays per call);
+  ``checks_pct`` is their cost per layer (two ``as_cache`` per layer plus one
+  ``check_step`` per step, spread over the layers) as a percentage of ``layer_us``.
 
 Only public ABI calls are used; 1.1 keywords only for backends declaring ABI 1.1.
 Interpreted backends (Triton interpreter, Pallas interpret mode) are slow: pick them with
@@ -250,6 +251,7 @@ def _table(doc) -> None:
             ("plan_us", "plan", "{:.1f}"),
             ("view_lookup_us", "view lookup", "{:.2f}"),
             ("layout_view_us", "layout view", "{:.1f}"), ("as_cache_us", "as_cache", "{:.2f}"),
+            ("wrap_list_us", "as_cache(list)", "{:.1f}"),
             ("check_step_us", "check_step", "{:.1f}"), ("checks_pct", "checks %", "{:.2f}")]
     cells = [[h for _, h, _ in cols]]
     cells += [[f.format(r[k]) for k, _, f in cols] for r in doc["results"]
