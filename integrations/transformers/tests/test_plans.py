@@ -1,0 +1,65 @@
+"""Plans are made once per step and KV group and reused by every layer (ABI 1.1: sinks per
+attention call); a 1.0 backend gets one plan per layer carrying that layer's sinks."""
+import pytest
+from kvabi.reference import ReferenceBackend
+import kvabi_transformers
+from kvabi_transformers.compare import cb_config, run_batch, worst_step_error
+from kvabi_transformers.tiny_models import tiny_model
+
+from tf_cases import NEW_TOKENS, prompts
+
+_WANT = {}
+
+
+def gpt_oss4():
+    return tiny_model("gpt_oss", layers=4, seed=2)  # two layers per KV group
+
+
+def want():
+    if not _WANT:
+        _WANT["r"] = run_batch(gpt_oss4(), prompts(), NEW_TOKENS, config=cb_config())
+    return _WANT["r"]
+
+
+class Counting(ReferenceBackend):
+    """The reference backend counting plans and the sinks each attention call gets."""
+
+    name = "reference"
+
+    def __init__(self):
+        super().__init__()
+        self.plans, self.call_sinks = 0, 0
+
+    def plan(self, meta, spec, layout, **kw):
+        self.plans += 1
+        return super().plan(meta, spec, layout, **kw)
+
+    def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, **kw):
+        self.call_sinks += sinks is not None
+        return super().attention(query, cache, layout, plan, layer=layer, sinks=sinks, **kw)
+
+
+class Counting10(Counting):
+    """The same backend declaring ABI 1.0: no per-call sinks, no num_q_heads."""
+
+    abi_version = (1, 0)
+
+    def plan(self, meta, spec, layout, *, scale=None, softcap=None, sinks=None):
+        return super().plan(meta, spec, layout, scale=scale, softcap=softcap, sinks=sinks)
+
+    def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False):
+        return super().attention(query, cache, layout, plan, layer=layer,
+                                 return_lse=return_lse)
+
+
+@pytest.mark.parametrize("cls,plans_per_step", [(Counting, 2), (Counting10, 4)])
+def test_plans_per_step(cls, plans_per_step, sessions):
+    backend = cls()
+    model = kvabi_transformers.use(gpt_oss4(), backend)
+    tokens, logits = run_batch(model, prompts(), NEW_TOKENS, config=cb_config())
+    want_tokens, want_logits = want()
+    assert tokens == want_tokens
+    assert worst_step_error(logits, want_logits) <= 1e-5
+    steps = sessions[-1].stats["steps"]
+    assert backend.plans == plans_per_step * steps
+    assert backend.call_sinks == (4 * steps if cls is Counting else 0)
