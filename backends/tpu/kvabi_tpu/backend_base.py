@@ -118,6 +118,16 @@ class TPUBackendBase(kvabi.Backend):
                 f"{_describe(layout)}; plan each layout's steps with that layout")
         return plan.fmt
 
+    def _handle(self, cache, layout) -> kvabi.KVCache:
+        """The checked handle of ``cache`` (a KVCache or an ABI 1.0 list) for ``layout``;
+        its planes must be jax arrays (numpy or torch planes would be copied by every step,
+        and never updated)."""
+        handle = kvabi.as_cache(cache, layout)
+        if handle.framework != "jax":
+            raise KVABIError(f"cache: {self.name} holds jax arrays, got {handle.framework} "
+                             f"planes (convert them with kvabi.tensors.to_jax)")
+        return handle
+
     def _layer_planes(self, cache, plan, layer) -> tuple[int, ...]:
         """Indices of ``layer``'s planes in ``cache`` (a checked handle of the plan's
         layout); refuses planes consumed by an earlier write."""
@@ -142,8 +152,8 @@ class TPUBackendBase(kvabi.Backend):
         not the cache size.  Use the returned cache (a :class:`kvabi.KVCache` when given
         one, a list when given an ABI 1.0 list); the argument's planes of this layer are
         deleted.  (``donate_cache=False`` at construction keeps them, copying instead.)"""
-        handle = kvabi.as_cache(cache, layout)
         fmt = self._check_plan(layout, plan)
+        handle = self._handle(cache, layout)
         spec = plan.spec
         if value is None:
             raise KVABIError("value: must be an array [T, H, D] (the TPU backends have no MLA)")
@@ -181,8 +191,8 @@ class TPUBackendBase(kvabi.Backend):
         dtype) and the result is *returned*, never written into it."""
         import jax.numpy as jnp
 
-        handle = kvabi.as_cache(cache, layout)
         fmt = self._check_plan(layout, plan)
+        handle = self._handle(cache, layout)
         spec, t = plan.spec, plan.meta.num_tokens
         query = _jax(query, "query")
         hq = kvabi.check_query(query, plan.meta, spec)

@@ -88,6 +88,8 @@ def test_plan_of_another_layout_refused_before_any_kernel(backend):
     with pytest.raises(KVABIError, match=r"cache\[0\].shape"):
         backend.write_kv(list(cache), big, k, k, plan)
     assert not cache[0].is_deleted()
+    with pytest.raises(KVABIError, match="numpy planes"):
+        backend.write_kv(big.allocate_numpy(0), big, k, k, plan)
     # an equal layout (e.g. from a JSON round trip) is the same layout
     twin = kvabi.Layout.from_json(big.to_json())
     assert twin is not big
