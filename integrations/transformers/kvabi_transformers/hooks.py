@@ -3,6 +3,7 @@ pre-hook that turns each step's inputs into kvabi metadata, and (prefill skip) t
 of the KV-shared layers' inputs."""
 from __future__ import annotations
 
+import copy
 import types
 
 import torch
@@ -12,11 +13,11 @@ def install(model, integration) -> None:
     """Attach ``integration`` to ``model`` (replacing an earlier one)."""
     from .manager import KvabiManager
 
-    old = getattr(model, "_kvabi_hooks", None)
-    if old is not None:
-        for h in old:
-            h.remove()
-    cls = type(model)
+    for h in getattr(model, "_kvabi_hooks", None) or ():
+        h.remove()
+    base = getattr(model, "model", None)
+    if base is not None:
+        base.__dict__.pop("_maybe_slice_kv_shared_inputs", None)
 
     def init_continuous_batching(self, generation_config=None,
                                  continuous_batching_config=None, workload_hints=None):
@@ -29,8 +30,8 @@ def install(model, integration) -> None:
         gen = generation_config if generation_config is not None else self.generation_config
         if gen.eos_token_id is None:
             gen.eos_token_id = -1
-        cb = continuous_batching_config or ContinuousBatchingConfig()
-        cb.page_size = integration.block_size
+        cb = copy.deepcopy(continuous_batching_config or ContinuousBatchingConfig())
+        cb.page_size = integration.block_size  # transformers' pages are kvabi's blocks
         return KvabiManager(self, gen, cb, workload_hints, integration=integration)
 
     def pre_forward(module, args, kwargs):
@@ -52,7 +53,6 @@ def install(model, integration) -> None:
         _install_slice(model.model)
     model._kvabi_hooks = handles
     model._kvabi_integration = integration
-    del cls
 
 
 def _install_slice(base) -> None:

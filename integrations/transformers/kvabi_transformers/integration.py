@@ -52,6 +52,8 @@ class Integration:
             _check_prefill_skip(model, self.model_kv, self.model_type)
         self.memory = None if memory is None else parse_bytes(memory)
         self.memory_plan = None
+        if self.memory is not None:
+            self.plan_blocks()  # a budget that holds nothing fails here
         #: the Session of the latest step (its stats and timing), None before any
         self.session = None
 
@@ -68,7 +70,15 @@ class Integration:
             budget = parse_bytes(DEFAULT_MEMORY)
         uniform = self.layout_names[0] if len(set(self.layout_names)) == 1 else None
         self.memory_plan = plan_memory(self.model_kv, budget, layout=uniform)
-        return min(g.num_blocks for g in self.memory_plan.groups)
+        blocks = min(g.num_blocks for g in self.memory_plan.groups)
+        if workload_hints is not None and workload_hints.num_requests:
+            longest = workload_hints.max_prompt_length + workload_hints.max_generated_length
+            need = -(-longest // self.block_size)
+            if blocks < need:
+                raise KVABIError(f"memory: {budget} bytes hold {blocks} blocks of "
+                                 f"{self.block_size} tokens per layer, but a request of "
+                                 f"{longest} tokens needs {need}")
+        return blocks
 
     @property
     def bytes_per_block(self) -> int:

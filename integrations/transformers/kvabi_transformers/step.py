@@ -42,7 +42,7 @@ def step_metadata(cu_seq_lens_q, position_ids, write_index, read_index, *, block
     cu = np.concatenate([[0], np.cumsum(q[keep])])
     q = q[keep]
     total = int(cu[-1])
-    ctx = pos[cu[:-1]] if total else np.zeros(0, np.int64)
+    ctx = pos[cu[:-1]]
     seq = ctx + q
     nblk = -(-seq // block_size)
     owner, j = _expand(nblk)
@@ -57,8 +57,9 @@ def step_metadata(cu_seq_lens_q, position_ids, write_index, read_index, *, block
         rows = write[cu[:-1][owner] + j * block_size]
     table = np.zeros((len(q), int(nblk.max(initial=0))), np.int64)
     table[owner, j] = rows // stride - first_block
+    # Tokens past the real ones (static-shape padding) stay padding: slot -1.
     meta = CommonAttentionMetadata.from_lengths(q, ctx, table, block_size,
-                                                num_blocks=num_blocks)
+                                                num_blocks=num_blocks, num_tokens=len(pos))
     hf_slots = (write[:total] // stride - first_block) * block_size + write[:total] % stride
     bad = np.nonzero(meta.slot_mapping[:total] != hf_slots)[0]
     if len(bad):

@@ -76,3 +76,18 @@ def test_kvabi_attention_outside_continuous_batching():
     model.set_attn_implementation("kvabi")
     with pytest.raises(kvabi.KVABIError, match="generate_batch"):
         model(torch.tensor([[5, 6, 7]]))
+
+
+def test_memory_that_holds_nothing_fails_at_use():
+    with pytest.raises(kvabi.KVABIError, match="memory_bytes: must hold one block"):
+        kvabi_transformers.use(model_of("llama"), memory="1KiB")
+
+
+def test_memory_too_small_for_the_longest_request():
+    from kvabi_transformers.compare import cb_config, greedy_config
+
+    model = kvabi_transformers.use(model_of("llama"), block_size=4, memory="4KiB")
+    with pytest.raises(kvabi.KVABIError, match=r"memory: 4096 bytes hold \d+ blocks of 4 "
+                       r"tokens per layer, but a request of 106 tokens needs 27"):
+        model.generate_batch(inputs=[[5] * 100], generation_config=greedy_config(6),
+                             continuous_batching_config=cb_config())

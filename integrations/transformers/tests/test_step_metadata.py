@@ -55,3 +55,14 @@ def test_missing_read_index_with_context_is_refused():
     with pytest.raises(KVABIError, match="read_index: empty"):
         step_metadata(cu, pos, write, torch.zeros(0, dtype=torch.int64), block_size=BS,
                       stride=STRIDE, first_block=FIRST, num_blocks=9)
+
+
+def test_static_shape_padding_stays_padding():
+    cu, pos, write, read = case([5, 0], [2, 3], [[4, 0], [1, 5]])
+    # transformers pads to static shapes: plateaus in cu_seq_lens_q, zero positions
+    cu = torch.cat([cu, cu[-1:], cu[-1:]])
+    pos = torch.cat([pos, torch.zeros(1, 3, dtype=torch.int64)], dim=1)
+    meta = step_metadata(cu, pos, write, read, block_size=BS, stride=STRIDE,
+                         first_block=FIRST, num_blocks=9)
+    assert meta.num_reqs == 2 and meta.num_tokens == 8 and meta.num_actual_tokens == 5
+    assert meta.slot_mapping[5:].tolist() == [-1, -1, -1]
