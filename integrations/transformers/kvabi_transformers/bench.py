@@ -95,6 +95,8 @@ def run(args, progress=None) -> dict:
     out["prefill_skip_speedup"] = plain["prefill_s"] / skip["prefill_s"]
     out["kvabi_vs_transformers_prefill"] = hf["prefill_s"] / plain["prefill_s"]
     out["kvabi_overhead_per_step_s"] = plain["overhead_s"]
+    if plain["decode_s"] is not None and hf["decode_s"] is not None:
+        out["kvabi_decode_step_minus_transformers_s"] = plain["decode_s"] - hf["decode_s"]
     return out
 
 
@@ -132,6 +134,12 @@ def report(r) -> str:
         f"{r['kvabi_vs_transformers_prefill']:.2f}x faster; kvabi's metadata + plans: "
         f"{over * 1e3:.2f} ms per step "
         f"({100 * over / r['kvabi']['prefill_s']:.2f}% of its prefill forward)"]
+    extra = r.get("kvabi_decode_step_minus_transformers_s")
+    if extra is not None:
+        lines.append(f"decode step: kvabi {r['kvabi']['decode_s'] * 1e3:.1f} ms vs transformers' "
+                     f"paged path {r['transformers_paged']['decode_s'] * 1e3:.1f} ms "
+                     f"({extra * 1e3:+.1f} ms per step: per-layer framework conversion and "
+                     f"dispatch, plus the metadata and plans above)")
     return "\n".join(lines)
 
 

@@ -71,8 +71,8 @@ def tiny_model(family: str, *, seed: int = 0, dtype: str = "float32", **config_k
 
 def tiny_prompts(n: int = 6, *, lengths=(3, 5, 11, 17, 23, 29), vocab: int = 128,
                  shared_prefix: int = 12, seed: int = 0) -> list[list[int]]:
-    """``n`` prompts of mixed lengths (cycling ``lengths``); every other prompt from the
-    third on starts with the same ``shared_prefix`` tokens as the others that do."""
+    """``n`` prompts of mixed lengths (cycling ``lengths``); those longer than
+    ``shared_prefix`` tokens all start with the same ``shared_prefix`` tokens."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -81,7 +81,7 @@ def tiny_prompts(n: int = 6, *, lengths=(3, 5, 11, 17, 23, 29), vocab: int = 128
     for i in range(n):
         length = lengths[i % len(lengths)]
         toks = rng.integers(3, vocab, length).tolist()
-        if i >= 2 and i % 2 == 0 and length > shared_prefix:
+        if length > shared_prefix:
             toks[:shared_prefix] = prefix
         out.append(toks)
     return out

@@ -48,3 +48,23 @@ def test_tokens_and_logits_match_transformers(backend, family, layout):
     assert tokens == want_tokens
     err = worst_step_error(logits, want_logits)
     assert err <= LOGITS_TOL, f"{backend} {family} {layout}: logits relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma4"])
+def test_chunked_prefill_and_prefix_sharing(family, sessions):
+    # 16 tokens per step: prompts are prefilled in chunks longer than the window (8) with
+    # cached context; 4-token blocks let later requests reuse the shared prefix's blocks
+    # where transformers shares them (full attention only).
+    config = cb_config(max_batch_tokens=16, num_blocks=128, page_size=4)
+    want_tokens, want_logits = run_batch(model_of(family), prompts(), NEW_TOKENS,
+                                         config=config)
+    model = kvabi_transformers.use(model_of(family), "reference", "vllm.BLHNC", block_size=4)
+    tokens, logits = run_batch(model, prompts(), NEW_TOKENS, config=config)
+    assert tokens == want_tokens
+    assert worst_step_error(logits, want_logits) <= LOGITS_TOL
+    computed = sessions[-1].stats["tokens"]
+    total = sum(map(len, prompts())) + len(prompts()) * (NEW_TOKENS - 1)
+    if family == "llama":  # two later requests reused the three blocks of the prefix
+        assert computed == total - 2 * 12
+    else:
+        assert computed == total

@@ -9,7 +9,8 @@ _BASELINES: dict = {}
 
 
 def prompts():
-    """7 prompts of 3..29 tokens (window 8: most are longer), three sharing a prefix."""
+    """7 prompts of 3..29 tokens (window 8: most are longer); the three longer than 12
+    tokens share a 12-token prefix."""
     return tiny_prompts(7)
 
 
