@@ -12,10 +12,12 @@ FAMILIES = ("llama", "mistral", "gpt_oss", "gemma4")
 
 
 def tiny_config(family: str, *, layers: int = 2, hidden: int = 64, window: int = 8,
-                shared: int | None = None, vocab: int = 128):
+                shared: int | None = None, vocab: int = 128, global_head_dim: int = 16):
     """A transformers config of ``family`` (one of :data:`FAMILIES`) small enough for a CPU
     test: ``layers`` decoder layers of width ``hidden``, sliding window ``window`` where the
-    family has one, and (Gemma 4) ``shared`` KV-shared layers (default: half)."""
+    family has one, and (Gemma 4) ``shared`` KV-shared layers (default: half) and the head
+    size ``global_head_dim`` of its full-attention layers (transformers' own continuous
+    batching needs it equal to ``head_dim``, 16)."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -39,7 +41,7 @@ def tiny_config(family: str, *, layers: int = 2, hidden: int = 64, window: int =
             kinds[0] = "sliding_attention"
         common.pop("tie_word_embeddings")
         return tf.Gemma4TextConfig(**common, sliding_window=window, layer_types=kinds,
-                                   num_kv_shared_layers=shared, global_head_dim=16,
+                                   num_kv_shared_layers=shared, global_head_dim=global_head_dim,
                                    vocab_size_per_layer_input=vocab,
                                    hidden_size_per_layer_input=16,
                                    tie_word_embeddings=True)

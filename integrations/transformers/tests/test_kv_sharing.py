@@ -62,3 +62,24 @@ def test_prefill_skip_same_tokens(backend, layout, sessions):
 def test_prefill_skip_refused_without_shared_layers():
     with pytest.raises(kvabi.KVABIError, match="prefill_skip: llama has no KV-shared"):
         kvabi_transformers.use(model_of("llama"), prefill_skip=True)
+
+
+def test_gemma4_wider_full_layers_match_generate():
+    # Full-attention layers with their own head size (global_head_dim 32 vs 16): two KV
+    # groups of different shapes.  transformers' own continuous batching cannot size its
+    # cache for this model, so the oracle is its plain `generate`, prompt by prompt.
+    import torch
+    from kvabi_transformers.tiny_models import tiny_model
+
+    model = tiny_model("gemma4", layers=4, seed=1, global_head_dim=32)
+    want = []
+    for p in prompts():
+        out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+        want.append(out[0, len(p):].tolist())
+    assert len({t for seq in want for t in seq}) > 5, want  # varied continuations
+    kvabi_transformers.use(model, "reference", prefill_skip=True)
+    specs = [g.spec.head_dim for g in model._kvabi_integration.model_kv.groups]
+    assert sorted(specs) == [16, 32]
+    tokens, _ = run_batch(model, prompts(), NEW_TOKENS, config=cb_config(), logits=False)
+    assert tokens == want
