@@ -6,6 +6,7 @@ import sys
 
 import kvabi
 from kvabi import KVABIError
+from kvabi.coerce import as_bool
 from kvabi.plan import layout_page_bytes, parse_bytes, plan_memory
 
 from .model_kv import model_kv
@@ -33,6 +34,8 @@ class Integration:
     block size, sinks, prefill skip.  Checked once; every run builds a Session from it."""
 
     def __init__(self, model, backend, layout, block_size, kv_dtype, prefill_skip, memory):
+        _check_model(model)
+        self.prefill_skip = as_bool(prefill_skip, "prefill_skip")
         self.backend = _backend(backend)
         config = model.config.get_text_config()
         self.model_type = getattr(config, "model_type", type(model).__name__)
@@ -47,7 +50,6 @@ class Integration:
             _layout(layout, self.backend, g, softcap, bool(self.sinks), self.model_type)
             for g in self.model_kv.groups]
         self.all_full = all(l.spec.kind == "full" for l in self.model_kv.layers)
-        self.prefill_skip = bool(prefill_skip)
         if self.prefill_skip:
             _check_prefill_skip(model, self.model_kv, self.model_type)
         self.memory = None if memory is None else parse_bytes(memory)
@@ -85,6 +87,17 @@ class Integration:
         """Bytes one more block costs across all KV groups, in their layouts."""
         return sum(layout_page_bytes(g.spec, name) * len(g.layers)
                    for g, name in zip(self.model_kv.groups, self.layout_names))
+
+
+def _check_model(model) -> None:
+    import torch
+
+    config = getattr(model, "config", None)
+    ok = (isinstance(model, torch.nn.Module) and hasattr(config, "get_text_config")
+          and callable(getattr(model, "generate_batch", None)))
+    if not ok:
+        raise KVABIError(f"model: must be a transformers causal LM with continuous batching "
+                         f"(generate_batch), got {type(model).__name__}")
 
 
 def _backend(backend):

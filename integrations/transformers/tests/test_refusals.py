@@ -91,3 +91,15 @@ def test_memory_too_small_for_the_longest_request():
                        r"tokens per layer, but a request of 106 tokens needs 27"):
         model.generate_batch(inputs=[[5] * 100], generation_config=greedy_config(6),
                              continuous_batching_config=cb_config())
+
+
+def test_not_a_transformers_model_and_non_bool_option():
+    import torch
+
+    with pytest.raises(kvabi.KVABIError, match="model: must be a transformers causal LM .*"
+                       "got Linear"):
+        kvabi_transformers.use(torch.nn.Linear(2, 2))
+    with pytest.raises(kvabi.KVABIError, match="prefill_skip: must be true or false, got 'yes'"):
+        kvabi_transformers.use(model_of("gemma4"), prefill_skip="yes")
+    with pytest.raises(kvabi.KVABIError, match="layout: reference does not support 7"):
+        kvabi_transformers.use(model_of("llama"), layout=7)
