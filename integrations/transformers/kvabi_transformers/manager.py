@@ -53,6 +53,13 @@ class KvabiPagedCache(PagedAttentionCache):
         self.kvabi = Session(integration, num_blocks=allocator.num_blocks,
                              stride=allocator.block_physical_stride, first_block=first)
 
+    def perform_cache_copy(self, copy_src_and_dst) -> None:
+        """Forked requests (``num_return_sequences``) get copies of their parent's blocks
+        that are not shared: transformers copies its bookkeeping rows, kvabi the K/V."""
+        super().perform_cache_copy(copy_src_and_dst)
+        for src, dst in copy_src_and_dst.values():
+            self.kvabi.copy_blocks(src, dst)
+
 
 class KvabiManager(ContinuousBatchingManager):
     """A ContinuousBatchingManager whose model attends with kvabi (attention implementation

@@ -114,6 +114,20 @@ class Session:
             self.stats["skipped_rows"] += meta.num_actual_tokens - len(keep)
         return self.step
 
+    def copy_blocks(self, src, dst) -> None:
+        """Copy blocks ``src`` to ``dst`` (transformers' block ids) in every KV group's
+        cache, through kvabi.transfer (any layout, any framework)."""
+        if not len(src):
+            return
+        from kvabi.transfer import execute, plan_block_transfer
+
+        s = np.asarray(src, np.int64) - self.first_block
+        d = np.asarray(dst, np.int64) - self.first_block
+        for g, layout in enumerate(self.layouts):
+            plan = plan_block_transfer(layout, layout, s, d)
+            self.caches[g] = kvabi.as_cache(execute(plan, self.caches[g], self.caches[g]),
+                                            layout)
+
     # -- per layer -----------------------------------------------------------------------
     def _to_backend(self, x):
         if self.fw == "numpy":
