@@ -72,6 +72,9 @@ class KvabiManager(ContinuousBatchingManager):
         # kvabi reads block ids from the read/write indices: no block-table fast path.
         cb.max_blocks_per_request = 0
         cb.num_blocks = integration.plan_blocks(workload_hints)
+        # transformers' CPU swap pool copies its own cache rows, not kvabi's blocks: starved
+        # requests are soft-reset (recomputed) instead.
+        cb.cpu_offload_space = 0.0
         # Prefix sharing where transformers itself would share (full attention only).
         if not integration.all_full:
             cb.allow_block_sharing = False
