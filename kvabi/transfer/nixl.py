@@ -101,7 +101,8 @@ class NixlAgent:
         except Exception as e:  # noqa: BLE001 - nixl raises plain exceptions
             raise KVABIError(f"nixl: could not create agent {name!r}: {e}") from None
         self._regs = []  # (cache, descs, rows [n, 3] address/nbytes/device, memory)
-        self._peers: dict[str, Peer] = {}
+        # agent name -> the peers (one per handshake, i.e. per served cache) it stands for
+        self._peers: dict[str, list[Peer]] = {}
 
     # -- local memory ------------------------------------------------------------------
     def register(self, cache: KVCache) -> KVCache:
@@ -158,10 +159,10 @@ class NixlAgent:
         if h.agent_name == self.name:
             raise KVABIError(f"agent.name: the peer has this agent's own name {self.name!r}")
         try:
-            # Metadata fetched earlier lacks memory the peer registered since: start afresh.
+            # Metadata fetched earlier lacks memory the peer registered since: fetch it
+            # afresh (peers of that agent connected earlier stay valid).
             if h.agent_name in self._peers or self._agent.check_remote_metadata(h.agent_name):
                 self._agent.remove_remote_agent(h.agent_name)
-                self._peers.pop(h.agent_name, None)
             if h.metadata is not None:
                 got = self._agent.add_remote_agent(h.metadata)
                 got = got.decode() if isinstance(got, bytes) else got
@@ -184,7 +185,7 @@ class NixlAgent:
             raise KVABIError(f"peer: connecting to {h.agent_name!r} at {h.host}:{h.port} "
                              f"failed: {e}") from None
         peer = Peer(h)
-        self._peers[peer.name] = peer
+        self._peers.setdefault(peer.name, []).append(peer)
         return peer
 
     # -- transfers -------------------------------------------------------------------------
@@ -203,7 +204,8 @@ class NixlAgent:
                   timeout: float = 30.0, notify: bytes = b"kvabi.pull") -> KVCache:
         """Run ``plan`` (source: the peer's layout) as one NIXL READ into ``dst``."""
         timeout = as_float(timeout, "timeout", positive=True)
-        if not isinstance(peer, Peer) or self._peers.get(peer.name) is not peer:
+        if not isinstance(peer, Peer) or not any(p is peer for p in self._peers.get(
+                peer.name, ())):
             raise KVABIError("peer: not connected to this agent (use connect(message))")
         if not isinstance(plan, TransferPlan):
             raise KVABIError(f"plan: must be a TransferPlan, got {type(plan).__name__}")
