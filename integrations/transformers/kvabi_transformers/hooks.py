@@ -7,6 +7,7 @@ import copy
 import types
 
 import torch
+from kvabi import KVABIError
 
 
 def install(model, integration) -> None:
@@ -47,8 +48,18 @@ def install(model, integration) -> None:
             kwargs["logits_to_keep"] = torch.arange(len(step.skip_rows), device=model.device)
         return args, kwargs
 
+    def post_forward(module, args, kwargs, output):
+        session = getattr(kwargs.get("cache"), "kvabi", None)
+        step = None if session is None else session.step
+        if step is not None and step.skip_index is not None and not step.skipping:
+            # logits_to_keep already points at the kept rows: never return other rows' logits
+            raise KVABIError(f"prefill_skip: {integration.model_type} did not run its "
+                             "KV-shared layers through the slicing hook")
+        return None
+
     model.init_continuous_batching = types.MethodType(init_continuous_batching, model)
-    handles = [model.register_forward_pre_hook(pre_forward, with_kwargs=True)]
+    handles = [model.register_forward_pre_hook(pre_forward, with_kwargs=True),
+               model.register_forward_hook(post_forward, with_kwargs=True)]
     if integration.prefill_skip:
         _install_slice(model.model)
     model._kvabi_hooks = handles

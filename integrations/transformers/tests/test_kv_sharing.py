@@ -83,3 +83,14 @@ def test_gemma4_wider_full_layers_match_generate():
     assert sorted(specs) == [16, 32]
     tokens, _ = run_batch(model, prompts(), NEW_TOKENS, config=cb_config(), logits=False)
     assert tokens == want
+
+
+def test_prefill_skip_never_returns_other_rows(monkeypatch):
+    # If the model stopped calling the slicing hook, the step must fail, not answer with
+    # the logits of other tokens.
+    model = kvabi_transformers.use(model_of("gemma4"), prefill_skip=True)
+    base = model.model
+    monkeypatch.setattr(base, "_maybe_slice_kv_shared_inputs",
+                        lambda h, p, e, m, k, past_key_values=None, **kw: (h, p, e, m))
+    with pytest.raises(RuntimeError, match="generate_batch failed.*did not run its KV-shared"):
+        run_batch(model, prompts(), NEW_TOKENS, config=cb_config(), logits=False)
