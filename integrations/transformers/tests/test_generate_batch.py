@@ -68,3 +68,17 @@ def test_chunked_prefill_and_prefix_sharing(family, sessions):
         assert computed == total - 2 * 12
     else:
         assert computed == total
+
+
+def test_generate_with_paged_cache_goes_through_kvabi(sessions):
+    # transformers routes generate(cache_implementation="paged") to generate_batch
+    import torch
+
+    want = baseline("gemma4")[0]
+    model = kvabi_transformers.use(model_of("gemma4"), "reference", prefill_skip=True)
+    for i in (0, 5):
+        p = prompts()[i]
+        out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             cache_implementation="paged", eos_token_id=-1, pad_token_id=0)
+        assert out.reshape(-1)[len(p):].tolist() == want[i]
+        assert sessions[-1].stats["steps"] == NEW_TOKENS
