@@ -166,7 +166,8 @@ def _check_prefill_skip(model, mkv, model_type) -> None:
 def use(model, backend="reference", layout=None, *, block_size=None, kv_dtype=None,
         prefill_skip=False, memory=None):
     """Serve ``model``'s continuous batching (``model.generate_batch``,
-    ``model.init_continuous_batching``) with a kvabi backend; returns ``model``.
+    ``model.init_continuous_batching``, ``model.generate(..., cache_implementation="paged")``)
+    with a kvabi backend; returns ``model``.
 
     K/V are stored in kvabi caches of ``layout`` (a preset name the backend supports;
     None: the backend's preferred one) with ``block_size`` tokens per block and
