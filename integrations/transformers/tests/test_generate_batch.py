@@ -82,3 +82,20 @@ def test_generate_with_paged_cache_goes_through_kvabi(sessions):
                              cache_implementation="paged", eos_token_id=-1, pad_token_id=0)
         assert out.reshape(-1)[len(p):].tolist() == want[i]
         assert sessions[-1].stats["steps"] == NEW_TOKENS
+
+
+def test_bfloat16_cache_of_a_float32_model():
+    # kv_dtype stores K/V in bfloat16: the prefill step's logits are within bfloat16 rounding
+    # (about 2**-8 relative per stored value) of transformers' float32 cache, and two
+    # backends holding the same bfloat16 cache agree with each other to float32 precision.
+    _available("tpu.jax")
+    want_tokens, want_logits = baseline("llama")
+    runs = []
+    for backend in ("reference", "tpu.jax"):
+        model = kvabi_transformers.use(model_of("llama"), backend, kv_dtype="bfloat16")
+        assert {g.spec.dtype for g in model._kvabi_integration.model_kv.groups} == {"bfloat16"}
+        runs.append(run_batch(model, prompts(), NEW_TOKENS, config=cb_config()))
+    (ref_tokens, ref_logits), (jax_tokens, jax_logits) = runs
+    assert 1e-4 < worst_step_error(ref_logits[:1], want_logits[:1]) <= 2e-2
+    assert jax_tokens == ref_tokens
+    assert worst_step_error(jax_logits, ref_logits) <= LOGITS_TOL
