@@ -12,7 +12,7 @@ from kvabi import KVABIError, KVCache, KVSpec
 from kvabi.layout import Layout
 from kvabi.presets import PRESETS
 from kvabi.transfer import HostPool, execute, plan_block_transfer, plan_transfer
-from transfer_oracle import POISON, element_bytes, gather, raw_planes
+from transfer_oracle import POISON, element_bytes, gather, raw_planes, written_mask
 
 SPEC = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 
@@ -222,3 +222,49 @@ def test_cross_layer_host_pool_moves_whole_blocks(name):
                                           _kv(cache, layer, kv)[blocks].view(np.uint32))
     with pytest.raises(KVABIError, match="preset: 'cross_layer' is built from a device Layout"):
         HostPool(SPEC, 4, num_layers=2, preset="cross_layer")
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_regular_regions_fold_into_boxes(reverse, monkeypatch):
+    """Strided regions (a relayout of whole blocks, or a reversed token order: negative
+    destination strides) are copied as boxes; the bytes match the oracle either way."""
+    spec = KVSpec("full", block_size=8, num_kv_heads=2, head_dim=4, dtype="float32")
+    a = Layout.preset("flashinfer.HND", spec, 4, 2)
+    b = Layout.preset("vllm.BLNHC", attrs.evolve(spec, block_size=16), 2, 2)
+    s = np.arange(16)
+    t = np.arange(16, 32)[::-1] if reverse else np.arange(16, 32)
+    plan = plan_transfer(a, b, s, t)
+    mod = sys.modules["kvabi.transfer.execute"]
+    r = plan.regions[plan.regions[:, 0] == 0]
+    # atoms of one head's D, and (in order) a few pairs merged across block ends
+    assert set(r[:, 4]) <= {16, 32}
+    if reverse:  # nothing merges: the sequence is regular as it is
+        _, _, shape, _, ds = mod.fold(r[:, 1], r[:, 3])
+        assert shape and min(ds) < 0
+    boxes = []
+    real = mod._copy_boxes
+    monkeypatch.setattr(mod, "_copy_boxes", lambda *a: boxes.append(a[2]) or real(*a))
+    monkeypatch.setattr(mod, "_gather_scatter", None)  # must not be needed
+    rng = np.random.default_rng(4)
+    sbufs, sp = raw_planes(a, rng)
+    dbufs, dp = raw_planes(b)
+    before = [x.copy() for x in dbufs]
+    execute(plan, sp, dp)
+    assert len(boxes) == 2 and all(boxes), "each source plane copied as boxes"
+    ap, ao = element_bytes(a, [0, 1], s)
+    bp, bo = element_bytes(b, [0, 1], t)
+    assert np.array_equal(gather(dbufs, bp, bo, 4), gather(sbufs, ap, ao, 4))
+    for buf, old, m in zip(dbufs, before, written_mask(dbufs, bp, bo, 4)):
+        assert np.array_equal(buf[~m], old[~m])
+
+
+def test_fold():
+    fold = sys.modules["kvabi.transfer.execute"].fold
+    assert fold(np.array([0, 8, 16, 40]), np.array([0, 8, 16, 24]))[2] == []
+    starts_s, starts_d, shape, ss, ds = fold(np.array([0, 8, 100, 108]),
+                                             np.array([0, 16, 200, 216]))
+    assert (shape, ss, ds) == ([2, 2], [100, 8], [200, 16])
+    assert list(starts_s) == [0] and list(starts_d) == [0]
+    starts_s, _, shape, ss, ds = fold(np.array([0, 8, 100, 108, 150, 158]),
+                                      np.array([0, 16, 200, 216, 300, 316]))
+    assert (shape, ss, ds) == ([2], [8], [16]) and list(starts_s) == [0, 100, 150]

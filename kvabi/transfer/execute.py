@@ -2,9 +2,11 @@
 
 Each plane is seen as a flat byte array.  Regions of at least :data:`LARGE` bytes are copied
 one slice each (each long enough that the call costs little next to the copy); all smaller
-regions of a plane pair go through one vectorized gather/scatter: they are cut into
-rows of the largest size dividing every offset and length, and the rows are moved with one
-fancy-indexing copy per batch of :data:`BATCH` bytes (no Python loop per region).
+regions of a plane pair are moved without a Python loop per region: where their offsets
+step by constant strides (a relayout of whole blocks) they are folded into a few strided
+boxes, each copied in one pass; otherwise they go through one vectorized gather/scatter,
+cut into rows of the largest size dividing every offset and length and moved with one
+fancy-indexing copy per batch of :data:`BATCH` bytes.
 
 numpy arrays and torch tensors (CPU or CUDA) are written in place; jax arrays are immutable,
 so a jax destination comes back as a new handle.
@@ -22,6 +24,8 @@ from .plan import TransferPlan
 #: the bytes once where a gather/scatter moves them twice (measured 2x faster for a
 #: per-layer layout's 64 KiB blocks)
 LARGE = 64 << 10
+#: boxes (see :func:`fold`) at least this large are copied one strided copy each
+BOX_LOOP = 16 << 10
 #: bytes moved per gather/scatter batch (bounds the temporary)
 BATCH = 8 << 20
 
@@ -118,8 +122,81 @@ def _copy_all(regions, sbytes, dbytes, *, torch_side: bool):
         for so, do, n in g[large][:, [1, 3, 4]].tolist():
             db[do:do + n] = sb[so:so + n]
         small = g[~large]
-        if len(small):
-            _gather_scatter(small[:, 1], small[:, 3], small[:, 4], sb, db, torch_side)
+        if not len(small):
+            continue
+        so, do, n = small[:, 1], small[:, 3], small[:, 4]
+        if not torch_side and _try_boxes(so, do, n, sb, db):
+            continue
+        _gather_scatter(so, do, n, sb, db, torch_side)
+
+
+def _try_boxes(so, do, n, sb, db) -> bool:
+    """Copy the regions as boxes if their offsets are regular; False when they are not.
+
+    Merging leaves a few regions that are multiples of the others (two atoms adjacent in
+    both layouts across a block boundary): those are cut back into atoms first, so that
+    the sequence is regular again."""
+    n0 = int(n.min())
+    if np.any(n % n0):
+        return False
+    k = n // n0
+    total = int(k.sum())
+    if total > 2 * n.size:
+        return False
+    if total != n.size:
+        within = (np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(k) - k, k)) * n0
+        so, do = np.repeat(so, k) + within, np.repeat(do, k) + within
+    starts_s, starts_d, shape, ss, ds = fold(so, do)
+    if not shape:
+        return False
+    _copy_boxes(starts_s, starts_d, shape, ss, ds, n0, sb, db)
+    return True
+
+
+def fold(so, do):
+    """Fold equal-length regions into boxes: strided arrays of regions whose source and
+    destination offsets step by constant strides (a relayout of whole blocks is a few
+    such boxes per plane).  Returns the boxes' start offsets and their common shape and
+    source/destination byte strides (outermost first); an empty shape when the offsets
+    have no such structure."""
+    shape, ss, ds = [], [], []
+    while so.size > 1:
+        dso, ddo = np.diff(so), np.diff(do)
+        brk = np.flatnonzero((dso != dso[0]) | (ddo != ddo[0]))
+        c = int(brk[0]) + 1 if brk.size else so.size
+        if c < 2 or so.size % c:
+            break
+        s2, d2 = so.reshape(-1, c), do.reshape(-1, c)
+        if not (np.all(np.diff(s2, axis=1) == dso[0]) and np.all(np.diff(d2, axis=1) == ddo[0])):
+            break  # not periodic: stop at the boxes found so far
+        shape.insert(0, c)
+        ss.insert(0, int(dso[0]))
+        ds.insert(0, int(ddo[0]))
+        so, do = s2[:, 0], d2[:, 0]
+    return so, do, shape, ss, ds
+
+
+def _copy_boxes(so, do, shape, ss, ds, n, sb, db):
+    """numpy: copy boxes of ``shape`` x ``n`` bytes (strides ``ss``/``ds``) starting at
+    ``so``/``do``: one strided copy per box where boxes are large (each byte moved once),
+    a batched fancy-index copy of whole boxes where they are small."""
+    g = int(np.gcd.reduce(np.concatenate([so, do]))) or 1
+    si, di = so // g, do // g
+    box = tuple(shape) + (n,)
+    # Grids of every box start (every g bytes): the regions were bounds-checked, so every
+    # byte a selected box addresses lies inside its plane.
+    sgrid = np.lib.stride_tricks.as_strided(sb, (int(si.max()) + 1,) + box,
+                                            (g,) + tuple(ss) + (1,))
+    dgrid = np.lib.stride_tricks.as_strided(db, (int(di.max()) + 1,) + box,
+                                            (g,) + tuple(ds) + (1,))
+    nbytes = n * int(np.prod(shape))
+    if nbytes >= BOX_LOOP:
+        for a, b in zip(si.tolist(), di.tolist()):
+            dgrid[b] = sgrid[a]
+    else:
+        step = max(1, BATCH // nbytes)
+        for i in range(0, si.size, step):
+            dgrid[di[i:i + step]] = sgrid[si[i:i + step]]
 
 
 def _rows(flat, u, torch_side):
