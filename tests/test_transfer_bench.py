@@ -65,3 +65,6 @@ def test_help_and_bad_preset(capsys):
     with pytest.raises(SystemExit):
         bench.run(["--presets", "nope"])
     assert "unknown preset 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.run(["--repeat", "0"])
+    assert "--repeat: must be >= 1, got 0" in capsys.readouterr().err

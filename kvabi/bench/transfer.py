@@ -309,6 +309,8 @@ def run(argv=None) -> int:
                    help="comma-separated presets (default: all)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per figure (best kept)")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat: must be >= 1, got {args.repeat}")
     setup = Setup(layers=4, tokens=256, repeat=1) if args.quick else Setup(repeat=args.repeat)
     presets = PRESETS if args.presets is None else tuple(args.presets.split(","))
     unknown = [x for x in presets if x not in PRESETS]
