@@ -182,13 +182,15 @@ def _copy_boxes(so, do, shape, ss, ds, n, sb, db):
     a batched fancy-index copy of whole boxes where they are small."""
     g = int(np.gcd.reduce(np.concatenate([so, do]))) or 1
     si, di = so // g, do // g
-    box = tuple(shape) + (n,)
-    # Grids of every box start (every g bytes): the regions were bounds-checked, so every
-    # byte a selected box addresses lies inside its plane.
-    sgrid = np.lib.stride_tricks.as_strided(sb, (int(si.max()) + 1,) + box,
-                                            (g,) + tuple(ss) + (1,))
-    dgrid = np.lib.stride_tricks.as_strided(db, (int(di.max()) + 1,) + box,
-                                            (g,) + tuple(ds) + (1,))
+    # Grids of every box start (every g bytes) whose elements are the n-byte regions (a
+    # void item: numpy moves each with one memcpy).  The regions were bounds-checked, so
+    # every byte a selected box addresses lies inside its plane.
+    item = np.dtype((np.void, n))
+    sv, dv = _items(sb, item), _items(db, item)
+    sgrid = np.lib.stride_tricks.as_strided(sv, (int(si.max()) + 1,) + tuple(shape),
+                                            (g,) + tuple(ss))
+    dgrid = np.lib.stride_tricks.as_strided(dv, (int(di.max()) + 1,) + tuple(shape),
+                                            (g,) + tuple(ds))
     nbytes = n * int(np.prod(shape))
     if nbytes >= BOX_LOOP:
         for a, b in zip(si.tolist(), di.tolist()):
@@ -197,6 +199,11 @@ def _copy_boxes(so, do, shape, ss, ds, n, sb, db):
         step = max(1, BATCH // nbytes)
         for i in range(0, si.size, step):
             dgrid[di[i:i + step]] = sgrid[si[i:i + step]]
+
+
+def _items(flat, item):
+    """A 1-D uint8 array seen as items of ``item.itemsize`` bytes from its first byte."""
+    return flat[:flat.shape[0] // item.itemsize * item.itemsize].view(item)
 
 
 def _rows(flat, u, torch_side):
