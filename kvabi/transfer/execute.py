@@ -110,18 +110,23 @@ def _execute_jax(plan, s, d):
 def _copy_all(regions, sbytes, dbytes, *, torch_side: bool):
     r = regions
     # Group by (src plane, dst plane): one vectorized copy per pair.
-    pair = r[:, 0] * len(dbytes) + r[:, 2]
-    if np.any(pair[1:] < pair[:-1]):  # plans come sorted by source plane: usually grouped
-        r = r[np.argsort(pair, kind="stable")]
+    if r[0, 0] == r[-1, 0] and np.all(r[:, 0] == r[0, 0]) and np.all(r[:, 2] == r[0, 2]):
+        bounds = np.array([0, len(r)])  # one plane pair (cross-layer layouts): no grouping
+    else:
         pair = r[:, 0] * len(dbytes) + r[:, 2]
-    bounds = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1], True])
-    for a, b in zip(bounds[:-1], bounds[1:]):
+        if np.any(pair[1:] < pair[:-1]):  # plans come sorted by source plane: grouped
+            r = r[np.argsort(pair, kind="stable")]
+            pair = r[:, 0] * len(dbytes) + r[:, 2]
+        bounds = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1], True])
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
         g = r[a:b]
         sb, db = sbytes[int(g[0, 0])], dbytes[int(g[0, 2])]
         large = g[:, 4] >= LARGE
-        for so, do, n in g[large][:, [1, 3, 4]].tolist():
-            db[do:do + n] = sb[so:so + n]
-        small = g[~large]
+        small = g
+        if large.any():
+            for so, do, n in g[large][:, [1, 3, 4]].tolist():
+                db[do:do + n] = sb[so:so + n]
+            small = g[~large]
         if not len(small):
             continue
         so, do, n = small[:, 1], small[:, 3], small[:, 4]
