@@ -17,6 +17,7 @@ import numpy as np
 
 from ..cache import KVCache
 from ..errors import KVABIError
+from .pattern_copy import copy_pattern
 from .plan import TransferPlan
 
 #: regions at least this long are copied as one slice each: a slice costs about a
@@ -74,8 +75,16 @@ def execute(plan: TransferPlan, src, dst):
         return _execute_jax(plan, s, d)
     sbytes = [_source_bytes(p, plan.src_layout, d) for p in s]
     dbytes = [byte_view(p, plan.dst_layout) for p in d]
-    _copy_all(plan.regions, sbytes, dbytes, torch_side=d.framework == "torch")
+    _copy_plan(plan, sbytes, dbytes, torch_side=d.framework == "torch")
     return dst
+
+
+def _copy_plan(plan, sbytes, dbytes, *, torch_side: bool):
+    if plan.pattern is not None:  # whole blocks: strided views, no per-region work
+        copy_pattern(plan.pattern, plan.src_layout, plan.dst_layout, sbytes, dbytes,
+                     torch_side=torch_side)
+    else:
+        _copy_all(plan.regions, sbytes, dbytes, torch_side=torch_side)
 
 
 def _source_bytes(plane, layout, d: KVCache):
@@ -103,7 +112,7 @@ def _execute_jax(plan, s, d):
     bufs = {int(i): np.array(d[int(i)]) for i in touched}  # writable copies
     dbytes = [bufs[i].reshape(-1).view(np.uint8) if i in bufs else None for i in range(len(d))]
     sbytes = [_source_bytes(p, plan.src_layout, d) for p in s]
-    _copy_all(plan.regions, sbytes, dbytes, torch_side=False)
+    _copy_plan(plan, sbytes, dbytes, torch_side=False)
     return d.replace_planes({i: jnp.asarray(b) for i, b in bufs.items()})
 
 
