@@ -71,20 +71,48 @@ def execute(plan: TransferPlan, src, dst):
     plan.check()  # the planes hold plane_nbytes each: KVCache.wrap checked their memory
     if not len(plan):
         return dst
-    if d.framework == "jax":
-        return _execute_jax(plan, s, d)
-    sbytes = [_source_bytes(p, plan.src_layout, d) for p in s]
-    dbytes = [byte_view(p, plan.dst_layout) for p in d]
-    _copy_plan(plan, sbytes, dbytes, torch_side=d.framework == "torch")
-    return dst
-
-
-def _copy_plan(plan, sbytes, dbytes, *, torch_side: bool):
     if plan.pattern is not None:  # whole blocks: strided views, no per-region work
-        copy_pattern(plan.pattern, plan.src_layout, plan.dst_layout, sbytes, dbytes,
-                     torch_side=torch_side)
+        return _run(plan.pattern, None, s, d, dst)
+    return _run(None, plan.regions, s, d, dst)
+
+
+def execute_pattern(pattern, src_layout, dst_layout, src, dst):
+    """:func:`execute` of a whole-block move given as a
+    :class:`~kvabi.transfer.pattern.BlockPattern` (no regions built: the host pool's path).
+    The same checks: both sides against the layouts, and the pattern's bounds proven from
+    its template and bases before any byte moves."""
+    s = _handle(src, src_layout, "src")
+    d = _handle(dst, dst_layout, "dst")
+    sizes = (np.full(src_layout.num_planes, src_layout.plane_nbytes, np.int64),
+             np.full(dst_layout.num_planes, dst_layout.plane_nbytes, np.int64))
+    if not pattern.within(*sizes):
+        raise KVABIError("pattern: a sub-block reaches outside its planes")
+    return _run(pattern, None, s, d, dst)
+
+
+def _run(pattern, regions, s: KVCache, d: KVCache, dst):
+    """Copy (a pattern's sub-blocks, or regions) from ``s`` to ``d``; ``dst`` back, or a
+    new handle for jax."""
+    src_layout, dst_layout = s.layout, d.layout
+    jax = d.framework == "jax"
+    if jax:  # immutable: copy the planes written into writable buffers
+        touched = np.unique((pattern.template if pattern is not None else regions)[:, 2])
+        bufs = {int(i): np.array(d[int(i)]) for i in touched}
+        dbytes = [bufs[i].reshape(-1).view(np.uint8) if i in bufs else None
+                  for i in range(len(d))]
     else:
-        _copy_all(plan.regions, sbytes, dbytes, torch_side=torch_side)
+        dbytes = [byte_view(p, dst_layout) for p in d]
+    sbytes = [_source_bytes(p, src_layout, d) for p in s]
+    torch_side = d.framework == "torch"
+    if pattern is not None:
+        copy_pattern(pattern, src_layout, dst_layout, sbytes, dbytes, torch_side=torch_side)
+    else:
+        _copy_all(regions, sbytes, dbytes, torch_side=torch_side)
+    if jax:
+        import jax.numpy as jnp
+
+        return d.replace_planes({i: jnp.asarray(b) for i, b in bufs.items()})
+    return dst
 
 
 def _source_bytes(plane, layout, d: KVCache):
@@ -103,17 +131,6 @@ def _source_bytes(plane, layout, d: KVCache):
     # jax: dense planes, read through numpy
     b = np.ascontiguousarray(np.asarray(plane)).reshape(-1).view(np.uint8)
     return _torch().from_numpy(b.copy()).to(d[0].device) if fw == "torch" else b
-
-
-def _execute_jax(plan, s, d):
-    import jax.numpy as jnp
-
-    touched = np.unique(plan.regions[:, 2])
-    bufs = {int(i): np.array(d[int(i)]) for i in touched}  # writable copies
-    dbytes = [bufs[i].reshape(-1).view(np.uint8) if i in bufs else None for i in range(len(d))]
-    sbytes = [_source_bytes(p, plan.src_layout, d) for p in s]
-    _copy_plan(plan, sbytes, dbytes, torch_side=False)
-    return d.replace_planes({i: jnp.asarray(b) for i, b in bufs.items()})
 
 
 def _copy_all(regions, sbytes, dbytes, *, torch_side: bool):

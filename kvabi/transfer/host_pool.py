@@ -2,8 +2,11 @@
 onload them back later (the CPU-cache-hit path).
 
 The pool has its own layout, by default ``kvbm.fully_contiguous`` (cross-layer blocks: a
-run of blocks is one region for all layers), so the plans between the device layout and the
-pool are computed by :func:`~kvabi.transfer.plan_block_transfer` like any other.
+run of blocks is one region for all layers).  Moving blocks between a device layout and the
+pool is the move :func:`~kvabi.transfer.plan_block_transfer` plans, but the pool keeps the
+regions of one sub-block per device layout (:func:`~kvabi.transfer.plan.block_template`)
+and copies each call's blocks from it as strided views, without building the regions (a
+per-layer device layout has about a million of them per request).
 """
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ from ..coerce import as_int, int_array
 from ..errors import KVABIError
 from ..layout import Layout
 from ..spec import KVSpec
-from .execute import execute
-from .plan import check_compatible, plan_block_transfer
+from .execute import execute_pattern
+from .plan import _layers, block_pattern, block_template, check_compatible
 
 DEFAULT_PRESET = "kvbm.fully_contiguous"
 #: a host layout built from the device layout: cross-layer blocks (B outermost) holding
@@ -85,6 +88,9 @@ class HostPool:
         self.layout = layout
         self.cache = KVCache.allocate(layout, framework)
         self._free = np.ones(layout.num_blocks, bool)
+        # (src layout, dst layout) -> template, for the device layouts seen (kept alive so
+        # that the identity key stays theirs)
+        self._templates: dict = {}
 
     @property
     def num_free(self) -> int:
@@ -99,9 +105,8 @@ class HostPool:
         if blocks.size > free.size:
             raise KVABIError(f"blocks: {blocks.size} blocks to offload, the host pool has "
                              f"{free.size} free")
-        ids = free[:blocks.size]
-        plan = plan_block_transfer(layout, self.layout, blocks, ids)
-        execute(plan, cache, self.cache)
+        ids = free[:blocks.size * layout.size("N") // self.layout.size("N")]
+        self._move(layout, self.layout, blocks, ids, cache, self.cache)
         self._free[ids] = False
         return ids
 
@@ -111,8 +116,25 @@ class HostPool:
         layout = _layout_of(cache)
         ids = self._held(host_ids)
         blocks = int_array(blocks, "blocks", lo=0, hi=layout.num_blocks - 1)
-        plan = plan_block_transfer(self.layout, layout, ids, blocks)
-        return execute(plan, self.cache, cache)
+        if np.unique(blocks).size != blocks.size:
+            u, c = np.unique(blocks, return_counts=True)
+            raise KVABIError(f"blocks: block {int(u[c > 1][0])} appears twice")
+        return self._move(self.layout, layout, ids, blocks, self.cache, cache)
+
+    def _move(self, src: Layout, dst: Layout, sb, db, src_cache, dst_cache):
+        check_compatible(src, dst)
+        if sb.size * src.size("N") != db.size * dst.size("N"):
+            raise KVABIError(f"blocks: {db.size} blocks of {dst.size('N')} tokens do not hold "
+                             f"{sb.size} blocks of {src.size('N')} tokens")
+        if not sb.size:
+            return dst_cache
+        key = (id(src), id(dst))
+        hit = self._templates.get(key)
+        if hit is None or hit[0] is not src or hit[1] is not dst:
+            lay = _layers(None, src, dst)
+            hit = self._templates[key] = (src, dst, lay, block_template(src, dst, lay))
+        pattern = block_pattern(src, dst, sb, db, hit[3], hit[2])
+        return execute_pattern(pattern, src, dst, src_cache, dst_cache)
 
     def free(self, host_ids) -> None:
         """Return host blocks to the pool."""

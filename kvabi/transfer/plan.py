@@ -304,9 +304,6 @@ def plan_block_transfer(src_layout: Layout, dst_layout: Layout, src_blocks, dst_
     if sb.size * bs_s != db.size * bs_t:
         raise KVABIError(f"dst_blocks: {db.size} blocks of {bs_t} tokens do not hold the "
                          f"{sb.size} source blocks of {bs_s} tokens")
-    u = math.gcd(bs_s, bs_t)
-    ss = (sb[:, None] * bs_s + np.arange(0, bs_s, u)).ravel()  # first slot of each sub-block
-    ts = (db[:, None] * bs_t + np.arange(0, bs_t, u)).ravel()
     if (not sb.size or np.unique(sb).size != sb.size or np.unique(db).size != db.size):
         # nothing to move, repeated sources (merging and order depend on the repeats) or
         # repeated destinations (refused there, naming the slot): the general path
@@ -314,20 +311,39 @@ def plan_block_transfer(src_layout: Layout, dst_layout: Layout, src_blocks, dst_
         t = (db[:, None] * bs_t + np.arange(bs_t)).ravel()
         return plan_transfer(src_layout, dst_layout, s, t, layers=layers)
     lay = _layers(layers, src_layout, dst_layout)
-    one = plan_transfer(src_layout, dst_layout, ss[0] + np.arange(u), ts[0] + np.arange(u),
-                        layers=lay).check()
-    if not len(one):
-        return one
-    base_s, base_t = base_offsets(src_layout, ss), base_offsets(dst_layout, ts)
-    t = one.regions.copy()
-    t[:, 1] -= base_s[0]
-    t[:, 3] -= base_t[0]
-    pattern = BlockPattern(u, ss, ts, lay, t, base_s, base_t)
+    if not lay.size:
+        return TransferPlan(np.zeros((0, 5), np.int64), src_layout, dst_layout)
+    pattern = block_pattern(src_layout, dst_layout, sb, db,
+                            block_template(src_layout, dst_layout, lay), lay)
+    t, base_s, base_t = pattern.template, pattern.src_base, pattern.dst_base
     regions = _broadcast(t, base_s, base_t, src_layout.plane_nbytes)
     regions.flags.writeable = False  # the pattern proves bounds for these rows only
     plan = TransferPlan(regions, src_layout, dst_layout)
     object.__setattr__(plan, "pattern", pattern)
     return plan
+
+
+def block_template(src: Layout, dst: Layout, layers: np.ndarray) -> np.ndarray:
+    """The regions of one sub-block (``gcd`` of the block sizes) of ``layers``, relative to
+    its bases: those of the sub-block at slot 0 of both layouts (bases 0), checked in full.
+    The same for every sub-block (both layouts address bytes affinely), so callers that
+    move blocks between the same two layouts again may keep it."""
+    u = math.gcd(src.size("N"), dst.size("N"))
+    one = plan_transfer(src, dst, np.arange(u), np.arange(u), layers=layers).check()
+    return one.regions
+
+
+def block_pattern(src: Layout, dst: Layout, src_blocks: np.ndarray, dst_blocks: np.ndarray,
+                  template: np.ndarray, layers: np.ndarray) -> BlockPattern:
+    """The :class:`BlockPattern` of moving ``src_blocks`` to ``dst_blocks`` (validated int64
+    arrays holding the same number of tokens, destinations distinct) with ``template``
+    from :func:`block_template` for ``layers``."""
+    bs_s, bs_t = src.size("N"), dst.size("N")
+    u = math.gcd(bs_s, bs_t)
+    ss = (src_blocks[:, None] * bs_s + np.arange(0, bs_s, u)).ravel()  # sub-block starts
+    ts = (dst_blocks[:, None] * bs_t + np.arange(0, bs_t, u)).ravel()
+    return BlockPattern(u, ss, ts, layers, template, base_offsets(src, ss),
+                        base_offsets(dst, ts))
 
 
 def _broadcast(t, base_s, base_t, src_plane_nbytes: int) -> np.ndarray:
