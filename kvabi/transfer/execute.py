@@ -1,6 +1,10 @@
 """Run a :class:`~kvabi.transfer.TransferPlan` between two caches in this process.
 
-Each plane is seen as a flat byte array.  Regions of at least :data:`LARGE` bytes are copied
+Each plane is seen as a flat byte array.  A plan of whole blocks
+(:func:`~kvabi.transfer.plan_block_transfer`) carries its structure, the same regions per
+sub-block (:mod:`kvabi.transfer.pattern`): it is copied as strided views, one copy per run of
+sub-blocks and plane pair (:mod:`kvabi.transfer.pattern_copy`).  Other plans go by their
+regions: regions of at least :data:`LARGE` bytes are copied
 one slice each (each long enough that the call costs little next to the copy); all smaller
 regions of a plane pair are moved without a Python loop per region: where their offsets
 step by constant strides (a relayout of whole blocks) they are folded into a few strided
