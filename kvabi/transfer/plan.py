@@ -18,6 +18,10 @@ How the regions are found, without a Python loop per token, block or layer:
 3. Sort by source address and merge neighbours that are contiguous in both layouts: runs of
    adjacent blocks, and for cross-layer layouts (B outermost) all layers of a run of blocks,
    become one region.
+
+Whole blocks (:func:`plan_block_transfer`) take a shortcut: the regions of one sub-block
+(``gcd`` of the block sizes), shifted by every sub-block's base offsets, then merged where
+sub-blocks meet (:mod:`kvabi.transfer.pattern`).
 """
 from __future__ import annotations
 
@@ -41,7 +45,10 @@ class TransferPlan:
 
     ``regions`` is an int64 array [n, 5] of ``(src_plane, src_offset, dst_plane,
     dst_offset, nbytes)``, sorted by source plane and offset; destination ranges never
-    overlap.
+    overlap.  ``pattern``: for plans of whole blocks, the
+    :class:`~kvabi.transfer.pattern.BlockPattern` the regions were broadcast from (their
+    bounds proven from it, executed as strided views); ``None`` otherwise, and after
+    ``attrs.evolve``.
     """
 
     regions: np.ndarray
