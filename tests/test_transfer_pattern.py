@@ -198,3 +198,20 @@ def test_host_pool_refuses_repeated_or_mismatched_blocks():
         pool.onload(cache, ids, [3, 3])
     with pytest.raises(KVABIError, match="blocks: 1 blocks of 4 tokens do not hold 2 blocks"):
         pool.onload(cache, ids, [3])
+
+
+def test_host_pool_keeps_few_templates():
+    """Equal layouts share a template (an engine rebuilding its Layout does not grow the
+    pool), and the pool keeps at most TEMPLATES of them."""
+    mod = sys.modules["kvabi.transfer.host_pool"]
+    spec = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    pool = HostPool(Layout.preset("flashinfer.HND", spec, 6, 2), 4)
+    for _ in range(3):
+        cache = KVCache.allocate(Layout.preset("flashinfer.HND", spec, 6, 2), fill=1)
+        pool.onload(cache, pool.offload(cache, [1, 2]), [3, 4])
+        pool.free([0, 1])
+    assert len(pool._templates) == 2  # offload and onload
+    for n in range(6, 6 + mod.TEMPLATES):
+        cache = KVCache.allocate(Layout.preset("flashinfer.HND", spec, n, 2), fill=1)
+        pool.free(pool.offload(cache, [0]))
+    assert len(pool._templates) == mod.TEMPLATES

@@ -21,6 +21,8 @@ from .execute import execute_pattern
 from .plan import _layers, block_pattern, block_template, check_compatible
 
 DEFAULT_PRESET = "kvbm.fully_contiguous"
+#: templates kept (one per direction and device layout: a few layouts share a pool)
+TEMPLATES = 8
 #: a host layout built from the device layout: cross-layer blocks (B outermost) holding
 #: each layer's block in the device's own byte order, so offload is no relayout
 CROSS_LAYER = "cross_layer"
@@ -88,9 +90,8 @@ class HostPool:
         self.layout = layout
         self.cache = KVCache.allocate(layout, framework)
         self._free = np.ones(layout.num_blocks, bool)
-        # (src layout, dst layout) -> template, for the device layouts seen (kept alive so
-        # that the identity key stays theirs)
-        self._templates: dict = {}
+        # (src layout, dst layout, layers, template) of the last few device layouts seen
+        self._templates: list = []
 
     @property
     def num_free(self) -> int:
@@ -128,11 +129,12 @@ class HostPool:
                              f"{sb.size} blocks of {src.size('N')} tokens")
         if not sb.size:
             return dst_cache
-        key = (id(src), id(dst))
-        hit = self._templates.get(key)
-        if hit is None or hit[0] is not src or hit[1] is not dst:
+        hit = next((h for h in self._templates if h[0] is src and h[1] is dst), None) or \
+            next((h for h in self._templates if h[0] == src and h[1] == dst), None)
+        if hit is None:
             lay = _layers(None, src, dst)
-            hit = self._templates[key] = (src, dst, lay, block_template(src, dst, lay))
+            hit = (src, dst, lay, block_template(src, dst, lay))
+            self._templates = [hit] + self._templates[:TEMPLATES - 1]
         pattern = block_pattern(src, dst, sb, db, hit[3], hit[2])
         return execute_pattern(pattern, src, dst, src_cache, dst_cache)
 
