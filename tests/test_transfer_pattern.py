@@ -215,3 +215,26 @@ def test_host_pool_keeps_few_templates():
         cache = KVCache.allocate(Layout.preset("flashinfer.HND", spec, n, 2), fill=1)
         pool.free(pool.offload(cache, [0]))
     assert len(pool._templates) == mod.TEMPLATES
+
+
+@pytest.mark.gpu
+def test_cuda_block_plan():
+    """The strided path on CUDA tensors (views over device memory), against the numpy run
+    of the general planner's regions."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    spec = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    a = Layout.preset("flashinfer.HND", spec, 8, 2)
+    b = Layout.preset("tpu.combined", attrs.evolve(spec, block_size=8), 5, 2)
+    plan = plan_block_transfer(a, b, [1, 2, 3, 6], [4, 1])
+    _, planes = raw_planes(a, np.random.default_rng(2))
+    want = KVCache.allocate(b, "numpy", fill=0)
+    execute(attrs.evolve(plan), KVCache.wrap(a, planes), want)
+    src = KVCache.wrap(a, [torch.from_numpy(np.ascontiguousarray(p).view(np.uint16)).view(
+        torch.bfloat16).cuda() for p in planes])
+    dst = KVCache.allocate(b, "torch", device="cuda", fill=0)
+    assert execute(plan, src, dst) is dst
+    for got, exp in zip(dst, want):
+        np.testing.assert_array_equal(got.cpu().view(torch.int16).numpy(),
+                                      np.ascontiguousarray(exp).view(np.int16))
