@@ -18,7 +18,7 @@ from kvabi import KVABIError, KVCache, KVSpec
 from kvabi.layout import Layout
 from kvabi.testing.strategies import SMALL_BLOCK_SIZES, kv_specs, layouts
 from kvabi.transfer import HostPool, execute, plan_block_transfer, plan_transfer
-from transfer_oracle import POISON, element_bytes, gather, raw_planes, written_mask
+from transfer_oracle import POISON, check_moved, raw_planes
 
 MANY = settings(max_examples=4 * settings().max_examples)
 
@@ -49,18 +49,6 @@ def _slots(blocks, bs):
     return (np.asarray(blocks)[:, None] * bs + np.arange(bs)).ravel()
 
 
-def _check_moved(src, dst, layers, s, t, sbufs, dbufs, before):
-    isz = src.itemsize
-    sp, so = element_bytes(src, layers, s)
-    dp, do = element_bytes(dst, layers, t)
-    got = gather(dbufs, np.asarray(dp), np.asarray(do), isz)
-    want = gather(sbufs, np.asarray(sp), np.asarray(so), isz)
-    assert np.array_equal(got, want), "an element differs from the source's"
-    for b, old, m in zip(dbufs, before, written_mask(dbufs, np.asarray(dp), np.asarray(do),
-                                                      isz)):
-        assert np.array_equal(b[~m], old[~m]), "a byte outside the moved elements changed"
-
-
 @MANY
 @given(block_moves(), st.integers(0, 2**32 - 1))
 def test_block_plan_equals_general_plan_and_moves_exactly(move, seed):
@@ -76,7 +64,7 @@ def test_block_plan_equals_general_plan_and_moves_exactly(move, seed):
     dbufs, dplanes = raw_planes(dst, fill=POISON)
     before = [b.copy() for b in dbufs]
     assert execute(plan, splanes, dplanes) is dplanes  # the strided path
-    _check_moved(src, dst, layers, s, t, sbufs, dbufs, before)
+    check_moved(src, dst, layers, s, t, sbufs, dbufs, before)
 
 
 @MANY
@@ -96,7 +84,7 @@ def test_host_pool_of_random_layouts(move, seed):
     fresh = KVCache.wrap(src, dplanes)
     assert pool.onload(fresh, ids, back) is fresh
     layers = range(src.num_layers)
-    _check_moved(src, src, layers, _slots(sb, src.size("N")), _slots(back, src.size("N")),
+    check_moved(src, src, layers, _slots(sb, src.size("N")), _slots(back, src.size("N")),
                  sbufs, dbufs, before)
 
 

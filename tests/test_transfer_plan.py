@@ -14,7 +14,7 @@ from kvabi.layout import Layout
 from kvabi.presets import PRESETS, preset_names
 from kvabi.testing.strategies import SMALL_BLOCK_SIZES, kv_specs, layouts
 from kvabi.transfer import TransferPlan, execute, plan_block_transfer, plan_transfer
-from transfer_oracle import POISON, element_bytes, gather, raw_planes, written_mask
+from transfer_oracle import POISON, check_moved, raw_planes
 
 
 @st.composite
@@ -27,20 +27,6 @@ def layout_pairs(draw):
     src = draw(layouts(spec, draw(st.integers(1, 4)), nl))
     dst = draw(layouts(spec2, draw(st.integers(1, 4)), nl))
     return src, dst
-
-
-def _check_moved(src, dst, layers, s, t, sbufs, dbufs, before):
-    """Every element of (layers, s) equals the destination's at (layers, t); every other
-    destination byte is unchanged."""
-    isz = src.itemsize
-    sp, so = element_bytes(src, layers, s)
-    dp, do = element_bytes(dst, layers, t)
-    got = gather(dbufs, np.asarray(dp), np.asarray(do), isz)
-    want = gather(sbufs, np.asarray(sp), np.asarray(so), isz)
-    assert np.array_equal(got, want), "an element differs from the source's"
-    masks = written_mask(dbufs, np.asarray(dp), np.asarray(do), isz)
-    for b, old, m in zip(dbufs, before, masks):
-        assert np.array_equal(b[~m], old[~m]), "a byte outside the moved elements changed"
 
 
 #: the core property is cheap (milliseconds an example): run 8x the profile's examples
@@ -72,7 +58,7 @@ def test_plan_moves_exactly_the_elements(pair, data):
     assert plan.nbytes == len(layers) * m * (2 if src.has_kv else 1) * src.size("H") \
         * src.size("D") * isz
     if layers and m:
-        _check_moved(src, dst, layers, s, t, sbufs, dbufs, before)
+        check_moved(src, dst, layers, s, t, sbufs, dbufs, before)
     else:
         assert len(plan) == 0
         assert all(np.array_equal(b, o) for b, o in zip(dbufs, before))
@@ -140,7 +126,7 @@ def test_mla_and_padding_never_copied():
     before = [b.copy() for b in dbufs]
     execute(plan, sp, dp)
     s = np.arange(8)
-    _check_moved(a, padded, [0, 1], s, s + 8, sbufs, dbufs, before)
+    check_moved(a, padded, [0, 1], s, s + 8, sbufs, dbufs, before)
 
 
 # -- refusals ---------------------------------------------------------------------------

@@ -55,3 +55,17 @@ def written_mask(bufs, plane, off, isz):
         m = plane == p
         masks[int(p)][(off[m][:, None] + np.arange(isz)).ravel()] = True
     return masks
+
+
+def check_moved(src, dst, layers, s, t, sbufs, dbufs, before):
+    """Every element of (layers, s) of ``src`` equals ``dst``'s at (layers, t), read back
+    through ``Layout.byte_offset``; every other destination byte is unchanged."""
+    isz = src.itemsize
+    sp, so = element_bytes(src, layers, s)
+    dp, do = element_bytes(dst, layers, t)
+    got = gather(dbufs, np.asarray(dp), np.asarray(do), isz)
+    want = gather(sbufs, np.asarray(sp), np.asarray(so), isz)
+    assert np.array_equal(got, want), "an element differs from the source's"
+    masks = written_mask(dbufs, np.asarray(dp), np.asarray(do), isz)
+    for b, old, m in zip(dbufs, before, masks):
+        assert np.array_equal(b[~m], old[~m]), "a byte outside the moved elements changed"
