@@ -30,8 +30,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 # The long property and fuzz runs (e.g. 10,000 mutated layout descriptors): the `thorough`
-# Hypothesis profile over the hostile-input tests.
-THOROUGH_TESTS ?= tests/test_hostile_*.py
+# Hypothesis profile over the hostile-input (descriptor, config, metadata) and transfer-plan tests.
+THOROUGH_TESTS ?= tests/test_hostile_*.py tests/test_metadata_hostile.py tests/test_transfer_plan.py
 thorough: setup
 	KVABI_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q $(THOROUGH_TESTS)
 
