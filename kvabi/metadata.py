@@ -20,6 +20,12 @@ import numpy as np
 from .coerce import INT32_MAX, INT64_MAX, as_int, index_array, int_array
 from .errors import KVABIError, require
 
+#: Most tokens (padding included) and requests one step may hold.  Arrays of a step are
+#: allocated from these counts, and a count is a few bytes of input: the limit keeps memory
+#: bounded (~16.8M tokens is far beyond any engine's step; specs/security.md).
+MAX_STEP_TOKENS = 1 << 24
+MAX_STEP_REQS = 1 << 24
+
 
 def _array(dtype, field: str, ndim: int = 1):
     def conv(x):
@@ -138,8 +144,10 @@ class CommonAttentionMetadata:
         qsl[0] = 0
         np.cumsum(q, out=qsl[1:])
         total = int(qsl[-1])
-        require(total <= INT32_MAX, "query_lens", f"must sum to at most {INT32_MAX}", total)
-        n = total if num_tokens is None else as_int(num_tokens, "num_tokens", hi=INT32_MAX)
+        require(total <= MAX_STEP_TOKENS, "query_lens",
+                f"must sum to at most MAX_STEP_TOKENS = {MAX_STEP_TOKENS}", total)
+        n = total if num_tokens is None else as_int(num_tokens, "num_tokens",
+                                                    hi=MAX_STEP_TOKENS)
         require(n >= total, "num_tokens", f"must be >= the {total} real tokens", n)
         check_blocks(bt, seq, bs, nb)
         slots = np.full(n, -1, np.int64)

@@ -259,3 +259,16 @@ def test_transform_junk_arguments_refuse_or_give_valid_metadata(name, a, b):
         return
     for m in _metas(out):
         m.validate()
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda: FL([1 << 24 | 1], [0], [[0]], 1 << 25), "query_lens"),
+    (lambda: FL([1], [0], [[0]], 4, num_tokens=(1 << 24) + 1), "num_tokens"),
+    (lambda: T.pad(META, 2 ** 31 - 1, 3), "num_tokens"),
+    (lambda: T.pad(META, 8, 2 ** 31 - 1), "num_reqs"),
+    (lambda: T.kv_update_slices(META, 930780229), "num_slices_per_block"),
+])
+def test_sizes_set_by_a_scalar_are_bounded(call, field):
+    # a few bytes of input must not allocate gigabytes (found by the thorough fuzz)
+    with pytest.raises(KVABIError, match=f"^{field}:"):
+        call()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import require
-from ..metadata import CommonAttentionMetadata
+from ..metadata import MAX_STEP_REQS, MAX_STEP_TOKENS, CommonAttentionMetadata
 from ._common import assemble, check_int, check_meta, query_bounds
 
 
@@ -15,12 +15,13 @@ def pad(meta: CommonAttentionMetadata, num_tokens: int, num_reqs: int
     Padding tokens (after the real ones) get slot -1 and position 0; padding requests (after
     the real ones) have no query tokens, no context, and all-zero block table rows.  The
     block table keeps its width.  ``num_tokens`` may be below ``meta.num_tokens`` as long as
-    it keeps every real token (existing padding may shrink).
+    it keeps every real token (existing padding may shrink).  At most
+    :data:`~kvabi.metadata.MAX_STEP_TOKENS` tokens and ``MAX_STEP_REQS`` requests.
     """
     meta = check_meta(meta)
     total = meta.num_actual_tokens
-    nt = check_int(num_tokens, "num_tokens")
-    nr = check_int(num_reqs, "num_reqs")
+    nt = check_int(num_tokens, "num_tokens", hi=MAX_STEP_TOKENS)
+    nr = check_int(num_reqs, "num_reqs", hi=MAX_STEP_REQS)
     require(nt >= total, "num_tokens", f"must be >= the {total} real tokens", nt)
     require(nr >= meta.num_reqs, "num_reqs", f"must be >= the {meta.num_reqs} requests", nr)
     q, c, _, _ = query_bounds(meta)

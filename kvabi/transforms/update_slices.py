@@ -7,6 +7,10 @@ from ..coerce import INT32_MAX
 from ..metadata import CommonAttentionMetadata
 from ._common import check_int, check_meta, expand, query_bounds
 
+#: Largest padding factor: the slices are padded to a multiple of it, so it bounds memory
+#: (vLLM's TPU runner uses single or double digits).
+MAX_SLICES_PER_BLOCK = 1 << 16
+
 
 def kv_update_slices(meta: CommonAttentionMetadata, num_slices_per_block: int = 8
                      ) -> tuple[np.ndarray, int]:
@@ -23,9 +27,11 @@ def kv_update_slices(meta: CommonAttentionMetadata, num_slices_per_block: int = 
     The dtype is int32 when every slot of the pool fits in it (``num_blocks * block_size <=
     2**31``, or, without ``num_blocks``, every slice end does), int64 otherwise: a slot is
     never truncated.  Token starts and lengths always fit in int32.
+    ``num_slices_per_block`` is at most :data:`MAX_SLICES_PER_BLOCK`.
     """
     meta = check_meta(meta)
-    per = check_int(num_slices_per_block, "num_slices_per_block", lo=1)
+    per = check_int(num_slices_per_block, "num_slices_per_block", lo=1,
+                    hi=MAX_SLICES_PER_BLOCK)
     bs = meta.block_size
     q, c, s, qsl = query_bounds(meta)
     first = c // bs
