@@ -6,6 +6,7 @@ import attrs
 import numpy as np
 
 from kvabi import Backend, Capabilities, UnsupportedError, check_kv, check_step
+from kvabi.coerce import INT32_MAX
 from kvabi.tensors import to_torch
 
 from . import boundary, runtime
@@ -174,8 +175,8 @@ class TritonBackend(Backend):
         key = self._no_interpreted_bf16(to_torch(key, dev), "key")
         value = None if spec.is_mla else self._no_interpreted_bf16(
             to_torch(value, dev), "value")
-        wide = plan.idx64 or tensor_extent(key) > _I32 or (
-            value is not None and tensor_extent(value) > _I32)
+        wide = plan.idx64 or tensor_extent(key) > INT32_MAX or (
+            value is not None and tensor_extent(value) > INT32_MAX)
         write_kv(key, value, k_view, None if spec.is_mla else v_view, plan.slots,
                  spec.block_size, interpret=self._interpret(), idx64=wide)
         return cache
@@ -207,7 +208,7 @@ class TritonBackend(Backend):
         lse = torch.full((t, hq), float("-inf"), dtype=torch.float32,
                          device=dev) if return_lse else None
         bq, bg, bn = self._block_sizes(meta, spec, hq)
-        wide = plan.idx64 or tensor_extent(q) > _I32 or tensor_extent(o) > _I32
+        wide = plan.idx64 or tensor_extent(q) > INT32_MAX or tensor_extent(o) > INT32_MAX
         upcast = q.dtype != k_view.dtype or q.dtype == torch.float32
         paged_attention(
             q, k_view, v_view, o, lse, sink_t, plan.block_table, plan.context_lens,
@@ -217,9 +218,6 @@ class TritonBackend(Backend):
             span=spec.span or 1, upcast=upcast, block_q=bq, block_g=bg, block_n=bn,
             idx64=wide)
         return (o, lse) if return_lse else o
-
-
-_I32 = (1 << 31) - 1
 
 
 def _query_dtypes():
