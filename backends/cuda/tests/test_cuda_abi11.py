@@ -264,14 +264,21 @@ def test_flashinfer_plans_at_plan_time_with_num_q_heads(query_lens, wrapper):
     assert len(spy.calls) == 1
 
 
-def test_flashinfer_plans_lazily_without_num_q_heads():
+def _spied_layer_1(query_lens, context_lens, seed):
+    """(spy, backend, step, layout, cache, query) with layer 1 of the cache filled through
+    a spied FlashInfer emulator, its calls cleared."""
     spy = _Spy()
     be = FlashInferBackend(library=spy, device="cpu")
-    step = make_step(query_lens=[2, 1], context_lens=[3, 3], group=2, seed=12)
+    step = make_step(query_lens=query_lens, context_lens=context_lens, group=2, seed=seed)
     layout = step.layout()
     cache = be.allocate(layout)
     q = fill_layer(be, step, cache, layout, 1)
     spy.calls.clear()
+    return spy, be, step, layout, cache, q
+
+
+def test_flashinfer_plans_lazily_without_num_q_heads():
+    spy, be, step, layout, cache, q = _spied_layer_1([2, 1], [3, 3], seed=12)
     plan = be.plan(step.meta, step.spec, layout)
     assert spy.calls == []
     for _ in range(2):
@@ -281,13 +288,7 @@ def test_flashinfer_plans_lazily_without_num_q_heads():
 
 def test_flashinfer_per_call_sinks_on_a_decode_step_use_the_prefill_wrapper():
     # The decode wrapper takes no sinks: per-call sinks plan a prefill wrapper, once.
-    spy = _Spy()
-    be = FlashInferBackend(library=spy, device="cpu")
-    step = make_step(query_lens=[1, 1], context_lens=[5, 2], group=2, seed=13)
-    layout = step.layout()
-    cache = be.allocate(layout)
-    q = fill_layer(be, step, cache, layout, 1)
-    spy.calls.clear()
+    spy, be, step, layout, cache, q = _spied_layer_1([1, 1], [5, 2], seed=13)
     plan = be.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
     sinks = np.linspace(-1, 1, step.num_q_heads)
     a = step.meta.num_actual_tokens
