@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import traceback
 
 import numpy as np
 
-_ERR_RE = re.compile(r"error (\S+) exceeds tolerance (\S+)")
 #: keys of ``ConformanceFailure.details`` shown first, in this order
 _ORDER = ("layer", "kv", "token", "head", "slot", "element", "got", "want", "ratio")
 
@@ -36,19 +34,10 @@ def _num(v, digits: int = 6) -> str:
 def failing_error(exc: BaseException, dtype: str | None, overrides: dict | None = None
                   ) -> tuple | None:
     """(error, tolerance, dtype) of the failing example, from the failure's ``details``
-    (``error``/``tolerance``) or its message ("error X exceeds tolerance Y"); None when
-    the failure measured no error (a wrong byte, a crash)."""
+    (``error``/``tolerance``, set by ``measure.expect_close``); None when the failure
+    measured no error (a wrong byte, a crash)."""
     d = getattr(exc, "details", None)
-    err = tol = None
-    if isinstance(d, dict):
-        err, tol = d.get("error"), d.get("tolerance")
-    if err is None:
-        m = _ERR_RE.search(str(exc))
-        if m:
-            try:
-                err, tol = float(m.group(1).rstrip(";,")), float(m.group(2).rstrip(";,"))
-            except ValueError:
-                return None
+    err, tol = (d.get("error"), d.get("tolerance")) if isinstance(d, dict) else (None, None)
     if err is None:
         return None
     if tol is None and dtype is not None:
