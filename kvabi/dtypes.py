@@ -50,8 +50,8 @@ def numpy_dtype(name: str) -> np.dtype:
 
 def dtype_name(dt) -> str:
     """The kvabi dtype name of a numpy/torch/jax dtype (or a name)."""
-    s = str(dt).replace("torch.", "")
+    s = str(dt).replace("torch.", "").replace("dtype(", "").strip("')\"")
     s = {"<class 'ml_dtypes.bfloat16'>": "bfloat16"}.get(s, s)
     if s not in DTYPE_BITS:
-        raise KVABIError(f"dtype: {dt!r} is not a kvabi cache dtype ({', '.join(DTYPES)})")
+        raise KVABIError(f"dtype: {s!r} is not a kvabi cache dtype ({', '.join(DTYPES)})")
     return s

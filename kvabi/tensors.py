@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import DTYPE_BITS, numpy_dtype
+from .dtypes import check_dtype, dtype_name as _dtype_name, numpy_dtype
 from .errors import KVABIError
 
 FRAMEWORKS = ("numpy", "torch", "jax")
@@ -33,13 +33,7 @@ def framework(x) -> str | None:
 
 def dtype_name(x) -> str:
     """The kvabi dtype name of an array (or a numpy/torch/jax dtype, or a name)."""
-    dt = getattr(x, "dtype", x)
-    s = str(dt).replace("torch.", "").replace("dtype(", "").strip("')\"")
-    s = {"<class 'ml_dtypes.bfloat16'>": "bfloat16"}.get(s, s)
-    if s not in DTYPE_BITS:
-        raise KVABIError(f"dtype: {s!r} is not a kvabi cache dtype "
-                         f"({', '.join(DTYPE_BITS)})")
-    return s
+    return _dtype_name(getattr(x, "dtype", x))
 
 
 def to_numpy(x) -> np.ndarray:
@@ -118,10 +112,7 @@ def torch_dtype(name: str):
     """The torch dtype of a kvabi dtype name."""
     import torch
 
-    if name not in DTYPE_BITS:
-        raise KVABIError(f"dtype: unknown dtype {name!r}; expected one of "
-                         f"{', '.join(DTYPE_BITS)}")
-    return getattr(torch, name)
+    return getattr(torch, check_dtype(name))
 
 
 def _torch_from_numpy(a: np.ndarray):
