@@ -215,9 +215,6 @@ def use_host_planes(layout: Layout) -> bool:
     return layout.is_c_contiguous
 
 
-use_asarray = use_host_planes  # the 1.0 name
-
-
 def to_planes(backend, layout: Layout, cache) -> list[np.ndarray]:
     """A backend's cache as full-buffer numpy planes (checked for count, shape, dtype)."""
     if not isinstance(cache, (list, tuple)) or len(cache) != layout.num_planes:
