@@ -83,6 +83,15 @@ def abi_at_least(backend, version: tuple[int, int]) -> bool:
     return v[0] == version[0] and v >= tuple(version)
 
 
+def wire_version(ver) -> tuple[int, int]:
+    """The ``kvabi_abi`` field of an untrusted message (descriptor, handshake) as
+    (major, minor); KVABIError unless it is a list of two non-negative ints."""
+    if (not isinstance(ver, list) or len(ver) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ver)):
+        raise KVABIError(f"kvabi_abi: must be [major, minor], got {ver!r:.80}")
+    return ver[0], ver[1]
+
+
 class Backend:
     """Base class of an attention backend.  Subclasses override the methods below.
 

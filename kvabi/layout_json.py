@@ -8,7 +8,7 @@ stride, span and total).
 """
 from __future__ import annotations
 
-from .abi import ABI_VERSION
+from .abi import ABI_VERSION, wire_version
 from .coerce import as_int
 from .errors import KVABIError
 from .safe_json import loads
@@ -52,10 +52,7 @@ def layout_from_json(cls, text, *, max_bytes=None):
         d = text
     if not isinstance(d, dict):
         raise KVABIError(f"descriptor: must be a JSON object, got {type(d).__name__}")
-    ver = d.get("kvabi_abi")
-    if (not isinstance(ver, list) or len(ver) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ver)):
-        raise KVABIError(f"kvabi_abi: must be [major, minor], got {ver!r:.80}")
+    ver = wire_version(d.get("kvabi_abi"))
     if ver[0] != ABI_VERSION[0]:
         raise KVABIError(f"kvabi_abi: descriptor is ABI {ver[0]}.{ver[1]}; this reader "
                          f"understands major {ABI_VERSION[0]} only")

@@ -16,7 +16,7 @@ import re
 import attrs
 import numpy as np
 
-from ..abi import ABI_VERSION
+from ..abi import ABI_VERSION, wire_version
 from ..coerce import as_int
 from ..errors import KVABIError
 from ..layout import Layout
@@ -96,10 +96,7 @@ def parse_handshake(text) -> Handshake:
     """
     d = loads(text, what="handshake", max_bytes=MAX_HANDSHAKE_BYTES, max_depth=MAX_DEPTH)
     _obj(d, "handshake", ("kvabi_abi",))
-    ver = d["kvabi_abi"]
-    if (not isinstance(ver, list) or len(ver) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ver)):
-        raise KVABIError(f"kvabi_abi: must be [major, minor], got {ver!r:.80}")
+    ver = wire_version(d["kvabi_abi"])
     if ver[0] != ABI_VERSION[0]:
         raise KVABIError(f"kvabi_abi: the peer speaks ABI {ver[0]}.{ver[1]}; this reader "
                          f"speaks {ABI_VERSION[0]}.x")
