@@ -36,6 +36,7 @@ from ..errors import KVABIError
 from ..metadata import CommonAttentionMetadata
 from ..spec import KVSpec
 from ..step_checks import check_step
+from ..tensors import framework
 from .transforms import median_us
 
 NUM_LAYERS = 32
@@ -92,7 +93,7 @@ def _sync(x) -> None:
         x = x[0]
     if hasattr(x, "block_until_ready"):
         x.block_until_ready()
-    elif type(x).__module__.startswith("torch") and getattr(x, "is_cuda", False):
+    elif framework(x) == "torch" and getattr(x, "is_cuda", False):
         import torch
 
         torch.cuda.synchronize()

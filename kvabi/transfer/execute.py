@@ -21,6 +21,7 @@ import numpy as np
 
 from ..cache import KVCache
 from ..errors import KVABIError
+from ..tensors import framework
 from .pattern_copy import copy_pattern
 from .plan import TransferPlan
 
@@ -127,7 +128,7 @@ def _source_bytes(plane, layout, d: KVCache):
         if fw == "torch":
             return _torch().from_numpy(b).to(d[0].device)
         return b
-    if type(plane).__module__.split(".")[0] == "torch":
+    if framework(plane) == "torch":
         b = byte_view(plane, layout)
         if fw == "torch":
             return b.to(d[0].device)

@@ -24,6 +24,7 @@ from ..cache import KVCache
 from ..coerce import as_float
 from ..errors import KVABIError
 from ..layout import Layout
+from ..tensors import framework
 from .handshake import Handshake, make_handshake, parse_handshake
 from .plan import TransferPlan, plan_transfer
 
@@ -61,7 +62,7 @@ def _memory_of(plane) -> tuple[int, str, int]:
     """(address, memory type, device id) of a numpy array or torch tensor."""
     if isinstance(plane, np.ndarray):
         return plane.__array_interface__["data"][0], "DRAM", 0
-    if type(plane).__module__.split(".")[0] == "torch":
+    if framework(plane) == "torch":
         if plane.device.type == "cuda":
             return plane.data_ptr(), "VRAM", plane.device.index or 0
         if plane.device.type == "cpu":
