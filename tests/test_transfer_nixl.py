@@ -85,7 +85,7 @@ def test_metadata_in_the_message(agents):
     msg = json.loads(a_agent.handshake(src, include_metadata=True))
     assert msg["metadata"]
     msg["agent"]["port"] = kv_nixl.free_port()  # nobody listens there: unused
-    peer = b_agent.connect(json.dumps(msg), timeout=2)
+    peer = b_agent.connect(json.dumps(msg), timeout=30)
     b_agent.pull(peer, dst, [0, 1, 2, 3], [12, 13, 14, 15])
     for layer in range(2):
         for kv in range(2):
@@ -127,7 +127,7 @@ def test_lying_peer_fails_cleanly(agents):
         p["address"] += 1 << 40  # passes kvabi's checks: the peer's claims are consistent
     peer = b_agent.connect(json.dumps(msg))
     with pytest.raises(KVABIError, match="transfer: .*src-agent"):
-        b_agent.pull(peer, dst, [0, 1], [0, 1], timeout=5)
+        b_agent.pull(peer, dst, [0, 1], [0, 1], timeout=30)
 
 
 def test_unreachable_peer(agents):
