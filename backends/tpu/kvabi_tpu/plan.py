@@ -118,8 +118,8 @@ def write_slices(meta, per: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_index_range(meta, spec, layout) -> None:
-    """Refuse what int32 kernel indices cannot address exactly (see the module doc), and
-    writes to slots outside the layout."""
+    """Refuse what int32 kernel indices cannot address exactly (see the module doc).
+    Slots outside the layout are :func:`kvabi.check_step`'s to refuse."""
     bs = spec.block_size
     if layout.num_blocks > INT32_MAX:
         raise KVABIError(f"layout.num_blocks: {layout.num_blocks} blocks "
@@ -129,13 +129,6 @@ def check_index_range(meta, spec, layout) -> None:
     if (pages + POSITION_MARGIN_PAGES) * bs > INT32_MAX:
         raise KVABIError(f"seq_lens: a sequence of {int(meta.max_seq_len)} tokens (block "
                          f"size {bs}) has positions beyond the int32 the TPU kernels use")
-    s = meta.slot_mapping
-    if s.size:
-        lo, hi = int(s.min()), int(s.max())
-        if lo < -1 or hi >= layout.num_blocks * bs:
-            bad = lo if lo < -1 else hi
-            raise KVABIError(f"slot_mapping: slot {bad} is outside the layout's "
-                             f"{layout.num_blocks} blocks of {bs} slots (-1 marks padding)")
 
 
 def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
