@@ -1,0 +1,9 @@
+"""kvabi plugin hooks of the integration: the ``cpu.vllm`` backend and ``kvabi bench vllm``."""
+from __future__ import annotations
+
+import kvabi
+
+
+@kvabi.hookimpl
+def kvabi_backends():
+    return []
