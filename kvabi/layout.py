@@ -22,6 +22,7 @@ from .abi import ABI_VERSION
 from .coerce import as_int, checked, int_array
 from .dtypes import check_dtype, itemsize, numpy_dtype, tpu_packing
 from .errors import KVABIError, require
+from .frozen import FrozenDict
 
 AXES = ("L", "B", "KV", "N", "H", "D")
 PLANE_AXES = ("L", "KV")
@@ -47,8 +48,8 @@ def _axis_map(field):
             return None
         if not isinstance(x, Mapping):
             raise KVABIError(f"{field}: must be an object of axis -> integer, got {x!r:.80}")
-        return dict(sorted(x.items(), key=lambda kv: AXES.index(kv[0])
-                           if kv[0] in AXES else 99))
+        return FrozenDict(sorted(x.items(), key=lambda kv: AXES.index(kv[0])
+                                 if kv[0] in AXES else 99))
 
     return convert
 
@@ -111,7 +112,8 @@ class Layout:
             require(a in PLANE_AXES, "planes", f"only {PLANE_AXES} may be plane axes", a)
         extra = set(self.sizes) - set(seen)
         require(not extra, "sizes", "names axes not in the layout", sorted(map(str, extra)))
-        sizes = {a: as_int(self.sizes.get(a), f"sizes.{a}", lo=1) for a in self.sizes}
+        sizes = FrozenDict((a, as_int(self.sizes.get(a), f"sizes.{a}", lo=1))
+                           for a in self.sizes)
         for a in seen:
             require(a in sizes, f"sizes.{a}", "must be a positive int (missing)")
         object.__setattr__(self, "sizes", sizes)
@@ -122,7 +124,7 @@ class Layout:
             for a, v in self.extents.items():
                 require(a in self.order, f"extents.{a}", "only memory-order axes have extents")
                 ext[a] = as_int(v, f"extents.{a}", lo=sizes[a])
-            object.__setattr__(self, "extents", ext or None)
+            object.__setattr__(self, "extents", FrozenDict(ext) if ext else None)
         # Strides and spans in exact Python ints, each checked against int64.
         if self.strides is None:
             stride, s = {}, isz
@@ -143,8 +145,9 @@ class Layout:
                 need = self.extent(inner) * stride[inner]
                 require(stride[outer] >= need, f"strides.{outer}",
                         f"overlaps axis {inner} (needs >= {need})", stride[outer])
+            stride = FrozenDict(stride)
             object.__setattr__(self, "strides", stride)
-        object.__setattr__(self, "_stride", stride)
+        object.__setattr__(self, "_stride", FrozenDict(stride))
         natural = _int64(sum((self.extent(a) - 1) * stride[a] for a in self.order) + isz,
                          "strides" if self.strides is not None else "sizes",
                          "the bytes one plane spans")
@@ -332,15 +335,28 @@ class Layout:
         return plane, off
 
     # -- arrays --------------------------------------------------------------------------
-    def allocate_numpy(self, fill=0) -> list[np.ndarray]:
+    def allocate_numpy(self, fill=0, *, bytewise: bool = False) -> list[np.ndarray]:
         """Planes as numpy arrays shaped :attr:`plane_shape` (strided over a padded buffer
-        where the layout pads); every byte, padding included, holds ``fill``."""
+        where the layout pads).  Every element of the buffer, padding included, holds the
+        value ``fill`` (e.g. NaN); with ``bytewise`` every byte holds ``fill``, a byte
+        value 0..255."""
         dt = numpy_dtype(self.dtype)
         n = -(-self.plane_nbytes // self.itemsize)
+        if bytewise:
+            fill = as_int(fill, "fill", lo=0, hi=255)
+        elif not isinstance(fill, (int, float, np.integer, np.floating)) or \
+                isinstance(fill, (bool, np.bool_)):
+            raise KVABIError(f"fill: must be a number, got {fill!r:.60}")
         strides = [s * self.itemsize for s in self.plane_strides]
         planes = []
         for _ in range(self.num_planes):
-            buf = np.full(n, fill, dtype=dt)
+            if bytewise:
+                buf = np.full(n * self.itemsize, fill, dtype=np.uint8).view(dt)
+            else:
+                try:
+                    buf = np.full(n, fill, dtype=dt)
+                except (OverflowError, ValueError):
+                    raise KVABIError(f"fill: {fill!r} is not a {self.dtype} value") from None
             planes.append(_as_strided(buf, self.plane_shape, strides))
         return planes
 
