@@ -26,6 +26,8 @@ from .frozen import FrozenDict
 
 AXES = ("L", "B", "KV", "N", "H", "D")
 PLANE_AXES = ("L", "KV")
+#: The most pieces :meth:`Layout.block_regions` enumerates for one call (before merging).
+MAX_BLOCK_REGIONS = 2**24
 _ARG = {"L": "layer", "B": "block", "KV": "kv", "N": "token", "H": "head", "D": "dim"}
 
 
@@ -445,11 +447,24 @@ class Layout:
         cut = self.order.index("B")
         if lay is not None and "L" in self.order and len(lay) < self.num_layers:
             cut = max(cut, self.order.index("L"))
-        outer = self.order[:cut + 1]
+        outer = list(self.order[:cut + 1])
         inner = self.order[cut + 1:]
         span = sum((self.extent(a) - 1) * self.stride(a) for a in inner) + self.itemsize
-        step = self.stride(self.order[cut])
-        dims = list(self.planes) + list(outer)
+        # Regions merge across at most the padding between two consecutive cut-axis entries.
+        gap = self.stride(self.order[cut]) - span
+
+        def whole(a):  # every index of axis a is asked for
+            if a == "B":
+                return blocks.size == self.num_blocks
+            return a != "L" or lay is None or lay.size == self.num_layers
+
+        # Fold the innermost enumerated axes into the region while the merge below would
+        # join all their entries anyway (every index asked, consecutive entries at most
+        # `gap` apart): the work then follows the regions returned, not an axis's size.
+        while outer and whole(outer[-1]) and self.stride(outer[-1]) - span <= gap:
+            a = outer.pop()
+            span += (self.size(a) - 1) * self.stride(a)
+        dims = list(self.planes) + outer
 
         def values(a):  # only the axes enumerated are materialized
             if a == "B":
@@ -458,9 +473,17 @@ class Layout:
                 return lay
             return np.arange(self.size(a), dtype=np.int64)
 
-        grids = np.meshgrid(*[values(a) for a in dims], indexing="ij")
-        g = {a: x.ravel() for a, x in zip(dims, grids)}
-        n = g["B"].size
+        n = math.prod(blocks.size if a == "B" else lay.size if a == "L" and lay is not None
+                      else self.size(a) for a in dims)
+        if n > MAX_BLOCK_REGIONS:
+            raise KVABIError(f"block_ids: {len(blocks)} blocks of this layout lie in {n} "
+                             f"separate pieces (blocks asked times the planes and the axes "
+                             f"outside B), more than MAX_BLOCK_REGIONS = {MAX_BLOCK_REGIONS}")
+        if dims:
+            grids = np.meshgrid(*[values(a) for a in dims], indexing="ij")
+            g = {a: x.ravel() for a, x in zip(dims, grids)}
+        else:
+            g = {}
         plane = np.broadcast_to(np.asarray(self._plane_of(g.get("L", 0), g.get("KV", 0)),
                                            dtype=np.int64), (n,))
         off = sum((g[a] * self.stride(a) for a in outer), np.zeros(n, np.int64))
@@ -469,7 +492,7 @@ class Layout:
         end = off + span
         # A new region starts where the plane changes or the gap is more than block padding.
         new = np.ones(len(off), bool)
-        new[1:] = (plane[1:] != plane[:-1]) | (off[1:] - end[:-1] > step - span)
+        new[1:] = (plane[1:] != plane[:-1]) | (off[1:] - end[:-1] > gap)
         starts = np.nonzero(new)[0]
         last = np.r_[starts[1:], len(off)] - 1
         return [(int(p), int(o), int(e - o)) for p, o, e in

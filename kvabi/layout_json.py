@@ -47,7 +47,7 @@ def layout_from_json(cls, text, *, max_bytes=None):
         max_bytes = as_int(max_bytes, "max_bytes", lo=0)
     if isinstance(text, (str, bytes, bytearray, memoryview)):
         d = loads(text, what="descriptor", max_bytes=MAX_DESCRIPTOR_BYTES,
-                  max_depth=MAX_DESCRIPTOR_DEPTH)
+                  max_depth=MAX_DESCRIPTOR_DEPTH, name_fields=True)
     else:
         d = text
     if not isinstance(d, dict):
