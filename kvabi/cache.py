@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-from attrs.exceptions import FrozenInstanceError
 
-from .coerce import as_int
-from .errors import KVABIError
+from .coerce import as_int, is_int
+from .errors import FrozenError, KVABIError
 from .tensors import dtype_name, framework
 
 
@@ -54,11 +53,11 @@ class KVCache(tuple):
         return self
 
     def __setattr__(self, name, value):
-        raise FrozenInstanceError(f"KVCache.{name}: a KVCache cannot be changed after its "
+        raise FrozenError(f"KVCache.{name}: a KVCache cannot be changed after its "
                                   f"check; wrap the planes again")
 
     def __delattr__(self, name):
-        raise FrozenInstanceError(f"KVCache.{name}: a KVCache cannot be changed after its "
+        raise FrozenError(f"KVCache.{name}: a KVCache cannot be changed after its "
                                   f"check")
 
     @classmethod
@@ -95,7 +94,7 @@ class KVCache(tuple):
                 buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=device)
                 planes.append(buf.view(torch_dtype(layout.dtype)).as_strided(
                     layout.plane_shape, layout.plane_strides))
-            _check_torch_devices(planes)
+                _check_torch(planes[-1], len(planes) - 1)
             return cls(layout, tuple(planes), _checked=True)
         import jax.numpy as jnp
 
@@ -123,7 +122,10 @@ class KVCache(tuple):
         planes, stamps = list(self), list(self._stamps)
         n = len(planes)
         for i, p in updates.items():
-            i = as_int(i, "updates", lo=0, hi=n - 1)
+            if not is_int(i) or not 0 <= i < n:
+                raise KVABIError(f"updates: keys must be plane indices in [0, {n}), got "
+                                 f"{i!r:.60}")
+            i = int(i)
             fw = framework(p)
             if fw != self.framework:
                 raise KVABIError(f"cache[{i}]: must be a {self.framework} array like the "

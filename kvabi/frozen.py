@@ -7,12 +7,12 @@ before) whose mutating methods raise, so ``layout.sizes["B"] = 10**6`` cannot ch
 """
 from __future__ import annotations
 
-from attrs.exceptions import FrozenInstanceError
+from .errors import FrozenError
 
 
 def _refuse(self, *args, **kwargs):
-    raise FrozenInstanceError(f"{type(self).__name__} is read-only: kvabi checked it when it "
-                              f"was built; build a new object instead")
+    raise FrozenError(f"{type(self).__name__}: read-only (kvabi checked it when it was "
+                      f"built); build a new object instead")
 
 
 class FrozenDict(dict):
