@@ -155,15 +155,15 @@ class KVCache(tuple):
             layer = as_int(layer, "layer")
         hit = self._views.get(("layer", layer))
         if hit is None:
-            v = self.layout.layer_view(self, layer)
             kvs = (0, 1) if "KV" in self.layout.planes else (0,)
-            idx = tuple(self.layout.plane_index(layer, kv) if self.layout.planes else 0
-                        for kv in kvs)
-            hit = self._views[("layer", layer)] = (v, idx)
+            idx = tuple(self.layout.plane_index(layer, kv) for kv in kvs)
+            self.check_unchanged(idx)  # before any view is made from the planes
+            v = self.layout.layer_view(self, layer)
+            hit = self._views[("layer", layer)] = (v, idx, tuple(
+                _stamp(t, self.framework) for t in v))
         if self.framework != "jax":
-            for i in hit[1]:
-                if _stamp(self[i], self.framework) != self._stamps[i]:
-                    _changed(self, i)
+            for i, t, st in zip(hit[1], hit[0], hit[2]):
+                self._check_view(i, t, st)
         return hit[0]
 
     def kv_view(self, layer: int, kv: int):
@@ -177,12 +177,23 @@ class KVCache(tuple):
         if hit is None:
             if self.framework == "jax":
                 raise KVABIError("cache: jax planes have no strided views; use layer_view")
+            i = self.layout.plane_index(layer, kv)
+            self.check_unchanged((i,))  # before any view is made from the plane
             v = self.layout.kv_view(self, layer, kv)
-            hit = self._views[(layer, kv)] = (v, self.layout.plane_index(layer, kv))
-        i = hit[1]
-        if _stamp(self[i], self.framework) != self._stamps[i]:
-            _changed(self, i)
+            hit = self._views[(layer, kv)] = (v, i, _stamp(v, self.framework))
+        self._check_view(hit[1], hit[0], hit[2])
         return hit[0]
+
+    def _check_view(self, i, view, stamp):
+        """The plane under a cached view, and the view itself (handed out, so a caller
+        could reshape or re-point it), are as they were checked."""
+        fw = self.framework
+        if _stamp(self[i], fw) != self._stamps[i]:
+            _changed(self, i)
+        if _stamp(view, fw) != stamp:
+            raise KVABIError(f"cache[{i}]: a view of this plane was changed in place after "
+                             f"kvabi made it (shape, strides or storage); views are read "
+                             f"and written through, never re-pointed")
 
     def __repr__(self) -> str:
         return (f"KVCache({self.layout.name or 'custom'}, {len(self)} {self.framework} "
