@@ -1,7 +1,8 @@
 """Objects kvabi checked, changed afterwards through their public surface (``specs/security.md``
-section 2.2, the immutability rule): a handle's attributes, a layout's mappings, the planes
-under a handle (numpy shape/strides, torch ``set_``/``as_strided_``), the views it handed
-out, and replacement planes that would reach outside their memory.  Each change is either
+section 2.5, the immutability rule): a handle's attributes, a layout's mappings, a step's
+validated arrays, the planes under a handle (numpy shape/strides, torch ``set_``/
+``as_strided_``), the views it handed out, and replacement planes that would reach outside
+their memory.  Each change is either
 refused (a KVABIError, at the change or where the object is next used) or harmless: the
 planes sit between guard bytes that are part of no plane's memory, and after every write the
 guards must be untouched.  Where nothing was changed, the write must land exactly where the
@@ -35,7 +36,7 @@ BACKENDS = {"numpy": kvabi.get_backend("reference"), "torch": kvabi.get_backend(
 
 MUTATIONS = ("none", "rebind", "layout_mapping", "replace_negative", "replace_stepping",
              "replace_shifted", "replace_other_framework", "replace_bad_key", "plane_shape",
-             "plane_strides", "view_shape", "torch_set", "torch_as_strided")
+             "plane_strides", "view_shape", "torch_set", "torch_as_strided", "meta_slots")
 
 
 class Guarded:
@@ -81,7 +82,7 @@ def setups(draw):
     return layout, fw, mutation, plane, layer, warm
 
 
-def _mutate(g: Guarded, cache: KVCache, mutation: str, i: int, layer: int):
+def _mutate(g: Guarded, cache: KVCache, mutation: str, i: int, layer: int, meta):
     """Apply ``mutation``; returns (cache to use, outcome): "refused" when the change itself
     raised a KVABIError, "applied" when it took effect, "none" when there was nothing to
     change (or numpy/torch themselves refused the change)."""
@@ -128,6 +129,8 @@ def _mutate(g: Guarded, cache: KVCache, mutation: str, i: int, layer: int):
         elif mutation == "torch_set" and fw == "torch":
             small = torch.from_numpy(items[:1].copy())
             cache[i].set_(small.untyped_storage(), 0, (1,), (1,))
+        elif mutation == "meta_slots":  # a validated step's slots pointed past the cache
+            meta.slot_mapping[0] = lay.num_blocks * SPEC.block_size + 10**6
         elif mutation == "torch_as_strided" and fw == "torch":
             cache[i].as_strided_((1,), (1,), 1)
         else:
@@ -193,7 +196,7 @@ def test_a_checked_object_changed_later_is_refused_or_harmless(setup):
         backend.write_kv(cache, layout, k, v, plan, layer=layer)
         for s in g.starts:
             g.buf[s:s + layout.plane_nbytes] = 0
-    cache, outcome = _mutate(g, cache, mutation, i, layer)
+    cache, outcome = _mutate(g, cache, mutation, i, layer, meta)
     event(f"{fw} {mutation}: {outcome}")
     if mutation in ("rebind", "layout_mapping", "replace_negative", "replace_stepping",
                     "replace_shifted", "replace_other_framework", "replace_bad_key"):
