@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
-
 from .coerce import as_int, is_int
 from .errors import FrozenError, KVABIError
-from .tensors import dtype_name, framework
+from .layout import Layout
+from .planes import (check_plane, check_planes, check_torch, check_torch_devices,
+                     plane_stamp)
+from .tensors import framework
 
 
 class KVCache(tuple):
@@ -48,7 +49,7 @@ class KVCache(tuple):
         put(self, "layout", layout)
         put(self, "framework", fw)
         put(self, "_views", {})
-        put(self, "_stamps", tuple(_stamp(p, fw) for p in planes) if _stamps is None
+        put(self, "_stamps", tuple(plane_stamp(p, fw) for p in planes) if _stamps is None
             else _stamps)
         return self
 
@@ -94,7 +95,7 @@ class KVCache(tuple):
                 buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=device)
                 planes.append(buf.view(torch_dtype(layout.dtype)).as_strided(
                     layout.plane_shape, layout.plane_strides))
-                _check_torch(planes[-1], len(planes) - 1)
+                check_torch(planes[-1], len(planes) - 1)
             return cls(layout, tuple(planes), _checked=True)
         import jax.numpy as jnp
 
@@ -130,10 +131,10 @@ class KVCache(tuple):
             if fw != self.framework:
                 raise KVABIError(f"cache[{i}]: must be a {self.framework} array like the "
                                  f"other planes, got {type(p).__name__}")
-            _check_plane(self.layout, p, i, fw)
-            planes[i], stamps[i] = p, _stamp(p, fw)
+            check_plane(self.layout, p, i, fw)
+            planes[i], stamps[i] = p, plane_stamp(p, fw)
         if self.framework == "torch":
-            _check_torch_devices(planes)
+            check_torch_devices(planes)
         return KVCache(self.layout, tuple(planes), _checked=True, _stamps=tuple(stamps))
 
     def check_unchanged(self, planes=None) -> None:
@@ -146,7 +147,7 @@ class KVCache(tuple):
         if self.framework == "jax":
             return
         for i in range(len(self)) if planes is None else planes:
-            if _stamp(self[i], self.framework) != self._stamps[i]:
+            if plane_stamp(self[i], self.framework) != self._stamps[i]:
                 _changed(self, i)
 
     def layer_view(self, layer: int) -> tuple:
@@ -158,9 +159,9 @@ class KVCache(tuple):
             kvs = (0, 1) if "KV" in self.layout.planes else (0,)
             idx = tuple(self.layout.plane_index(layer, kv) for kv in kvs)
             self.check_unchanged(idx)  # before any view is made from the planes
-            v = self.layout.layer_view(self, layer)
+            v = self.layout._layer_view(self, layer)
             hit = self._views[("layer", layer)] = (v, idx, tuple(
-                _stamp(t, self.framework) for t in v))
+                plane_stamp(t, self.framework) for t in v))
         if self.framework != "jax":
             for i, t, st in zip(hit[1], hit[0], hit[2]):
                 self._check_view(i, t, st)
@@ -179,8 +180,8 @@ class KVCache(tuple):
                 raise KVABIError("cache: jax planes have no strided views; use layer_view")
             i = self.layout.plane_index(layer, kv)
             self.check_unchanged((i,))  # before any view is made from the plane
-            v = self.layout.kv_view(self, layer, kv)
-            hit = self._views[(layer, kv)] = (v, i, _stamp(v, self.framework))
+            v = self.layout._kv_view(self, layer, kv)
+            hit = self._views[(layer, kv)] = (v, i, plane_stamp(v, self.framework))
         self._check_view(hit[1], hit[0], hit[2])
         return hit[0]
 
@@ -188,9 +189,9 @@ class KVCache(tuple):
         """The plane under a cached view, and the view itself (handed out, so a caller
         could reshape or re-point it), are as they were checked."""
         fw = self.framework
-        if _stamp(self[i], fw) != self._stamps[i]:
+        if plane_stamp(self[i], fw) != self._stamps[i]:
             _changed(self, i)
-        if _stamp(view, fw) != stamp:
+        if plane_stamp(view, fw) != stamp:
             raise KVABIError(f"cache[{i}]: a view of this plane was changed in place after "
                              f"kvabi made it (shape, strides or storage); views are read "
                              f"and written through, never re-pointed")
@@ -228,135 +229,12 @@ def as_cache(cache, layout, framework: str | None = None) -> KVCache:
 
 
 def _check_layout(layout) -> None:
-    from .layout import Layout
-
     if not isinstance(layout, Layout):
         hint = " (a preset name? Layout.preset(name, spec, num_blocks) builds one)" \
             if isinstance(layout, str) else ""
         raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}{hint}")
 
 
-def _stamp(p, fw):
-    """What must not change in a plane after its check (see KVCache.check_unchanged)."""
-    if fw == "torch":
-        s = p.untyped_storage()
-        return s.data_ptr(), s.nbytes(), p.storage_offset(), p.stride(), p.shape
-    if fw == "numpy":
-        return p.shape, p.strides
-    return None
-
-
 def _changed(cache, i):
     raise KVABIError(f"cache[{i}]: the plane changed after KVCache.wrap checked it (its "
                      f"storage, offset, shape or strides); wrap the planes again")
-
-
-def check_planes(layout, planes) -> str:
-    """Check ``planes`` against ``layout``; returns their framework."""
-    if not isinstance(planes, (list, tuple)):
-        raise KVABIError(f"cache: must be a KVCache or a list of planes, got "
-                         f"{type(planes).__name__}")
-    if len(planes) != layout.num_planes:
-        raise KVABIError(f"cache: layout has {layout.num_planes} planes, got {len(planes)}")
-    fws = {framework(p) for p in planes}
-    if None in fws:
-        bad = next(i for i, p in enumerate(planes) if framework(p) is None)
-        raise KVABIError(f"cache[{bad}]: must be a numpy, torch or jax array, got "
-                         f"{type(planes[bad]).__name__}")
-    if len(fws) != 1:
-        raise KVABIError(f"cache: planes mix frameworks {sorted(fws)}")
-    fw = fws.pop()
-    for i, p in enumerate(planes):
-        _check_plane(layout, p, i, fw)
-    if fw == "torch":
-        _check_torch_devices(planes)
-    return fw
-
-
-def _check_plane(layout, p, i, fw):
-    if fw == "jax":
-        _check_dense(layout, p, i, fw)
-        return
-    if fw == "torch":
-        _check_torch(p, i)
-    _check_strided(layout, p, i, fw)
-
-
-def _check_torch(p, i):
-    """A torch plane must be strided memory kvabi can address: not a meta tensor (no
-    memory at all: a write would store nothing), not sparse."""
-    import torch
-
-    if p.is_meta or p.device.type == "meta":
-        raise KVABIError(f"cache[{i}].device: a meta tensor holds no memory; planes must "
-                         f"be real memory")
-    if p.layout is not torch.strided:
-        raise KVABIError(f"cache[{i}].layout: must be a strided (dense) tensor, got "
-                         f"{p.layout}")
-
-
-def _check_torch_devices(planes):
-    devs = {str(p.device) for p in planes}
-    if len(devs) > 1:
-        raise KVABIError(f"cache: planes lie on several devices {sorted(devs)}")
-
-
-def _check_meta(layout, p, i):
-    shape = tuple(p.shape)
-    if shape != layout.plane_shape:
-        raise KVABIError(f"cache[{i}].shape: must be {layout.plane_shape}, got {shape}")
-    try:
-        name = dtype_name(p)
-    except KVABIError:
-        name = str(p.dtype)
-    if name != layout.dtype:
-        raise KVABIError(f"cache[{i}].dtype: must be the layout's {layout.dtype}, got {name}")
-
-
-def _check_dense(layout, p, i, fw):
-    _check_meta(layout, p, i)
-    if not layout.is_c_contiguous:
-        raise KVABIError(f"cache[{i}]: {fw} arrays are dense, but layout "
-                         f"{layout.name or 'custom'} has padding bytes or explicit strides "
-                         f"({layout.plane_nbytes} bytes per plane)")
-
-
-def _check_strided(layout, p, i, fw):
-    _check_meta(layout, p, i)
-    isz = layout.itemsize
-    strides = tuple(p.stride()) if fw == "torch" else tuple(s // isz for s in p.strides)
-    if fw == "numpy" and any(s % isz for s in p.strides):
-        raise KVABIError(f"cache[{i}].strides: byte strides {p.strides} are not multiples "
-                         f"of the itemsize {isz}")
-    want = layout.plane_strides
-    for d, (got, exp, n) in enumerate(zip(strides, want, layout.plane_shape)):
-        if n > 1 and got != exp:
-            raise KVABIError(f"cache[{i}].strides: must be {want} elements (the layout's), "
-                             f"got {strides}")
-    need = layout.plane_nbytes
-    have = _bytes_from_start(p, fw)
-    if have < need:
-        raise KVABIError(f"cache[{i}]: the layout addresses {need} bytes from the plane's "
-                         f"start, but its memory holds only {have}")
-
-
-def _bytes_from_start(p, fw) -> int:
-    """Bytes of memory from the first element of ``p`` to the end of its buffer."""
-    if fw == "torch":
-        return p.untyped_storage().nbytes() - p.storage_offset() * p.element_size()
-    root = p
-    while isinstance(getattr(root, "base", None), np.ndarray) or \
-            type(getattr(root, "base", None)).__name__ == "DummyArray":
-        root = root.base
-        if not isinstance(root, np.ndarray):  # as_strided's DummyArray: step through
-            root = root.base
-    lo, hi = _byte_bounds(root)
-    start = p.__array_interface__["data"][0]
-    if not lo <= start <= hi:
-        return 0
-    return hi - start
-
-
-def _byte_bounds(a):
-    bb = getattr(getattr(np.lib, "array_utils", None), "byte_bounds", None)
-    return bb(a) if bb is not None else np.byte_bounds(a)  # numpy < 2

@@ -18,11 +18,14 @@ from typing import Iterable, Mapping
 import attrs
 import numpy as np
 
-from .abi import ABI_VERSION
 from .coerce import as_int, checked, int_array
 from .dtypes import check_dtype, itemsize, numpy_dtype, tpu_packing
 from .errors import KVABIError, require
 from .frozen import FrozenDict
+from .layout_json import layout_from_json
+from .planes import check_planes
+from .presets import build_preset
+from .version import ABI_VERSION
 
 AXES = ("L", "B", "KV", "N", "H", "D")
 PLANE_AXES = ("L", "KV")
@@ -366,8 +369,13 @@ class Layout:
         """Per-layer tensors: ``(t,)`` when K and V share a plane (or MLA), ``(k, v)`` when
         KV is a plane axis.  The L dimension, if in a plane, is indexed away (no copy for
         numpy and torch; jax slices).  ``planes`` (a KVCache or a list) is checked against
-        the layout first: count, shape, dtype, strides and memory."""
-        self._check_planes(planes)
+        the layout first: count, shape, dtype, strides and memory (a KVCache's own
+        :meth:`~kvabi.KVCache.layer_view` caches the view instead)."""
+        check_planes(self, planes)
+        return self._layer_view(planes, layer)
+
+    def _layer_view(self, planes, layer) -> tuple:
+        """:meth:`layer_view` of planes already checked against this layout."""
         layer = as_int(layer, "layer")
         require(0 <= layer < self.num_layers, "layer", f"out of range [0, {self.num_layers})",
                 layer)
@@ -387,7 +395,11 @@ class Layout:
         """Strided view [B, N, H, D] (logical sizes, no copy) of the keys (kv=0) or values
         (kv=1) of one layer; numpy arrays and torch tensors; writes go through.  ``planes``
         is checked first (see :meth:`layer_view`): a view never reaches past the memory."""
-        self._check_planes(planes)
+        check_planes(self, planes)
+        return self._kv_view(planes, layer, kv)
+
+    def _kv_view(self, planes, layer, kv):
+        """:meth:`kv_view` of planes already checked against this layout."""
         plane_no, base = self.byte_offset(layer=layer, kv=kv)
         plane = planes[plane_no]
         shape = tuple(self.size(a) for a in ("B", "N", "H", "D"))
@@ -400,15 +412,6 @@ class Layout:
             return plane.as_strided(shape, tuple(s // self.itemsize for s in strides),
                                     plane.storage_offset() + base // self.itemsize)
         raise KVABIError(f"planes: kv_view needs numpy or torch arrays, got {type(plane)}")
-
-    def _check_planes(self, planes):
-        """Plane memory against this layout, in the one core check (kvabi.cache); a
-        KVCache of this layout was checked when it was made."""
-        from .cache import KVCache, check_planes
-
-        if isinstance(planes, KVCache) and (planes.layout is self or planes.layout == self):
-            return
-        check_planes(self, planes)
 
     # -- block regions -------------------------------------------------------------------
     @property
@@ -524,17 +527,13 @@ class Layout:
         (ignoring unknown fields); any malformed field raises KVABIError naming it.
         ``max_bytes`` bounds the bytes of the whole descriptor (all planes together, e.g.
         the receiver's buffers); the text goes through :func:`kvabi.safe_json.loads`."""
-        from .layout_json import layout_from_json
-
         return layout_from_json(cls, text, max_bytes=max_bytes)
 
     # -- presets -------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, spec, num_blocks: int, num_layers: int = 1) -> "Layout":
         """A named layout of the anchors for ``spec`` (see :data:`kvabi.presets.PRESETS`)."""
-        from .presets import make_preset
-
-        return make_preset(name, spec, num_blocks, num_layers)
+        return build_preset(cls, name, spec, num_blocks, num_layers)
 
 
 def _c_strides(shape) -> tuple[int, ...]:

@@ -8,10 +8,10 @@ stride, span and total).
 """
 from __future__ import annotations
 
-from .abi import ABI_VERSION, wire_version
 from .coerce import as_int
 from .errors import KVABIError
 from .safe_json import loads
+from .version import ABI_VERSION, wire_version
 
 #: Size limit of a descriptor's text (a real one is well under 1 KiB).
 MAX_DESCRIPTOR_BYTES = 64 * 2**10
