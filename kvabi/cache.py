@@ -54,12 +54,11 @@ class KVCache(tuple):
         return self
 
     def __setattr__(self, name, value):
-        raise FrozenError(f"KVCache.{name}: a KVCache cannot be changed after its "
-                                  f"check; wrap the planes again")
+        raise FrozenError(f"KVCache.{name}: a KVCache cannot be changed after its check; "
+                          f"wrap the planes again")
 
     def __delattr__(self, name):
-        raise FrozenError(f"KVCache.{name}: a KVCache cannot be changed after its "
-                                  f"check")
+        raise FrozenError(f"KVCache.{name}: a KVCache cannot be changed after its check")
 
     @classmethod
     def wrap(cls, layout, planes) -> "KVCache":
@@ -83,7 +82,8 @@ class KVCache(tuple):
         if framework not in ("numpy", "torch", "jax"):
             raise KVABIError(f"framework: must be numpy, torch or jax, got {framework!r:.60}")
         if framework == "numpy":
-            return cls(layout, tuple(layout.allocate_numpy(fill, bytewise=True)), _checked=True)
+            return cls(layout, tuple(layout.allocate_numpy(fill, bytewise=True)),
+                       _checked=True)
         if framework == "torch":
             import torch
 
@@ -102,8 +102,8 @@ class KVCache(tuple):
         if not layout.is_c_contiguous:
             raise KVABIError(f"layout: {layout.name or 'custom'} has padding bytes or "
                              f"explicit strides; jax arrays are dense")
-        return cls(layout, tuple(jnp.asarray(p) for p in layout.allocate_numpy(fill, bytewise=True)),
-                   _checked=True)
+        return cls(layout, tuple(jnp.asarray(p) for p in
+                                 layout.allocate_numpy(fill, bytewise=True)), _checked=True)
 
     @property
     def planes(self) -> tuple:
@@ -146,7 +146,11 @@ class KVCache(tuple):
         the plane they view), calls it first."""
         if self.framework == "jax":
             return
-        for i in range(len(self)) if planes is None else planes:
+        n = len(self)
+        for i in range(n) if planes is None else planes:
+            if type(i) is not int and not is_int(i) or not 0 <= i < n:
+                raise KVABIError(f"planes: must hold plane indices in [0, {n}), got "
+                                 f"{i!r:.60}")
             if plane_stamp(self[i], self.framework) != self._stamps[i]:
                 _changed(self, i)
 

@@ -230,3 +230,11 @@ def test_descriptor_numbers_are_named_by_field(text, field):
            '"sizes": {"B": 1, "N": 1, "H": 1, "D": 1, ' + text + '}}')
     with pytest.raises(KVABIError, match=f"^{field}: "):
         Layout.from_json(doc)
+
+
+def test_check_unchanged_takes_plane_indices():
+    c = KVCache.allocate(SPLIT)
+    c.check_unchanged([0, np.int64(3)])
+    for bad in ([4], [-1], [1.0], ["0"], [True]):
+        with pytest.raises(KVABIError, match=r"^planes: must hold plane indices in \[0, 4\)"):
+            c.check_unchanged(bad)
