@@ -98,6 +98,9 @@ class Layout:
     _natural: int = attrs.field(init=False, eq=False, repr=False)
     _plane_nbytes: int = attrs.field(init=False, eq=False, repr=False)
     _num_planes: int = attrs.field(init=False, eq=False, repr=False)
+    # The tensor a backend sees (shape, element strides), asked for on every plane check.
+    _shape: tuple = attrs.field(init=False, eq=False, repr=False)
+    _elem_strides: tuple = attrs.field(init=False, eq=False, repr=False)
 
     # -- validation --------------------------------------------------------------------
     def __attrs_post_init__(self):
@@ -176,6 +179,8 @@ class Layout:
             require(e % self.packing == 0, "packing",
                     f"must divide the {'*'.join(hdim)} dimension ({e}); heads are never "
                     f"padded silently", self.packing)
+        object.__setattr__(self, "_shape", self._plane_shape())
+        object.__setattr__(self, "_elem_strides", self._plane_strides())
 
     def _check_folds(self):
         used = set()
@@ -275,6 +280,14 @@ class Layout:
     @property
     def plane_shape(self) -> tuple[int, ...]:
         """Shape of each plane tensor as the backend sees it (extents, folds, packing)."""
+        return self._shape
+
+    @property
+    def plane_strides(self) -> tuple[int, ...]:
+        """Element strides of each plane tensor's dimensions."""
+        return self._elem_strides
+
+    def _plane_shape(self) -> tuple[int, ...]:
         shape = []
         for i, g in enumerate(self._view_groups()):
             e = math.prod(self.extent(a) for a in g)
@@ -284,9 +297,7 @@ class Layout:
                 shape.append(e)
         return tuple(shape)
 
-    @property
-    def plane_strides(self) -> tuple[int, ...]:
-        """Element strides of each plane tensor's dimensions."""
+    def _plane_strides(self) -> tuple[int, ...]:
         out = []
         for i, g in enumerate(self._view_groups()):
             s = self.stride(g[-1]) // self.itemsize
