@@ -39,6 +39,8 @@ def check_planes(layout, planes) -> str:
 
 
 def check_plane(layout, p, i, fw):
+    """Plane ``i`` (of framework ``fw``) against ``layout``: shape, dtype, and for numpy and
+    torch (strided memory) element strides and the memory under it."""
     if fw == "jax":
         _check_dense(layout, p, i, fw)
         return
@@ -61,12 +63,13 @@ def check_torch(p, i):
 
 
 def check_torch_devices(planes):
+    """Every torch plane of one cache on one device."""
     devs = {str(p.device) for p in planes}
     if len(devs) > 1:
         raise KVABIError(f"cache: planes lie on several devices {sorted(devs)}")
 
 
-def _check_meta(layout, p, i):
+def _check_shape_dtype(layout, p, i):
     shape = tuple(p.shape)
     if shape != layout.plane_shape:
         raise KVABIError(f"cache[{i}].shape: must be {layout.plane_shape}, got {shape}")
@@ -79,7 +82,7 @@ def _check_meta(layout, p, i):
 
 
 def _check_dense(layout, p, i, fw):
-    _check_meta(layout, p, i)
+    _check_shape_dtype(layout, p, i)
     if not layout.is_c_contiguous:
         raise KVABIError(f"cache[{i}]: {fw} arrays are dense, but layout "
                          f"{layout.name or 'custom'} has padding bytes or explicit strides "
@@ -87,7 +90,7 @@ def _check_dense(layout, p, i, fw):
 
 
 def _check_strided(layout, p, i, fw):
-    _check_meta(layout, p, i)
+    _check_shape_dtype(layout, p, i)
     isz = layout.itemsize
     strides = tuple(p.stride()) if fw == "torch" else tuple(s // isz for s in p.strides)
     if fw == "numpy" and any(s % isz for s in p.strides):
