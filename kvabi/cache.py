@@ -41,6 +41,7 @@ class KVCache(tuple):
 
     def __new__(cls, layout, planes, _checked: bool = False, _stamps=None):
         if not _checked:
+            _check_layout(layout)
             fw = check_planes(layout, planes)
         else:
             fw = framework(planes[0]) if planes else "numpy"
