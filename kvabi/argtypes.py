@@ -1,6 +1,8 @@
-"""Option value types for the ``kvabi`` commands: a bad value is a usage error.
+"""Option value types for command lines (the ``kvabi`` commands, and the bench suites of
+kvabi and of plugins): a bad value is a usage error.
 
-argparse calls a ``type=`` function on the option's text; these refuse what the option
+A public module outside :mod:`kvabi.commands` so that a backend's bench suite can use it
+without depending on the command line.  argparse calls a ``type=`` function on the option's text; these refuse what the option
 cannot mean (``--block-size 0``, ``--time-budget -5``, ``--max-examples 1.5``) with an
 ``argparse.ArgumentTypeError``, which the ``kvabi`` command prints as one line
 (``kvabi: error: <command>: argument --x: <why>``) and exit status 2.  :func:`from_kvabi`
@@ -10,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
+from pathlib import Path
 
-from ..coerce import INT64_MAX
-from ..errors import KVABIError
+from .coerce import INT64_MAX
+from .errors import KVABIError
 
 _INT = re.compile(r"[+-]?[0-9]+")
 
@@ -78,3 +82,49 @@ def from_kvabi(fn, name: str | None = None):
 positive_int = int_arg(lo=1, name="positive integer")
 #: counts that may be 0
 nonnegative_int = int_arg(lo=0, name="non-negative integer")
+
+
+def _existing_ancestor(p: Path) -> Path:
+    """The nearest of ``p``'s ancestors that exists (``p`` itself not included)."""
+    for a in p.absolute().parents:
+        if os.path.lexists(a):
+            return a
+    return Path("/")  # unreachable: the root exists
+
+
+def _path_text(text: str) -> Path:
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"must be a path, got {text!r}")
+    return Path(text)
+
+
+def output_file_arg(text: str) -> Path:
+    """A ``type=`` for a file to write (created with its missing parent directories): not
+    an existing directory, and below nothing that is not a directory."""
+    p = _path_text(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if os.path.lexists(p) and not p.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a regular file")
+    a = _existing_ancestor(p)
+    if not a.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(a)!r} is not a directory")
+    return p
+
+
+def directory_arg(text: str) -> Path:
+    """A ``type=`` for a directory to write into: an existing directory, or a path that can
+    be made one (below nothing that is not a directory)."""
+    p = _path_text(text)
+    if os.path.lexists(p):
+        if not p.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+        return p
+    a = _existing_ancestor(p)
+    if not a.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(a)!r} is not a directory")
+    return p
+
+
+output_file_arg.__name__ = "file path"
+directory_arg.__name__ = "directory"
