@@ -216,7 +216,8 @@ def use(model, backend="reference", layout=None, *, block_size=None, kv_dtype=No
     suffix of layers only on the tokens whose logits are needed.
 
     Raises :class:`kvabi.KVABIError` (UnsupportedError for what the backend refuses) here,
-    not mid-generation, for any model, layout or option that cannot be served.
+    not mid-generation, for any model, layout or option that cannot be served, and then
+    leaves ``model`` as it was.  A run that fails gives the model its own attention back.
     """
     from .hooks import install
 
