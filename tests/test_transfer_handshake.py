@@ -105,6 +105,21 @@ def test_refusals_name_the_field(path, value, match):
         parse_handshake(json.dumps(_mutate(path, value)))
 
 
+def test_a_parsed_handshake_cannot_change():
+    """What the receiver checked stays checked: the handshake is frozen and its planes
+    (the bounds every later pull trusts) are read-only."""
+    import attrs
+
+    h = parse_handshake(json.dumps(message()))
+    with pytest.raises(ValueError, match="read-only"):
+        h.planes[0, 1] = 1 << 40
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        h.planes = np.zeros((2, 3), np.int64)
+    with pytest.raises(ValueError):
+        h.planes.flags.writeable = True  # the array owns its memory, but not this flag
+    assert list(h.plane_nbytes) == [LAYOUT.plane_nbytes] * 2
+
+
 def test_newer_minor_may_add_fields():
     d = message(kvabi_abi=[ABI_VERSION[0], ABI_VERSION[1] + 1], future_field={"x": 1})
     assert parse_handshake(json.dumps(d)).abi == (ABI_VERSION[0], ABI_VERSION[1] + 1)

@@ -168,7 +168,9 @@ def parse_handshake(text) -> Handshake:
             meta = base64.b64decode(meta.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError):
             raise KVABIError("metadata: not valid base64") from None
-    rows = np.array(rows, np.int64).reshape(-1, 3)
-    rows.flags.writeable = False  # checked here; trusted by whoever holds the handshake
+    # Checked here and trusted by whoever holds the handshake: a read-only view of a
+    # read-only array, so that not even its writeable flag can be turned back on.
+    own = np.array(rows, np.int64).reshape(-1, 3).copy()  # owns its memory
+    own.flags.writeable = False
     return Handshake(abi=(ver[0], ver[1]), agent_name=name, host=host, port=port,
-                     memory=memory, layout=layout, planes=rows, metadata=meta)
+                     memory=memory, layout=layout, planes=own.view(), metadata=meta)
