@@ -98,9 +98,9 @@ def _path_text(text: str) -> Path:
     return Path(text)
 
 
-def output_file_arg(text: str) -> Path:
+def output_file_arg(text: str) -> str:
     """A ``type=`` for a file to write (created with its missing parent directories): not
-    an existing directory, and below nothing that is not a directory."""
+    an existing directory, and below nothing that is not a directory.  Returns the text."""
     p = _path_text(text)
     if p.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
@@ -109,21 +109,21 @@ def output_file_arg(text: str) -> Path:
     a = _existing_ancestor(p)
     if not a.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(a)!r} is not a directory")
-    return p
+    return text
 
 
-def directory_arg(text: str) -> Path:
+def directory_arg(text: str) -> str:
     """A ``type=`` for a directory to write into: an existing directory, or a path that can
-    be made one (below nothing that is not a directory)."""
+    be made one (below nothing that is not a directory).  Returns the text."""
     p = _path_text(text)
     if os.path.lexists(p):
         if not p.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
-        return p
+        return text
     a = _existing_ancestor(p)
     if not a.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(a)!r} is not a directory")
-    return p
+    return text
 
 
 output_file_arg.__name__ = "file path"

@@ -154,9 +154,9 @@ def test_path_options_accept_paths_of_their_kind(tmp_path):
 
     (tmp_path / "old.xml").write_text("old")
     for good in (tmp_path / "new.xml", tmp_path / "old.xml", tmp_path / "x" / "y" / "r.xml"):
-        assert output_file_arg(str(good)) == good
+        assert output_file_arg(str(good)) == str(good)
     for good in (tmp_path, tmp_path / "new", tmp_path / "x" / "y"):
-        assert directory_arg(str(good)) == good
+        assert directory_arg(str(good)) == str(good)
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")  # a dangling link is not a dir
     with pytest.raises(argparse.ArgumentTypeError, match="not a directory"):
         directory_arg(str(tmp_path / "link"))

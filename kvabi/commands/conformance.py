@@ -108,11 +108,15 @@ def run(args) -> int:
         results += run_backend(b, checks=checks, options=options,
                                max_examples=args.max_examples, seed=seed, profile=profile,
                                time_budget=budget, shrink=not args.no_shrink,
-                               replay=str(args.replay) if args.replay else DEFAULT,
+                               replay=args.replay or DEFAULT,
                                progress=progress(b.name))
     failed = [r for r in results if r.failed]
     if args.junit_xml:
-        path = report_junit.write(args.junit_xml, results, profile=profile, seed=seed)
+        try:  # the option's type checked the path's kind; permissions show only now
+            path = report_junit.write(args.junit_xml, results, profile=profile, seed=seed)
+        except OSError as e:
+            raise KVABIError(f"junit_xml: cannot write {args.junit_xml!r}: "
+                             f"{e.strerror or e}") from None
         print(f"kvabi conformance: JUnit XML written to {path}", file=sys.stderr)
     if args.json:
         print(report_json.dumps(results, profile=profile, seed=seed))
