@@ -2,8 +2,9 @@
 kvabi and of plugins): a bad value is a usage error.
 
 A public module outside :mod:`kvabi.commands` so that a backend's bench suite can use it
-without depending on the command line.  argparse calls a ``type=`` function on the option's text; these refuse what the option
-cannot mean (``--block-size 0``, ``--time-budget -5``, ``--max-examples 1.5``) with an
+without depending on the command line.  argparse calls a ``type=`` function on the option's
+text; these refuse what the option cannot mean (``--block-size 0``, ``--time-budget -5``,
+``--max-examples 1.5``, ``--junit-xml`` naming a directory) with an
 ``argparse.ArgumentTypeError``, which the ``kvabi`` command prints as one line
 (``kvabi: error: <command>: argument --x: <why>``) and exit status 2.  :func:`from_kvabi`
 turns any kvabi parser that raises :class:`~kvabi.KVABIError` into such a type.
