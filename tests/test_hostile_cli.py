@@ -202,3 +202,17 @@ def test_bench_usage_errors_are_one_line(capsys):
     with pytest.raises(SystemExit):  # outside `kvabi bench`, argparse is argparse again
         argparse.ArgumentParser().parse_args(["--bogus"])
     capsys.readouterr()
+
+
+def test_every_installed_bench_suite_gives_one_line_usage_errors(capsys):
+    """Whatever suites are installed here (built-in and plugins'), an unknown option is a
+    one-line usage error naming the suite."""
+    from kvabi.commands.bench import suites
+
+    names = sorted(suites())
+    assert {"transforms", "layout", "overhead", "transfer"} <= set(names)
+    for name in names:
+        rc, out, err = run(["bench", name, "--no-such-option"], capsys)
+        assert rc == 2 and out == "", name
+        assert one_line(err).startswith(f"kvabi: error: bench {name}: unrecognized "
+                                        "arguments: --no-such-option"), err
