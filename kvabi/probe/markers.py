@@ -13,6 +13,8 @@ is the all-ones poison pattern.
 """
 from __future__ import annotations
 
+import functools
+
 import attrs
 import numpy as np
 
@@ -45,6 +47,7 @@ class Alphabet:
     _inverse: np.ndarray | None = attrs.field(repr=False)  # pattern -> digit or -1
 
     @classmethod
+    @functools.lru_cache(maxsize=None)
     def of(cls, dtype: str) -> "Alphabet":
         check_dtype(dtype)
         if itemsize(dtype) == 4:

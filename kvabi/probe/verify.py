@@ -117,11 +117,11 @@ def _report(layout, rows, what, want_p, want_o, at_want, found_p, found_o, at_fo
         now = "no marker (never written there)" if held < 0 else f"the {rows.name(held)}"
         raise KVABIError(f"{rows.name(i)} is not where {label} puts it ({where}: it holds "
                          f"{now}), nor anywhere else in the sampled blocks' bytes")
-    want = set(zip(want_p.tolist(), want_o.tolist()))
-    extra = [k for k, (p, o) in enumerate(zip(found_p.tolist(), found_o.tolist()))
-             if (p, o) not in want]
-    if extra:
-        k = extra[0]
+    # Every element is in place; anything else found was written where the layout pads.
+    span = layout.plane_nbytes
+    extra = np.flatnonzero(~np.isin(found_p * span + found_o, want_p * span + want_o))
+    if len(extra):
+        k = int(extra[0])
         held = at_found[k]
         now = "a value kvabi never wrote" if held < 0 else f"a copy of the {rows.name(held)}"
         raise KVABIError(f"{_where(int(found_p[k]), int(found_o[k]))} was written ({now}), "
