@@ -8,8 +8,8 @@ read back at each place are combined.
 
 Alphabets use only patterns that survive any exact conversion an engine may make on the
 way (to a wider float and back): finite, normal floats (no zeros, subnormals, NaN or
-infinity, which a kernel may flush or canonicalise), and in int8 every value but -1.  None
-is the all-ones poison pattern.
+infinity, which a kernel may flush or canonicalise), and in int8 every value.  None is the
+poison pattern (:data:`.memory.POISON` repeated).
 """
 from __future__ import annotations
 
@@ -19,15 +19,18 @@ import attrs
 import numpy as np
 
 from ..dtypes import check_dtype, itemsize, numpy_dtype
+from .memory import POISON
 
 _F32_BASE = 0x3F800000  # 1.0: float32 digits are the floats in [1, 2), 2**23 of them
 
 
 def _patterns(name: str) -> np.ndarray:
     """The alphabet of a dtype of at most 16 bits, as unsigned bit patterns."""
-    p = np.arange(1 << (8 * itemsize(name)), dtype=np.uint32)
+    bits = 8 * itemsize(name)
+    p = np.arange(1 << bits, dtype=np.uint32)
+    p = p[p != int.from_bytes(bytes([POISON]) * (bits // 8), "little")]
     if name == "int8":
-        return p[p != 0xFF]
+        return p
     exp_bits, man_bits = {"float16": (5, 10), "bfloat16": (8, 7),
                           "float8_e4m3fn": (4, 3), "float8_e5m2": (5, 2)}[name]
     e = (p >> man_bits) & ((1 << exp_bits) - 1)

@@ -17,9 +17,11 @@ import numpy as np
 from ..errors import KVABIError
 from ..tensors import framework
 
-#: the byte every probed byte is set to first; 0xFF.. is NaN in every float dtype and -1 in
-#: int8, and the markers never use it
-POISON = 0xFF
+#: the byte every probed byte is set to first.  0xBB.. is a finite, normal value in every
+#: float dtype (-69 in int8), so it survives engines whose writes pass untouched elements
+#: through float ops (XLA canonicalises NaN payloads); the markers never use it.
+POISON = 0xBB
+_POISON64 = np.uint64(int.from_bytes(bytes([POISON]) * 8, "little"))
 _CHUNK = 1 << 26  # bytes scanned at a time: memory stays bounded whatever the plane size
 
 
@@ -116,7 +118,7 @@ class PlaneBytes:
         n8 = len(seg) // 8 * 8
         found = []
         if n8:
-            w = np.flatnonzero(seg[:n8].view(np.uint64) != np.uint64(0xFFFFFFFFFFFFFFFF))
+            w = np.flatnonzero(seg[:n8].view(np.uint64) != _POISON64)
             if len(w):
                 b = seg[:n8].reshape(-1, 8)[w].reshape(len(w), 8 // itemsize, itemsize)
                 sub = np.nonzero((b != POISON).any(axis=2))
