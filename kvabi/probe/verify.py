@@ -117,7 +117,10 @@ def _report(layout, rows, what, want_p, want_o, at_want, found_p, found_o, at_fo
         now = "no marker (never written there)" if held < 0 else f"the {rows.name(held)}"
         raise KVABIError(f"{rows.name(i)} is not where {label} puts it ({where}: it holds "
                          f"{now}), nor anywhere else in the sampled blocks' bytes")
-    # Every element is in place; anything else found was written where the layout pads.
+    # Every element is in place (so each wanted place was found); anything more found was
+    # written where the layout pads.
+    if len(found_o) == len(want_o):
+        return
     span = layout.plane_nbytes
     extra = np.flatnonzero(~np.isin(found_p * span + found_o, want_p * span + want_o))
     if len(extra):
