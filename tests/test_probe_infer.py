@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.dtypes import DTYPES, numpy_dtype
+from kvabi.dtypes import DTYPES
 from kvabi.presets import preset_names
 from kvabi.probe import infer_layout, placement_difference
 from kvabi.testing.strategies import random_layouts
