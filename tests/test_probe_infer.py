@@ -179,3 +179,20 @@ def test_refuses_jax_and_read_only():
         infer_layout(SPEC, planes, lambda *a: None, num_blocks=B)
     with pytest.raises(KVABIError, match="planes"):
         infer_layout(SPEC, "x", lambda *a: None, num_blocks=B)
+
+
+def test_keys_dim_major_values_token_major():
+    # per block-head: keys as [D, N], then values as [N, D] (vLLM CPU's "vec" kernels)
+    cache = np.zeros((L, B, 2, 8 * 4 * 2), np.float32)
+
+    def write(layer, slots, key, value):
+        for i, s in enumerate(slots):
+            b, n = divmod(int(s), 4)
+            blk = cache[layer, b].reshape(2, 2, 32)  # [H, KV, 32]
+            blk[:, 0].reshape(2, 8, 4)[:, :, n] = key[i]
+            blk[:, 1].reshape(2, 4, 8)[:, n, :] = value[i]
+    with pytest.raises(KVABIError, match=r"keys and values are placed with different strides "
+                       r"\(bytes per index step\): keys \{'L': \d+, 'B': 512, 'N': 4, "
+                       r"'H': 256, 'D': 16\}, values \{'L': \d+, 'B': 512, 'N': 32, "
+                       r"'H': 256, 'D': 4\}"):
+        infer_layout(SPEC, [cache], write, num_blocks=B, num_layers=L)
