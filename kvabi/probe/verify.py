@@ -16,6 +16,9 @@ from .markers import Alphabet
 from .marking import Geometry, Marked, gather, read_ids, scan
 from .memory import plane_bytes
 
+#: most tokens one verification writes (its cost and memory are bounded by the sample)
+MAX_SAMPLES = 1 << 16
+
 
 def sample_rows(geo: Geometry, samples: int, seed: int, avoid=()) -> Marked:
     """``samples`` distinct (layer, slot) rows: the first and the last slot of the cache,
@@ -149,7 +152,10 @@ def verify_layout(layout: Layout, planes, write, *, samples: int = 8, seed: int 
     """
     if not isinstance(layout, Layout):
         raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
-    samples = as_int(samples, "samples", lo=1)
+    samples = as_int(samples, "samples", lo=1, hi=MAX_SAMPLES)
+    if not callable(write):
+        raise KVABIError(f"write: must be callable (the engine's cache write), got "
+                         f"{type(write).__name__}")
     seed = as_int(seed, "seed", lo=0)
     mem = plane_bytes(planes)
     _check_sizes(layout, mem)
