@@ -22,7 +22,7 @@ from ..tensors import framework
 #: through float ops (XLA canonicalises NaN payloads); the markers never use it.
 POISON = 0xBB
 _POISON64 = np.uint64(int.from_bytes(bytes([POISON]) * 8, "little"))
-_CHUNK = 1 << 26  # bytes scanned at a time: memory stays bounded whatever the plane size
+_CHUNK = 1 << 22  # bytes scanned at a time: memory stays bounded (and cache-sized)
 
 
 def _span(shape, strides, itemsize: int, field: str) -> int:
