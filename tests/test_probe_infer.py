@@ -256,3 +256,19 @@ def test_one_byte_dtypes_spread_markers_over_writes(dtype, rounds):
     # discovery: 3 layers x 6 tokens x 2 x 2 heads x 8 = 576 ids, more than the ~240 digits
     # of an 8-bit dtype: one write per layer per round; the check: one token (32 ids), once
     assert len(calls) == 3 * rounds + 1
+
+
+def test_layers_not_probed_are_checked_on_a_fresh_sample():
+    # layers 0, 1 and the last follow the layout; the middle ones land one block later
+    truth = Layout.preset("vllm.BLNHC", SPEC, B, 5)
+    planes = truth.allocate_numpy()
+    inner = layout_writer(truth, planes)
+
+    def write(layer, slots, key, value):
+        if layer in (2, 3):
+            slots = (np.asarray(slots) + 4) % (B * 4)
+        inner(layer, slots, key, value)
+    with pytest.raises(KVABIError, match=r"^infer_layout: the placement fitted from the probed "
+                       r"tokens fails on a fresh sample \(the write is not one layout\): "
+                       r"key of layer [23], block \d, token \d, head 0, dim 0 "):
+        infer_layout(SPEC, planes, write, num_blocks=B, num_layers=5)
