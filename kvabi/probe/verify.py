@@ -101,10 +101,10 @@ def check_marked(layout: Layout, mem, write, rows: Marked, what: str) -> None:
             mem[p].write(lo, data)
 
 
-def _report(layout, rows, what, want_p, want_o, at_want, found_p, found_o, at_found):
+def _report(layout, rows, label, want_p, want_o, at_want, found_p, found_o, at_found):
+    """KVABIError for the first misplaced element, else for the first padding written."""
     ids = np.arange(len(want_o))
     wrong = np.flatnonzero(at_want != ids)
-    label = what
     if len(wrong):
         i = int(wrong[0])
         hit = np.flatnonzero(at_found == i)
@@ -117,7 +117,8 @@ def _report(layout, rows, what, want_p, want_o, at_want, found_p, found_o, at_fo
             raise KVABIError(f"{rows.name(i)} found in plane {p} at byte {o}, not where "
                              f"{label} puts it ({where})")
         held = at_want[i]
-        now = "no marker (never written there)" if held < 0 else f"the {rows.name(held)}"
+        now = "no marker (never written there, or the value was converted)" if held < 0 \
+            else f"the {rows.name(held)}"
         raise KVABIError(f"{rows.name(i)} is not where {label} puts it ({where}: it holds "
                          f"{now}), nor anywhere else in the sampled blocks' bytes")
     # Every element is in place (so each wanted place was found); anything more found was
