@@ -18,12 +18,14 @@ from .argtypes import positive_int
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("exit status: 0 when every placement is the declared one, 1 when one "
+                     "differs (or the probe fails), 2 on bad usage")
     parser.add_argument("names", nargs="+", metavar="NAME", help="registered backend names")
     parser.add_argument("--json", action="store_true", help="one JSON object per layout")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="cache dtype (default: the first the backend claims of "
                              "bfloat16, float16, float32, ...)")
-    parser.add_argument("--kv-heads", type=positive_int, default=2)
+    parser.add_argument("--kv-heads", type=positive_int, default=2, help="KV heads (default 2)")
     parser.add_argument("--head-dim", type=positive_int, default=None,
                         help="head dim (default: the claimed one closest to 128)")
     parser.add_argument("--block-size", type=positive_int, default=None,
