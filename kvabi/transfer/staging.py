@@ -1,0 +1,77 @@
+"""Staged pulls: a relayout over a transfer engine at the engine's speed.
+
+A relayout plan has many small regions (down to one head of one token), and a transfer
+engine pays per descriptor: posting them as they are moves a few percent of what one large
+READ moves.  A staged pull instead READs the source bytes *in the source's own byte order*
+into a registered staging buffer, as a few large *spans* (the plan's source regions, sorted,
+joined where they touch or lie less than :data:`GAP` bytes apart), then relayouts locally
+from the staging buffer into the destination (:func:`~kvabi.transfer.execute` machinery:
+strided boxes and vectorized gathers).
+
+Every span is the union of plan regions and the gaps between two of them on one plane, so
+it lies inside the source planes whenever the regions do (checked before anything is
+posted); the staging offsets are laid out here and lie inside the buffer by construction.
+"""
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from ..frozen import frozen_array
+
+#: regions of one source plane less than this many bytes apart are read as one span (the
+#: bytes between are read and never used): below a descriptor's cost at loopback speed
+GAP = 4 << 10
+#: staging offsets of spans are aligned to this many bytes (copies from aligned rows)
+ALIGN = 64
+#: a plan whose regions average fewer bytes than this is pulled staged by default
+STAGE_BELOW = 64 << 10
+
+
+@attrs.frozen(eq=False)
+class Staging:
+    """How a plan is pulled staged: ``spans`` [k, 3] of (source plane, source offset,
+    nbytes) READ to staging offsets ``at`` [k]; then ``local`` [n, 5] regions copy from the
+    staging buffer (plane 0) to the destination; ``nbytes``: staging bytes needed."""
+
+    spans: np.ndarray = attrs.field(converter=frozen_array)
+    at: np.ndarray = attrs.field(converter=frozen_array)
+    local: np.ndarray = attrs.field(converter=frozen_array)
+    nbytes: int
+
+
+def worth_staging(regions: np.ndarray) -> bool:
+    """Whether the default is a staged pull: many regions of a few KiB or less each."""
+    n = len(regions)
+    return n > 1 and int(regions[:, 4].sum()) < STAGE_BELOW * n
+
+
+def stage(regions: np.ndarray) -> Staging:
+    """The spans and local regions of a staged pull of ``regions`` (a checked plan's)."""
+    r = regions
+    if len(r) > 1 and np.any((r[1:, 0] < r[:-1, 0])
+                             | ((r[1:, 0] == r[:-1, 0]) & (r[1:, 1] < r[:-1, 1]))):
+        r = r[np.lexsort((r[:, 1], r[:, 0]))]
+    sp, so, n = r[:, 0], r[:, 1], r[:, 4]
+    end = so + n
+    new = np.ones(len(r), bool)
+    if len(r) > 1:
+        # the furthest byte reached so far on this plane (repeated source slots overlap)
+        plane_start = np.r_[True, sp[1:] != sp[:-1]]
+        reach = end.copy()
+        starts = np.flatnonzero(plane_start)
+        for a, b in zip(starts.tolist(), np.r_[starts[1:], len(r)].tolist()):
+            np.maximum.accumulate(reach[a:b], out=reach[a:b])
+        new[1:] = plane_start[1:] | (so[1:] - reach[:-1] > GAP)
+    else:
+        reach = end
+    first = np.flatnonzero(new)
+    last = np.r_[first[1:], len(r)] - 1
+    s_off, s_len = so[first], reach[last] - so[first]
+    padded = (s_len + ALIGN - 1) // ALIGN * ALIGN
+    at = np.cumsum(padded) - padded
+    sid = np.cumsum(new) - 1
+    local = np.stack([np.zeros(len(r), np.int64), at[sid] + so - s_off[sid], r[:, 2],
+                      r[:, 3], n], axis=1)
+    spans = np.stack([sp[first], s_off, s_len], axis=1)
+    return Staging(spans, at, local, int(padded.sum()))
