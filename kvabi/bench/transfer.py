@@ -141,7 +141,6 @@ class NixlRig:
             flat = self.agent.connect(self.flat_message, timeout=30)
             out = {}
             for label, plan in plans.items():
-                plan = attrs.evolve(plan, src_layout=peer.layout)
                 one = TransferPlan(np.array([[0, 0, 0, 0, plan.nbytes]], np.int64),
                                    flat.layout, self.flat)
                 t, t_one = side_by_side(

@@ -152,20 +152,21 @@ def _spans(c: KVCache) -> np.ndarray:
     return np.concatenate([out, out[:, 1:] + n], axis=1)
 
 
-def copy_from_staging(flat, regions, d: KVCache, dst):
-    """Copy checked ``regions`` whose source plane 0 is the flat byte buffer ``flat`` (numpy
-    uint8, or a torch uint8 tensor on the destination's device) into ``d``: the local half
-    of a staged pull (:mod:`kvabi.transfer.staging`).  ``dst`` back, or a new handle for
-    jax."""
-    if framework(flat) == "torch" and flat.device.type == "cpu":
-        flat = flat.numpy()
-    return _run(None, regions, None, d, dst, sbytes=[flat])
+def copy_from_staging(planes, regions, pattern, layout, d: KVCache, dst):
+    """The local half of a staged pull (:mod:`kvabi.transfer.staging`): copy checked
+    ``regions`` (or a checked ``pattern`` of ``layout``) whose source planes are the flat
+    byte buffers ``planes`` (numpy uint8, or torch uint8 tensors on the destination's
+    device) into ``d``.  ``dst`` back, or a new handle for jax."""
+    planes = [p.numpy() if framework(p) == "torch" and p.device.type == "cpu" else p
+              for p in planes]
+    return _run(pattern, regions, None, d, dst, sbytes=planes, src_layout=layout)
 
 
-def _run(pattern, regions, s: KVCache | None, d: KVCache, dst, sbytes=None):
-    """Copy (a pattern's sub-blocks, or regions) from ``s`` (or the flat ``sbytes``) to
-    ``d``; ``dst`` back, or a new handle for jax."""
-    src_layout = s.layout if s is not None else None
+def _run(pattern, regions, s: KVCache | None, d: KVCache, dst, sbytes=None,
+         src_layout=None):
+    """Copy (a pattern's sub-blocks, or regions) from ``s`` (or the flat ``sbytes`` of
+    ``src_layout``) to ``d``; ``dst`` back, or a new handle for jax."""
+    src_layout = s.layout if s is not None else src_layout
     dst_layout = d.layout
     jax = d.framework == "jax"
     if jax:  # immutable: copy the planes written into writable buffers

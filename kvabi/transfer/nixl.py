@@ -28,7 +28,7 @@ from ..tensors import framework
 from .execute import check_in_use, copy_from_staging
 from .handshake import Handshake, make_handshake, parse_handshake
 from .plan import TransferPlan, plan_transfer
-from .staging import stage, worth_staging
+from .staging import stage, stage_blocks, worth_staging
 
 INSTALL_HINT = "nixl is not installed: pip install 'kvabi[nixl]'"
 
@@ -115,6 +115,8 @@ class NixlAgent:
         self._regs = []  # (cache, descs, rows [n, 3] address/nbytes/device, memory)
         # staging buffers of staged pulls, per (memory type, device): (buffer, descs)
         self._staging: dict = {}
+        # templates of staged whole-block pulls (see staging.stage_blocks)
+        self._templates: dict = {}
         # agent name -> the peers (one per handshake, i.e. per served cache) it stands for
         self._peers: dict[str, list[Peer]] = {}
 
@@ -264,6 +266,23 @@ class NixlAgent:
         if not len(plan):
             return dst
         r = plan.regions
+        blk = stage_blocks(plan, self._templates) if staged and plan.pattern else None
+        if blk is not None:  # whole blocks: the source's blocks, then strided views
+            lay, n = blk.layout, blk.layout.plane_nbytes
+            ds = np.full(lay.num_planes, n, np.int64)
+            pr = blk.pull.check(src_nbytes=h.plane_nbytes, dst_nbytes=ds).regions
+            if not blk.local.within(ds, np.full(dst.layout.num_planes,
+                                                dst.layout.plane_nbytes, np.int64)):
+                raise KVABIError("plan.pattern: a staged sub-block reaches outside its planes")
+            buf, addr, dev, mem = self._staging_buffer(blk.nbytes, dst)
+            local = np.stack([addr + pr[:, 2] * n + pr[:, 3], pr[:, 4],
+                              np.full(len(pr), dev)], axis=1)
+            remote = np.stack([h.planes[pr[:, 0], 0] + pr[:, 1], pr[:, 4],
+                               h.planes[pr[:, 0], 2]], axis=1)
+            self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64),
+                       h.memory, timeout, notify)
+            planes = [buf[i * n:(i + 1) * n] for i in range(lay.num_planes)]
+            return copy_from_staging(planes, None, blk.local, lay, dst, dst)
         if staged:
             st = stage(r)
             buf, addr, dev, mem = self._staging_buffer(st.nbytes, dst)
@@ -273,7 +292,7 @@ class NixlAgent:
                                h.planes[sp[:, 0], 2]], axis=1)
             self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64),
                        h.memory, timeout, notify)
-            return copy_from_staging(buf, st.local, dst, dst)
+            return copy_from_staging([buf], st.local, None, None, dst, dst)
         _, _, rows, mem = reg
         local = np.stack([rows[r[:, 2], 0] + r[:, 3], r[:, 4], rows[r[:, 2], 2]], axis=1)
         remote = np.stack([h.planes[r[:, 0], 0] + r[:, 1], r[:, 4], h.planes[r[:, 0], 2]],

@@ -17,27 +17,79 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from ..frozen import frozen_array
+from ..errors import KVABIError
+from ..layout import Layout
+from .pattern import BlockPattern, base_offsets
+from .plan import TransferPlan, block_template, plan_block_transfer
 
 #: regions of one source plane less than this many bytes apart are read as one span (the
 #: bytes between are read and never used): below a descriptor's cost at loopback speed
 GAP = 4 << 10
 #: staging offsets of spans are aligned to this many bytes (copies from aligned rows)
 ALIGN = 64
+#: templates an agent keeps for staged whole-block pulls (one per layout pair)
+TEMPLATES = 8
 #: a plan whose regions average fewer bytes than this is pulled staged by default
 STAGE_BELOW = 64 << 10
 
 
 @attrs.frozen(eq=False)
 class Staging:
-    """How a plan is pulled staged: ``spans`` [k, 3] of (source plane, source offset,
-    nbytes) READ to staging offsets ``at`` [k]; then ``local`` [n, 5] regions copy from the
-    staging buffer (plane 0) to the destination; ``nbytes``: staging bytes needed."""
+    """How a plan is pulled staged (transient, never handed out): ``spans`` [k, 3] of
+    (source plane, source offset, nbytes) READ to staging offsets ``at`` [k]; then
+    ``local`` [n, 5] regions copy from the staging buffer (plane 0) to the destination;
+    ``nbytes``: staging bytes needed."""
 
-    spans: np.ndarray = attrs.field(converter=frozen_array)
-    at: np.ndarray = attrs.field(converter=frozen_array)
-    local: np.ndarray = attrs.field(converter=frozen_array)
+    spans: np.ndarray
+    at: np.ndarray
+    local: np.ndarray
     nbytes: int
+
+
+@attrs.frozen(eq=False)
+class BlockStaging:
+    """A whole-block plan pulled staged: the source blocks it touches READ, in the source
+    layout's byte order, into ``layout`` (the source layout holding just those blocks, planes
+    one after another in the staging buffer) by the regions of ``pull``; then ``local``,
+    the plan's pattern re-based on the staging blocks, copies them as strided views."""
+
+    layout: Layout
+    pull: TransferPlan
+    local: BlockPattern
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.num_planes * self.layout.plane_nbytes
+
+
+def stage_blocks(plan: TransferPlan, templates: dict) -> BlockStaging | None:
+    """The staged pull of a whole-block ``plan`` (``plan.pattern`` set); None when the
+    source layout cannot be cut down to the blocks touched (then stage its regions).
+    ``templates`` caches the staging layout's template per (staging, destination)."""
+    pat, src, dst = plan.pattern, plan.src_layout, plan.dst_layout
+    bs = src.size("N")
+    blocks, inv = np.unique(pat.src_slots // bs, return_inverse=True)
+    try:
+        lay = attrs.evolve(src, sizes={**src.sizes, "B": int(blocks.size)}, name=None)
+    except KVABIError:
+        return None
+    if lay.num_planes != src.num_planes:
+        return None
+    slots = inv.reshape(-1) * bs + pat.src_slots % bs
+    same = all(lay.stride(a) == src.stride(a) for a in lay.order if a != "B")
+    key = (lay, dst, pat.layers.tobytes())
+    if same:
+        template = pat.template  # in-block offsets unchanged: the plan's own template
+    elif key in templates:
+        template = templates[key]
+    else:
+        if len(templates) >= TEMPLATES:
+            templates.pop(next(iter(templates)))  # the oldest
+        template = templates[key] = block_template(lay, dst, pat.layers)
+    pull = plan_block_transfer(src, lay, blocks, np.arange(blocks.size), layers=pat.layers)
+    local = BlockPattern(pat.u, slots, pat.dst_slots, pat.layers, template,
+                         base_offsets(lay, slots), pat.dst_base)
+    return BlockStaging(lay, pull, local)
 
 
 def worth_staging(regions: np.ndarray) -> bool:
