@@ -116,7 +116,7 @@ class NixlAgent:
         # staging buffers of staged pulls, per (memory type, device): (buffer, descs)
         self._staging: dict = {}
         # templates of staged whole-block pulls (see staging.stage_blocks)
-        self._templates: dict = {}
+        self._templates: list = []
         # agent name -> the peers (one per handshake, i.e. per served cache) it stands for
         self._peers: dict[str, list[Peer]] = {}
 

@@ -353,11 +353,20 @@ def plan_block_transfer(src_layout: Layout, dst_layout: Layout, src_blocks, dst_
     lay = _layers(layers, src_layout, dst_layout)
     if not lay.size:
         return _made(np.zeros((0, 5), np.int64), src_layout, dst_layout)
-    pattern = block_pattern(src_layout, dst_layout, sb, db,
-                            block_template(src_layout, dst_layout, lay), lay)
-    t, base_s, base_t = pattern.template, pattern.src_base, pattern.dst_base
-    regions = _broadcast(t, base_s, base_t, src_layout.plane_nbytes)
-    return _made(regions, src_layout, dst_layout, pattern)
+    return plan_from_template(src_layout, dst_layout, sb, db,
+                              block_template(src_layout, dst_layout, lay), lay)
+
+
+def plan_from_template(src: Layout, dst: Layout, src_blocks: np.ndarray,
+                       dst_blocks: np.ndarray, template: np.ndarray,
+                       layers: np.ndarray) -> TransferPlan:
+    """:func:`plan_block_transfer` of validated blocks given the ``template`` of
+    :func:`block_template` for ``layers`` (callers moving blocks between the same two
+    layouts again keep it)."""
+    pattern = block_pattern(src, dst, src_blocks, dst_blocks, template, layers)
+    regions = _broadcast(pattern.template, pattern.src_base, pattern.dst_base,
+                         src.plane_nbytes)
+    return _made(regions, src, dst, pattern)
 
 
 def block_template(src: Layout, dst: Layout, layers: np.ndarray) -> np.ndarray:

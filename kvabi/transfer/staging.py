@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import KVABIError
 from ..layout import Layout
 from .pattern import BlockPattern, base_offsets
-from .plan import TransferPlan, block_template, plan_block_transfer
+from .plan import TransferPlan, block_template, plan_from_template
 
 #: regions of one source plane less than this many bytes apart are read as one span (the
 #: bytes between are read and never used): below a descriptor's cost at loopback speed
@@ -62,10 +62,24 @@ class BlockStaging:
         return self.layout.num_planes * self.layout.plane_nbytes
 
 
+def _template(templates: list, src: Layout, dst: Layout, layers: np.ndarray) -> np.ndarray:
+    """The block template of ``src`` -> ``dst`` for ``layers``, kept in ``templates`` (a
+    list, newest first; layouts compare by identity first, then by value)."""
+    key = layers.tobytes()
+    for same in (lambda x, y: x is y, lambda x, y: x == y):
+        for s_, d_, k_, t in templates:
+            if same(s_, src) and same(d_, dst) and k_ == key:
+                return t
+    t = block_template(src, dst, layers)
+    templates.insert(0, (src, dst, key, t))
+    del templates[TEMPLATES:]
+    return t
+
+
 def stage_blocks(plan: TransferPlan, templates: dict) -> BlockStaging | None:
     """The staged pull of a whole-block ``plan`` (``plan.pattern`` set); None when the
     source layout cannot be cut down to the blocks touched (then stage its regions).
-    ``templates`` caches the staging layout's template per (staging, destination)."""
+    ``templates``: the caller's list of templates kept (see :func:`_template`)."""
     pat, src, dst = plan.pattern, plan.src_layout, plan.dst_layout
     bs = src.size("N")
     blocks, inv = np.unique(pat.src_slots // bs, return_inverse=True)
@@ -77,16 +91,9 @@ def stage_blocks(plan: TransferPlan, templates: dict) -> BlockStaging | None:
         return None
     slots = inv.reshape(-1) * bs + pat.src_slots % bs
     same = all(lay.stride(a) == src.stride(a) for a in lay.order if a != "B")
-    key = (lay, dst, pat.layers.tobytes())
-    if same:
-        template = pat.template  # in-block offsets unchanged: the plan's own template
-    elif key in templates:
-        template = templates[key]
-    else:
-        if len(templates) >= TEMPLATES:
-            templates.pop(next(iter(templates)))  # the oldest
-        template = templates[key] = block_template(lay, dst, pat.layers)
-    pull = plan_block_transfer(src, lay, blocks, np.arange(blocks.size), layers=pat.layers)
+    template = pat.template if same else _template(templates, lay, dst, pat.layers)
+    pull = plan_from_template(src, lay, blocks, np.arange(blocks.size),
+                              _template(templates, src, lay, pat.layers), pat.layers)
     local = BlockPattern(pat.u, slots, pat.dst_slots, pat.layers, template,
                          base_offsets(lay, slots), pat.dst_base)
     return BlockStaging(lay, pull, local)
