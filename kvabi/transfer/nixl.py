@@ -28,8 +28,12 @@ from ..tensors import framework
 from .execute import check_in_use, copy_from_staging
 from .handshake import Handshake, make_handshake, parse_handshake
 from .plan import TransferPlan, plan_transfer
-from .staging import stage, stage_blocks, worth_staging
+from .staging import stage, stage_blocks, sub_pattern, worth_staging
 
+#: a staged whole-block pull is cut into at most this many chunks of sub-blocks, each at
+#: least MIN_CHUNK_BYTES: the local relayout of one overlaps the READs of the next
+CHUNKS = 4
+MIN_CHUNK_BYTES = 4 << 20
 INSTALL_HINT = "nixl is not installed: pip install 'kvabi[nixl]'"
 
 
@@ -266,23 +270,10 @@ class NixlAgent:
         if not len(plan):
             return dst
         r = plan.regions
-        blk = stage_blocks(plan, self._templates) if staged and plan.pattern else None
-        if blk is not None:  # whole blocks: the source's blocks, then strided views
-            lay, n = blk.layout, blk.layout.plane_nbytes
-            ds = np.full(lay.num_planes, n, np.int64)
-            pr = blk.pull.check(src_nbytes=h.plane_nbytes, dst_nbytes=ds).regions
-            if not blk.local.within(ds, np.full(dst.layout.num_planes,
-                                                dst.layout.plane_nbytes, np.int64)):
-                raise KVABIError("plan.pattern: a staged sub-block reaches outside its planes")
-            buf, addr, dev, mem = self._staging_buffer(blk.nbytes, dst)
-            local = np.stack([addr + pr[:, 2] * n + pr[:, 3], pr[:, 4],
-                              np.full(len(pr), dev)], axis=1)
-            remote = np.stack([h.planes[pr[:, 0], 0] + pr[:, 1], pr[:, 4],
-                               h.planes[pr[:, 0], 2]], axis=1)
-            self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64),
-                       h.memory, timeout, notify)
-            planes = [buf[i * n:(i + 1) * n] for i in range(lay.num_planes)]
-            return copy_from_staging(planes, None, blk.local, lay, dst, dst)
+        if staged and plan.pattern is not None:
+            out = self._pull_blocks(peer, plan, dst, timeout, notify)
+            if out is not None:
+                return out
         if staged:
             st = stage(r)
             buf, addr, dev, mem = self._staging_buffer(st.nbytes, dst)
@@ -334,20 +325,101 @@ class NixlAgent:
         addr = buf.data_ptr() if cuda else buf.__array_interface__["data"][0]
         return buf, addr, key[1], key[0]
 
+    def _pull_blocks(self, peer: Peer, plan: TransferPlan, dst: KVCache, timeout, notify):
+        """A staged pull of a whole-block plan (:func:`~kvabi.transfer.staging.stage_blocks`),
+        in chunks of sub-blocks: every chunk's READ is posted at once, and each chunk is
+        relayouted locally as soon as its READ is done, while later ones are still moving.
+        None when the source layout cannot be cut down (the caller stages regions)."""
+        pat, h = plan.pattern, peer.handshake
+        m = pat.src_slots.size
+        chunks = 1 if dst.framework == "jax" else int(min(CHUNKS, max(
+            1, plan.nbytes // MIN_CHUNK_BYTES), m))
+        cuts = np.linspace(0, m, chunks + 1).astype(np.int64)
+        pieces = []
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            piece = stage_blocks(sub_pattern(pat, a, b), plan.src_layout, plan.dst_layout,
+                                 self._templates)
+            if piece is None:
+                return None
+            pieces.append(piece)
+        dsizes = np.full(dst.layout.num_planes, dst.layout.plane_nbytes, np.int64)
+        at = np.cumsum([0] + [p.nbytes for p in pieces])
+        buf, addr, dev, mem = self._staging_buffer(int(at[-1]), dst)
+        posts = []
+        for piece, base in zip(pieces, at[:-1].tolist()):
+            lay, n = piece.layout, piece.layout.plane_nbytes
+            ds = np.full(lay.num_planes, n, np.int64)
+            pr = piece.pull.check(src_nbytes=h.plane_nbytes, dst_nbytes=ds).regions
+            if not piece.local.within(ds, dsizes):
+                raise KVABIError("plan.pattern: a staged sub-block reaches outside its planes")
+            local = np.stack([addr + base + pr[:, 2] * n + pr[:, 3], pr[:, 4],
+                              np.full(len(pr), dev)], axis=1)
+            remote = np.stack([h.planes[pr[:, 0], 0] + pr[:, 1], pr[:, 4],
+                               h.planes[pr[:, 0], 2]], axis=1)
+            posts.append((local.astype(np.uint64), remote.astype(np.uint64)))
+        handles = []
+        out = dst
+        try:
+            for local, remote in posts:
+                handles.append(self._post(peer, local, mem, remote, h.memory,
+                                          notify if chunks == 1 else b""))
+            deadline = time.monotonic() + timeout
+            for piece, base, (local, _), handle in zip(pieces, at[:-1].tolist(), posts,
+                                                       handles):
+                self._wait(peer, handle, int(local[:, 1].sum()), deadline, timeout)
+                n = piece.layout.plane_nbytes
+                planes = [buf[base + i * n:base + (i + 1) * n]
+                          for i in range(piece.layout.num_planes)]
+                out = copy_from_staging(planes, None, piece.local, piece.layout, out, out)
+        finally:
+            self._release(handles)
+        if chunks > 1:  # every chunk has arrived: the peer may reuse its blocks
+            try:
+                self._agent.send_notif(peer.name, notify)
+            except Exception as e:  # noqa: BLE001
+                raise KVABIError(f"notification: sending to {peer.name!r} failed: {e} (the "
+                                 "destination holds the data)") from None
+        return out
+
     def _read(self, peer, local, local_mem, remote, remote_mem, timeout, notify):
+        handle = self._post(peer, local, local_mem, remote, remote_mem, notify)
+        try:
+            self._wait(peer, handle, int(local[:, 1].sum()), time.monotonic() + timeout,
+                       timeout)
+        finally:
+            self._release([handle])
+
+    def _post(self, peer, local, local_mem, remote, remote_mem, notify):
+        """Post one READ; its handle (release with :meth:`_release`)."""
         ag = self._agent
         handle = None
         try:
             ldescs = ag.get_xfer_descs(local, local_mem)
             rdescs = ag.get_xfer_descs(remote, remote_mem)
             handle = ag.initialize_xfer("READ", ldescs, rdescs, peer.name, notify)
-            state = ag.transfer(handle)
-            deadline = time.monotonic() + timeout
+            if ag.transfer(handle) == "ERR":
+                raise KVABIError(f"transfer: NIXL reported ERR reading from {peer.name!r}; "
+                                 "the destination slots hold undefined data")
+            return handle
+        except Exception as e:  # noqa: BLE001
+            if handle is not None:
+                self._release([handle])
+            if isinstance(e, KVABIError):
+                raise
+            raise KVABIError(f"transfer: READ from {peer.name!r} failed: {e}; the destination "
+                             "slots hold undefined data") from None
+
+    def _wait(self, peer, handle, nbytes: int, deadline: float, timeout: float) -> None:
+        """Until the READ of ``handle`` is done; KVABIError when it fails or runs past
+        ``deadline``."""
+        ag = self._agent
+        try:
+            state = ag.check_xfer_state(handle)
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise KVABIError(f"transfer: READ of {int(local[:, 1].sum())} bytes from "
-                                     f"{peer.name!r} did not finish within {timeout:g} s; the "
-                                     "destination slots hold undefined data")
+                    raise KVABIError(f"transfer: READ of {nbytes} bytes from {peer.name!r} did "
+                                     f"not finish within {timeout:g} s; the destination slots "
+                                     "hold undefined data")
                 time.sleep(0.0002)
                 state = ag.check_xfer_state(handle)
             if state != "DONE":
@@ -358,12 +430,13 @@ class NixlAgent:
         except Exception as e:  # noqa: BLE001
             raise KVABIError(f"transfer: READ from {peer.name!r} failed: {e}; the destination "
                              "slots hold undefined data") from None
-        finally:
-            if handle is not None:
-                try:
-                    ag.release_xfer_handle(handle)
-                except Exception:  # noqa: BLE001 - an active transfer may refuse release
-                    pass
+
+    def _release(self, handles) -> None:
+        for handle in handles:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - an active transfer may refuse release
+                pass
 
     def wait_notification(self, prefix: bytes = b"kvabi.pull", *, timeout: float = 30.0,
                           peer: str | None = None) -> tuple[str, bytes]:

@@ -76,11 +76,17 @@ def _template(templates: list, src: Layout, dst: Layout, layers: np.ndarray) -> 
     return t
 
 
-def stage_blocks(plan: TransferPlan, templates: dict) -> BlockStaging | None:
-    """The staged pull of a whole-block ``plan`` (``plan.pattern`` set); None when the
-    source layout cannot be cut down to the blocks touched (then stage its regions).
+def sub_pattern(pat: BlockPattern, a: int, b: int) -> BlockPattern:
+    """Sub-blocks ``[a, b)`` of ``pat`` (views of its read-only arrays, same template)."""
+    return BlockPattern(pat.u, pat.src_slots[a:b], pat.dst_slots[a:b], pat.layers,
+                        pat.template, pat.src_base[a:b], pat.dst_base[a:b])
+
+
+def stage_blocks(pat: BlockPattern, src: Layout, dst: Layout,
+                 templates: list) -> BlockStaging | None:
+    """The staged pull of the whole-block move ``pat`` from ``src`` to ``dst``; None when
+    the source layout cannot be cut down to the blocks touched (then stage its regions).
     ``templates``: the caller's list of templates kept (see :func:`_template`)."""
-    pat, src, dst = plan.pattern, plan.src_layout, plan.dst_layout
     bs = src.size("N")
     blocks, inv = np.unique(pat.src_slots // bs, return_inverse=True)
     try:
