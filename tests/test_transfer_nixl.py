@@ -15,7 +15,7 @@ import pytest
 
 from kvabi import KVABIError, KVCache, KVSpec
 from kvabi.layout import Layout
-from kvabi.transfer import TransferPlan, plan_transfer
+from kvabi.transfer import TransferPlan, plan_block_transfer, plan_transfer
 from kvabi.transfer import nixl as kv_nixl
 
 ok, why = kv_nixl.available()
@@ -257,3 +257,27 @@ def test_vram_planes(agents):
         got = dst.kv_view(0, kv).cpu().numpy()
         np.testing.assert_array_equal(got[[1, 1, 1], [1, 2, 3]],
                                       src.kv_view(0, kv)[[0, 0, 0], [0, 1, 2]])
+
+
+@pytest.mark.parametrize("staged", [None, False])
+def test_pull_block_plan_staged(agents, staged):
+    """A whole-block relayout plan pulled staged (the source blocks in their own byte order,
+    then strided copies) or direct: the same tokens arrive, nothing else is written."""
+    a_agent, b_agent = agents
+    src_l = Layout.preset("flashinfer.HND", SPEC, 8, 2)
+    dst_l = Layout.preset("tpu.combined", attrs.evolve(SPEC, block_size=8), 4, 2)
+    src = a_agent.register(_random(src_l, 5))
+    dst = b_agent.register(KVCache.allocate(dst_l, "numpy"))
+    peer = b_agent.connect(a_agent.handshake(src))
+    sb, db = [6, 1, 3, 2], [3, 0]
+    plan = plan_block_transfer(src_l, dst_l, sb, db)
+    assert plan.pattern is not None
+    assert b_agent.pull_plan(peer, plan, dst, staged=staged) is dst
+    s = (np.array(sb)[:, None] * 4 + np.arange(4)).ravel()
+    t = (np.array(db)[:, None] * 8 + np.arange(8)).ravel()
+    for layer in range(2):
+        for kv in range(2):
+            got, want = _view(dst, layer, kv), _view(src, layer, kv)
+            np.testing.assert_array_equal(got[t // 8, t % 8], want[s // 4, s % 4])
+            rest = np.setdiff1d(np.arange(32), t)
+            assert not got[rest // 8, rest % 8].any()

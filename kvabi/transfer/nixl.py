@@ -28,12 +28,8 @@ from ..tensors import framework
 from .execute import check_in_use, copy_from_staging
 from .handshake import Handshake, make_handshake, parse_handshake
 from .plan import TransferPlan, plan_transfer
-from .staging import stage, stage_blocks, sub_pattern, worth_staging
+from .staging import stage, stage_blocks, worth_staging
 
-#: a staged whole-block pull is cut into at most this many chunks of sub-blocks, each at
-#: least MIN_CHUNK_BYTES: the local relayout of one overlaps the READs of the next
-CHUNKS = 4
-MIN_CHUNK_BYTES = 4 << 20
 INSTALL_HINT = "nixl is not installed: pip install 'kvabi[nixl]'"
 
 
@@ -326,60 +322,31 @@ class NixlAgent:
         return buf, addr, key[1], key[0]
 
     def _pull_blocks(self, peer: Peer, plan: TransferPlan, dst: KVCache, timeout, notify):
-        """A staged pull of a whole-block plan (:func:`~kvabi.transfer.staging.stage_blocks`),
-        in chunks of sub-blocks: every chunk's READ is posted at once, and each chunk is
-        relayouted locally as soon as its READ is done, while later ones are still moving.
-        None when the source layout cannot be cut down (the caller stages regions)."""
-        pat, h = plan.pattern, peer.handshake
-        m = pat.src_slots.size
-        chunks = 1 if dst.framework == "jax" else int(min(CHUNKS, max(
-            1, plan.nbytes // MIN_CHUNK_BYTES), m))
-        cuts = np.linspace(0, m, chunks + 1).astype(np.int64)
-        pieces = []
-        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-            piece = stage_blocks(sub_pattern(pat, a, b), plan.src_layout, plan.dst_layout,
-                                 self._templates)
-            if piece is None:
-                return None
-            pieces.append(piece)
-        dsizes = np.full(dst.layout.num_planes, dst.layout.plane_nbytes, np.int64)
-        at = np.cumsum([0] + [p.nbytes for p in pieces])
-        buf, addr, dev, mem = self._staging_buffer(int(at[-1]), dst)
-        posts = []
-        for piece, base in zip(pieces, at[:-1].tolist()):
-            lay, n = piece.layout, piece.layout.plane_nbytes
-            ds = np.full(lay.num_planes, n, np.int64)
-            pr = piece.pull.check(src_nbytes=h.plane_nbytes, dst_nbytes=ds).regions
-            if not piece.local.within(ds, dsizes):
-                raise KVABIError("plan.pattern: a staged sub-block reaches outside its planes")
-            local = np.stack([addr + base + pr[:, 2] * n + pr[:, 3], pr[:, 4],
-                              np.full(len(pr), dev)], axis=1)
-            remote = np.stack([h.planes[pr[:, 0], 0] + pr[:, 1], pr[:, 4],
-                               h.planes[pr[:, 0], 2]], axis=1)
-            posts.append((local.astype(np.uint64), remote.astype(np.uint64)))
-        handles = []
-        out = dst
-        try:
-            for local, remote in posts:
-                handles.append(self._post(peer, local, mem, remote, h.memory,
-                                          notify if chunks == 1 else b""))
-            deadline = time.monotonic() + timeout
-            for piece, base, (local, _), handle in zip(pieces, at[:-1].tolist(), posts,
-                                                       handles):
-                self._wait(peer, handle, int(local[:, 1].sum()), deadline, timeout)
-                n = piece.layout.plane_nbytes
-                planes = [buf[base + i * n:base + (i + 1) * n]
-                          for i in range(piece.layout.num_planes)]
-                out = copy_from_staging(planes, None, piece.local, piece.layout, out, out)
-        finally:
-            self._release(handles)
-        if chunks > 1:  # every chunk has arrived: the peer may reuse its blocks
-            try:
-                self._agent.send_notif(peer.name, notify)
-            except Exception as e:  # noqa: BLE001
-                raise KVABIError(f"notification: sending to {peer.name!r} failed: {e} (the "
-                                 "destination holds the data)") from None
-        return out
+        """A staged pull of a whole-block plan (:func:`~kvabi.transfer.staging.stage_blocks`):
+        one READ of the source blocks touched into the staging buffer, then strided copies
+        into ``dst``.  None when the source layout cannot be cut down (the caller stages
+        regions).  (Cutting it into chunks whose relayout overlaps the next chunk's READ was
+        measured slower on a loaded 2-core machine: loopback transports copy inside the
+        post.)"""
+        h = peer.handshake
+        piece = stage_blocks(plan.pattern, plan.src_layout, plan.dst_layout, self._templates)
+        if piece is None:
+            return None
+        lay, n = piece.layout, piece.layout.plane_nbytes
+        ds = np.full(lay.num_planes, n, np.int64)
+        pr = piece.pull.check(src_nbytes=h.plane_nbytes, dst_nbytes=ds).regions
+        if not piece.local.within(ds, np.full(dst.layout.num_planes, dst.layout.plane_nbytes,
+                                              np.int64)):
+            raise KVABIError("plan.pattern: a staged sub-block reaches outside its planes")
+        buf, addr, dev, mem = self._staging_buffer(piece.nbytes, dst)
+        local = np.stack([addr + pr[:, 2] * n + pr[:, 3], pr[:, 4], np.full(len(pr), dev)],
+                         axis=1)
+        remote = np.stack([h.planes[pr[:, 0], 0] + pr[:, 1], pr[:, 4], h.planes[pr[:, 0], 2]],
+                          axis=1)
+        self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64), h.memory,
+                   timeout, notify)
+        planes = [buf[i * n:(i + 1) * n] for i in range(lay.num_planes)]
+        return copy_from_staging(planes, None, piece.local, lay, dst, dst)
 
     def _read(self, peer, local, local_mem, remote, remote_mem, timeout, notify):
         handle = self._post(peer, local, local_mem, remote, remote_mem, notify)

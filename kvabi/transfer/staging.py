@@ -76,12 +76,6 @@ def _template(templates: list, src: Layout, dst: Layout, layers: np.ndarray) -> 
     return t
 
 
-def sub_pattern(pat: BlockPattern, a: int, b: int) -> BlockPattern:
-    """Sub-blocks ``[a, b)`` of ``pat`` (views of its read-only arrays, same template)."""
-    return BlockPattern(pat.u, pat.src_slots[a:b], pat.dst_slots[a:b], pat.layers,
-                        pat.template, pat.src_base[a:b], pat.dst_base[a:b])
-
-
 def stage_blocks(pat: BlockPattern, src: Layout, dst: Layout,
                  templates: list) -> BlockStaging | None:
     """The staged pull of the whole-block move ``pat`` from ``src`` to ``dst``; None when
