@@ -233,6 +233,9 @@ def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None) 
                              regions=regions, gbps=g, ref_gbps=g_one))
 
     try:
+        # first, before the large buffers: a small Python-heavy figure
+        say("from_lengths of Python lists against np.asarray + the numpy path")
+        extra["from_lengths"] = from_lengths_lists(setup.repeat)
         done = 0
         for i, name in enumerate(presets):
             say(f"[{i + 1}/{len(presets)}] {name}")
@@ -285,8 +288,6 @@ def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None) 
                 lambda: tplan.check(src_nbytes=sizes), setup.repeat)}
         say("torch planes against numpy planes, same plans")
         extra["torch_vs_numpy"] = torch_vs_numpy(setup, sets)
-        say("from_lengths of Python lists against np.asarray + the numpy path")
-        extra["from_lengths"] = from_lengths_lists(setup.repeat)
     finally:
         if rig is not None:
             rig.close()
@@ -333,7 +334,7 @@ def from_lengths_lists(repeat: int, requests: int = 1024) -> tuple[float, float]
     build = CommonAttentionMetadata.from_lengths
     return side_by_side(
         lambda: build(q, c, bt, 16),
-        lambda: build(np.asarray(q), np.asarray(c), np.asarray(bt), 16), max(repeat, 5))
+        lambda: build(np.asarray(q), np.asarray(c), np.asarray(bt), 16), max(repeat, 10))
 
 
 # -- goals -----------------------------------------------------------------------------------

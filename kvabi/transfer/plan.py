@@ -162,8 +162,10 @@ def _check_side(plane, off, n, sizes, side):
         i = int(bad[0])
         raise KVABIError(f"regions[{i}]: nbytes must be > 0, got {int(n[i])}")
     # off + n cannot overflow: off <= size and n <= size, both below 2**62 in practice;
-    # compare without adding to stay exact anyway.
-    bad = np.flatnonzero((off < 0) | (off > sizes[plane]) | (n > sizes[plane] - off))
+    # compare without adding to stay exact anyway.  Planes of one size (the common case):
+    # a scalar, no gather per region.
+    size = sizes[0] if (sizes == sizes[0]).all() else sizes[plane]
+    bad = np.flatnonzero((off < 0) | (off > size) | (n > size - off))
     if bad.size:
         i = int(bad[0])
         raise KVABIError(f"regions[{i}]: {side} bytes [{int(off[i])}, {int(off[i]) + int(n[i])})"
