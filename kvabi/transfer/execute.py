@@ -13,7 +13,13 @@ cut into rows of the largest size dividing every offset and length and moved wit
 fancy-indexing copy per batch of :data:`BATCH` bytes.
 
 numpy arrays and torch tensors (CPU or CUDA) are written in place; jax arrays are immutable,
-so a jax destination comes back as a new handle.
+so a jax destination comes back as a new handle.  torch planes in host memory are copied by
+numpy over the same bytes (``Tensor.numpy()`` views share memory), so they take the same
+strided copies as numpy planes; CUDA planes use torch copies on the device.
+
+Before any byte moves, what can change under a checked handle is checked again
+(:func:`check_in_use`) and the plan's regions are checked against the planes; a plan itself
+is immutable (``specs/security.md``).
 """
 from __future__ import annotations
 

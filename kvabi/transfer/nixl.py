@@ -5,11 +5,13 @@ One :class:`NixlAgent` per process.  The serving side registers its cache and ha
 cache, :meth:`~NixlAgent.connect`\\ s with the peer's message (validated as untrusted input),
 and :meth:`~NixlAgent.pull`\\ s tokens with one NIXL READ whose regions come from a copy
 plan between the two layouts, bounds-checked against the peer's registered planes before
-anything is posted.  The READ carries a notification, so the serving side learns when its
-blocks may be reused (:meth:`~NixlAgent.wait_notification`).
+anything is posted.  A relayout is pulled *staged* (:mod:`kvabi.transfer.staging`): the
+peer's bytes in its own byte order, as a few large descriptors, into a staging buffer the
+agent registers once, then relayouted locally.  The READ carries a notification, so the
+serving side learns when its blocks may be reused (:meth:`~NixlAgent.wait_notification`).
 
 Planes in host memory register as DRAM; CUDA tensors as VRAM (same code, other memory
-type).  nixl is imported when an agent is made, never at ``import kvabi``.
+type); jax CPU arrays register their own buffer, without a copy.  nixl is imported when an agent is made, never at ``import kvabi``.
 """
 from __future__ import annotations
 
