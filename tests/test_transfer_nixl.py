@@ -352,3 +352,50 @@ def test_pull_block_plan_staged(agents, staged):
             np.testing.assert_array_equal(got[t // 8, t % 8], want[s // 4, s % 4])
             rest = np.setdiff1d(np.arange(32), t)
             assert not got[rest // 8, rest % 8].any()
+
+
+def test_connected_peer_cannot_be_changed(agents):
+    """A Peer is trusted by identity at every pull: rebinding its layout or handshake, or
+    writing its planes, is refused, so a pull cannot be redirected past the peer's
+    registered planes (into a neighbouring cache the source registered: the guard here)."""
+    a_agent, b_agent = agents
+    small = Layout.preset("flash_attn", SPEC, 2, 1)
+    big = Layout.preset("flash_attn", SPEC, 8, 1)
+    src = a_agent.register(_random(small, 7))
+    guard = a_agent.register(_random(big, 8))  # registered next to it: must never be read
+    dst = b_agent.register(KVCache.allocate(big, "numpy"))
+    peer = b_agent.connect(a_agent.handshake(src))
+    wide = b_agent.connect(a_agent.handshake(guard))
+    with pytest.raises(AttributeError):
+        peer.layout = big
+    with pytest.raises(AttributeError):
+        peer.handshake = wide.handshake
+    with pytest.raises(AttributeError):
+        peer.handshake.planes = wide.handshake.planes
+    rows = peer.handshake.planes
+    with pytest.raises(ValueError):
+        rows[:, 1] = big.plane_nbytes
+    with pytest.raises(ValueError):  # not even through its base: an immutable buffer
+        b = rows
+        while isinstance(b, np.ndarray):
+            b.flags.writeable = True
+            b = b.base
+    assert peer.layout == small and peer.name == "src-agent"
+    assert (peer.handshake.plane_nbytes == small.plane_nbytes).all()
+    with pytest.raises(KVABIError, match="handshake: must be a Handshake"):
+        kv_nixl.Peer("src-agent")
+    # A plan reaching beyond the peer's planes is refused before anything is posted.
+    far = plan_transfer(big, big, [12, 13], [0, 1])
+    with pytest.raises(KVABIError, match="plan.src_layout: is not the peer's layout"):
+        b_agent.pull_plan(peer, far, dst)
+    evil = attrs.evolve(plan_transfer(small, big, [0, 1], [0, 1]), src_layout=small)
+    evil = attrs.evolve(evil, regions=evil.regions + np.array([0, small.plane_nbytes, 0, 0, 0]))
+    with pytest.raises(KVABIError, match="src bytes .* outside plane"):
+        b_agent.pull_plan(peer, evil, dst, timeout=5)
+    assert not any(p.any() for p in dst)
+    # The peer still serves exactly its own bytes.
+    b_agent.pull(peer, dst, [0, 1, 6], [8, 9, 30], timeout=30)
+    for kv in range(2):
+        got, want = dst.kv_view(0, kv), src.kv_view(0, kv)
+        np.testing.assert_array_equal(got[[2, 2, 7], [0, 1, 2]], want[[0, 0, 1], [0, 1, 2]])
+        assert not np.delete(got.reshape(32, -1), [8, 9, 30], axis=0).any()

@@ -22,6 +22,7 @@ import numpy as np
 from ..abi import ABI_VERSION, wire_version
 from ..coerce import as_int
 from ..errors import KVABIError
+from ..frozen import frozen_array
 from ..layout import Layout
 from ..safe_json import loads
 
@@ -168,9 +169,8 @@ def parse_handshake(text) -> Handshake:
             meta = base64.b64decode(meta.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError):
             raise KVABIError("metadata: not valid base64") from None
-    # Checked here and trusted by whoever holds the handshake: a read-only view of a
-    # read-only array, so that not even its writeable flag can be turned back on.
-    own = np.array(rows, np.int64).reshape(-1, 3).copy()  # owns its memory
-    own.flags.writeable = False
+    # Checked here and trusted by whoever holds the handshake: read-only over an immutable
+    # buffer (kvabi.frozen), so that not even its writeable flag can be turned back on.
+    own = frozen_array(np.array(rows, np.int64).reshape(-1, 3))
     return Handshake(abi=(ver[0], ver[1]), agent_name=name, host=host, port=port,
-                     memory=memory, layout=layout, planes=own.view(), metadata=meta)
+                     memory=memory, layout=layout, planes=own, metadata=meta)

@@ -20,6 +20,7 @@ import os
 import socket
 import time
 
+import attrs
 import numpy as np
 
 from ..cache import KVCache
@@ -103,13 +104,28 @@ def metadata_agent_name(metadata: bytes) -> str:
         raise KVABIError("metadata: not NIXL agent metadata") from None
 
 
+@attrs.frozen(eq=False, repr=False)
 class Peer:
-    """A connected peer: its validated handshake and NIXL agent name."""
+    """A connected peer: its validated handshake (and through it the NIXL agent name and
+    layout).  Frozen, like the handshake it holds: :meth:`NixlAgent.pull_plan` trusts a
+    peer it connected by identity, so nothing it checked can be rebound afterwards
+    (``specs/security.md`` section 2.5)."""
 
-    def __init__(self, handshake: Handshake):
-        self.handshake = handshake
-        self.name = handshake.agent_name
-        self.layout: Layout = handshake.layout
+    handshake: Handshake = attrs.field()
+
+    @handshake.validator
+    def _check(self, _attribute, value):
+        if not isinstance(value, Handshake):
+            raise KVABIError(f"handshake: must be a Handshake (from parse_handshake), got "
+                             f"{type(value).__name__}")
+
+    @property
+    def name(self) -> str:
+        return self.handshake.agent_name
+
+    @property
+    def layout(self) -> Layout:
+        return self.handshake.layout
 
     def __repr__(self) -> str:
         h = self.handshake
