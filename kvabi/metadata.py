@@ -32,8 +32,11 @@ MAX_STEP_REQS = 1 << 24
 def _array(dtype, field: str, ndim: int = 1):
     def conv(x):
         a = index_array(x, field, dtype, ndim=ndim)
-        if not a.flags.owndata:
-            a = a.copy()  # maybe the caller's memory (numpy, torch): it could change later
+        if a is x or not a.flags.owndata:
+            # the caller's array (index_array keeps one of the right dtype as it is) or
+            # memory it shares (numpy, torch): the caller may write it later, and freezing
+            # it would make the caller's own buffer read-only
+            a = a.copy()
         return _frozen(a)
 
     return conv

@@ -108,6 +108,22 @@ def test_sinks_and_num_q_heads_checks():
             AttentionOptions.resolve(SPEC, scale=bad)
 
 
+def test_metadata_keeps_its_own_copy_of_a_callers_array():
+    """An engine's persistent buffer, given as is: the metadata keeps its own copy (the
+    buffer stays writable, and writing it later does not change the checked metadata)."""
+    bt = np.array([[0, 1], [2, 0]], np.int32)
+    slots = np.array([0, 1, 8], np.int64)
+    meta = CommonAttentionMetadata(query_start_loc=[0, 2, 3], seq_lens=[2, 1],
+                                   context_lens=[0, 0], positions=[0, 1, 0],
+                                   slot_mapping=slots, block_table=bt, block_size=4,
+                                   num_blocks=3)
+    assert bt.flags.writeable and slots.flags.writeable
+    bt[0, 0], slots[0] = 2, 9
+    assert meta.block_table.tolist() == [[0, 1], [2, 0]]
+    assert meta.slot_mapping.tolist() == [0, 1, 8]
+    meta.validate()
+
+
 def test_check_step_refuses_slots_outside_the_layout_even_if_changed_after_validation():
     layout = Layout.preset("flash_attn", SPEC, 3)
     meta = CommonAttentionMetadata.from_lengths([2, 1], [3, 0], [[0, 1], [2, 0]], 4)
