@@ -19,7 +19,7 @@ from .errors import FrozenError, KVABIError
 from .layout import Layout
 from .planes import (check_plane, check_planes, check_torch, check_torch_devices,
                      plane_stamp)
-from .tensors import framework
+from .tensors import framework, torch_dtype
 
 
 class KVCache(tuple):
@@ -87,8 +87,6 @@ class KVCache(tuple):
                        _checked=True)
         if framework == "torch":
             import torch
-
-            from .tensors import torch_dtype
 
             nbytes = -(-layout.plane_nbytes // layout.itemsize) * layout.itemsize
             planes = []

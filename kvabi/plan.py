@@ -26,6 +26,7 @@ import attrs
 
 from .coerce import as_int, is_int
 from .errors import KVABIError, require
+from .layout import Layout
 from .spec import KVSpec, ModelKV
 
 SCHEMES = ("equal", "demand")
@@ -172,8 +173,6 @@ def layout_page_bytes(spec: KVSpec, layout: str | None = None) -> int:
     TPU's head dim rounded up to 128 included); ``spec.page_bytes`` without a layout."""
     if layout is None:
         return spec.page_bytes
-    from .layout import Layout
-
     one, two = (Layout.preset(layout, spec, b, 1).total_nbytes for b in (1, 2))
     return two - one
 

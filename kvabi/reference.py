@@ -19,10 +19,12 @@ import numpy as np
 
 from .abi import Backend, Capabilities
 from .cache import as_cache
-from .coerce import real_array
+from .coerce import as_int, real_array
 from .dtypes import DTYPES, numpy_dtype
 from .errors import KVABIError, require
+from .layout import Layout
 from .metadata import CommonAttentionMetadata
+from .presets import PRESETS
 from .reference_attention import Pieces, attend, step_work
 from .spec import KINDS, KVSpec
 from .step_checks import AttentionOptions, check_kv, check_query, check_sinks, check_step
@@ -107,9 +109,6 @@ class ReferenceBackend(Backend):
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
         """Every preset layout that can hold ``spec`` (MLA: those without a KV axis)."""
-        from .layout import Layout
-        from .presets import PRESETS
-
         out = []
         for name in PRESETS:
             try:  # a preset may still refuse the spec (packing, page alignment, Dv != D)
@@ -209,8 +208,6 @@ def _layer(layer, layout) -> int:
     # The common case (a Python int in range) costs one comparison.
     if type(layer) is int and 0 <= layer < layout.num_layers:
         return layer
-    from .coerce import as_int
-
     return as_int(layer, "layer", lo=0, hi=layout.num_layers - 1)
 
 
