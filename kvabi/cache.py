@@ -122,10 +122,7 @@ class KVCache(tuple):
         planes, stamps = list(self), list(self._stamps)
         n = len(planes)
         for i, p in updates.items():
-            if not is_int(i) or not 0 <= i < n:
-                raise KVABIError(f"updates: keys must be plane indices in [0, {n}), got "
-                                 f"{i!r:.60}")
-            i = int(i)
+            i = _plane_index(i, n, "updates: keys must be")
             fw = framework(p)
             if fw != self.framework:
                 raise KVABIError(f"cache[{i}]: must be a {self.framework} array like the "
@@ -147,9 +144,8 @@ class KVCache(tuple):
             return
         n = len(self)
         for i in range(n) if planes is None else planes:
-            if type(i) is not int and not is_int(i) or not 0 <= i < n:
-                raise KVABIError(f"planes: must hold plane indices in [0, {n}), got "
-                                 f"{i!r:.60}")
+            if type(i) is not int or not 0 <= i < n:
+                i = _plane_index(i, n, "planes: must hold")
             if plane_stamp(self[i], self.framework) != self._stamps[i]:
                 _changed(self, i)
 
@@ -236,6 +232,14 @@ def _check_layout(layout) -> None:
         hint = " (a preset name? Layout.preset(name, spec, num_blocks) builds one)" \
             if isinstance(layout, str) else ""
         raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}{hint}")
+
+
+def _plane_index(i, n: int, what: str) -> int:
+    """``i`` as a plane index in ``[0, n)``: an integer (numpy and torch welcome; no bool,
+    string or negative index, which would silently name the last plane)."""
+    if not is_int(i) or not 0 <= i < n:
+        raise KVABIError(f"{what} plane indices in [0, {n}), got {i!r:.60}")
+    return int(i)
 
 
 def _changed(cache, i):

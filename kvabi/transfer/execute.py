@@ -72,9 +72,8 @@ def execute(plan: TransferPlan, src, dst):
     of the plan's source and destination layouts).
 
     Both sides are checked against the layouts (plane count, shape, dtype, strides, memory
-    reach), and again at this call where memory can change under a handle: a read-only
-    destination, a torch plane on the meta device (no memory), a plane changed since the
-    handle was made (``KVCache.check_unchanged``: e.g. ``Tensor.set_``), source and
+    reach, memory: no meta tensors), and again at this call where memory can change under
+    a handle: a read-only destination, a plane changed since the handle was made (``KVCache.check_unchanged``: e.g. ``Tensor.set_``), source and
     destination memory that overlap (``execute(plan, c, c)``): each a KVABIError naming
     the plane.  The
     regions are checked against the planes at every call before any byte moves.  Returns
@@ -110,7 +109,7 @@ def execute_pattern(pattern, src_layout, dst_layout, src, dst):
 
 def check_in_use(s: KVCache | None, d: KVCache | None) -> None:
     """What can change under a checked handle, checked again at use: the memory of every
-    torch plane (meta device, storage replaced by ``set_``), a writable destination, and
+    torch plane (storage replaced by ``set_``), a writable destination, and
     source memory disjoint from destination memory."""
     for c, side in ((s, "src"), (d, "dst")):
         if c is not None:
@@ -130,17 +129,17 @@ def check_memory(c: KVCache, side: str, *, write: bool) -> None:
     """KVABIError naming the plane unless every plane of ``c`` is memory kvabi may read
     (and write, with ``write``) over the layout's ``plane_nbytes``, now: each plane as
     ``KVCache.wrap`` checked it (:meth:`KVCache.check_unchanged`: a torch ``set_()`` or
-    storage ``resize_()`` since is refused), on a device with memory, writable."""
+    storage ``resize_()`` since is refused), writable.  Memory that is not memory (a torch
+    plane on the meta device) is refused where it enters, by ``KVCache.wrap``; a plane
+    cannot move there later without a new storage, which ``check_unchanged`` sees."""
     try:
         c.check_unchanged()
     except KVABIError as e:
         raise KVABIError(f"{side}: {e}") from None
-    for i, p in enumerate(c):
-        if isinstance(p, np.ndarray):
-            if write and not p.flags.writeable:
+    if write and c.framework == "numpy":  # the one flag a caller can turn off after wrap
+        for i, p in enumerate(c):
+            if not p.flags.writeable:
                 raise KVABIError(f"{side}[{i}]: the numpy plane is read-only")
-        elif c.framework == "torch" and p.device.type == "meta":
-            raise KVABIError(f"{side}[{i}]: a torch plane on the meta device holds no memory")
 
 
 def _spans(c: KVCache) -> np.ndarray:
