@@ -5,6 +5,7 @@ from typing import Mapping
 
 import attrs
 
+from .coerce import as_int
 from .dtypes import check_dtype, itemsize
 from .errors import KVABIError, require
 
@@ -15,19 +16,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_INT64_MAX = (1 << 63) - 1
+def _positive(field, optional: bool = False):
+    """An attrs converter: a positive integer within int64 (Python, numpy, torch or jax
+    integers welcome, stored as a Python int; bool, float or str refused by name); ``None``
+    kept where the field is ``optional``."""
+    def convert(value):
+        if optional and value is None:
+            return None
+        return as_int(value, field, lo=1)
 
-
-def _is_int(value) -> bool:
-    """A Python int (not a bool) within int64, kvabi's range for every size."""
-    return isinstance(value, int) and not isinstance(value, bool) and value <= _INT64_MAX
-
-
-def _positive(field):
-    def check(inst, attr, value):
-        require(_is_int(value) and value > 0, field, "must be a positive int (int64)", value)
-
-    return check
+    return convert
 
 
 @attrs.frozen
@@ -43,14 +41,15 @@ class KVSpec:
     """
 
     kind: str = attrs.field()
-    block_size: int = attrs.field(validator=_positive("block_size"))
-    num_kv_heads: int = attrs.field(validator=_positive("num_kv_heads"))
-    head_dim: int = attrs.field(validator=_positive("head_dim"))
+    block_size: int = attrs.field(converter=_positive("block_size"))
+    num_kv_heads: int = attrs.field(converter=_positive("num_kv_heads"))
+    head_dim: int = attrs.field(converter=_positive("head_dim"))
     dtype: str = attrs.field(default="bfloat16")
-    head_dim_v: int | None = attrs.field(default=None)
-    window: int | None = attrs.field(default=None)
-    chunk: int | None = attrs.field(default=None)
-    page_align: int = attrs.field(default=1, validator=_positive("page_align"))
+    head_dim_v: int | None = attrs.field(default=None,
+                                         converter=_positive("head_dim_v", optional=True))
+    window: int | None = attrs.field(default=None, converter=_positive("window", optional=True))
+    chunk: int | None = attrs.field(default=None, converter=_positive("chunk", optional=True))
+    page_align: int = attrs.field(default=1, converter=_positive("page_align"))
 
     @kind.validator
     def _check_kind(self, attr, value):
@@ -60,16 +59,14 @@ class KVSpec:
         check_dtype(self.dtype)
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
-        require(_is_int(self.head_dim_v) and 0 < self.head_dim_v, "head_dim_v",
-                "must be a positive int", self.head_dim_v)
         if self.kind == "sliding_window":
-            require(_is_int(self.window) and self.window > 0, "window",
+            require(self.window is not None, "window",
                     "sliding_window needs a positive window", self.window)
         else:
             require(self.window is None, "window", f"only for sliding_window, not {self.kind}",
                     self.window)
         if self.kind == "chunked_local":
-            require(_is_int(self.chunk) and self.chunk > 0, "chunk",
+            require(self.chunk is not None, "chunk",
                     "chunked_local needs a positive chunk", self.chunk)
         else:
             require(self.chunk is None, "chunk", f"only for chunked_local, not {self.kind}",
@@ -124,8 +121,8 @@ class KVSpec:
         A sliding window or chunk needs only the blocks covering the last
         ``span - 1 + max_query_len`` positions (plus one for misalignment).
         """
-        require(_is_int(max_len) and max_len > 0, "max_len", "must be a positive int",
-                max_len)
+        max_len = as_int(max_len, "max_len", lo=1)
+        max_query_len = as_int(max_query_len, "max_query_len", lo=1)
         full = cdiv(max_len, self.block_size)
         if self.span is None:
             return full

@@ -39,3 +39,27 @@ def test_kvspec_integers_are_strict():
         KVSpec(**base, dtype=["bfloat16"])
     with pytest.raises(KVABIError, match="^max_len"):
         KVSpec(**base).blocks_per_request(True)
+    with pytest.raises(KVABIError, match="^max_query_len"):
+        KVSpec(**{**base, "kind": "sliding_window", "window": 8}).blocks_per_request(64, "2")
+
+
+def test_kvspec_takes_numpy_and_torch_integers_as_python_ints():
+    """specs/security.md: numpy, torch and jax integers are integers; the spec keeps them
+    as Python ints (equal and hashing as a spec built from plain ints)."""
+    import numpy as np
+
+    from kvabi import KVSpec
+
+    plain = KVSpec(kind="sliding_window", block_size=4, num_kv_heads=2, head_dim=8, window=7)
+    spec = KVSpec(kind="sliding_window", block_size=np.int64(4), num_kv_heads=np.int32(2),
+                  head_dim=np.uint8(8), window=np.int16(7), page_align=np.int64(1))
+    assert spec == plain and hash(spec) == hash(plain)
+    assert all(type(getattr(spec, f)) is int
+               for f in ("block_size", "num_kv_heads", "head_dim", "head_dim_v", "window",
+                         "page_align"))
+    try:
+        import torch
+    except ImportError:
+        return
+    assert KVSpec(kind="full", block_size=torch.tensor(4), num_kv_heads=2, head_dim=8) == \
+        KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8)
