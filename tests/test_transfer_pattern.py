@@ -176,6 +176,27 @@ def test_block_plan_regions_are_read_only_and_evolve_drops_the_pattern():
         plan.check(dst_nbytes=[a.plane_nbytes - 1, a.plane_nbytes])
 
 
+def test_a_pattern_run_without_regions_is_bounds_checked():
+    """execute_pattern (the host pool's path) runs a pattern without its regions: a pattern
+    whose bases reach past the planes is refused before any byte moves."""
+    from kvabi.transfer.execute import execute_pattern
+
+    spec = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    a = Layout.preset("flashinfer.HND", spec, 4, 2)
+    pat = plan_block_transfer(a, a, [0, 1], [2, 3]).pattern
+    _, src = raw_planes(a, np.random.default_rng(0))
+    for side in ("src_base", "dst_base"):
+        for shift in (a.plane_nbytes, -a.plane_nbytes):
+            bufs, dst = raw_planes(a)
+            evil = attrs.evolve(pat, **{side: getattr(pat, side) + shift})
+            with pytest.raises(KVABIError, match="^pattern: a sub-block reaches outside"):
+                execute_pattern(evil, a, a, src, dst)
+            assert all((b == POISON).all() for b in bufs)
+    bufs, dst = raw_planes(a)
+    execute_pattern(pat, a, a, src, dst)  # the pattern as built moves its bytes
+    assert not all((b == POISON).all() for b in bufs)
+
+
 def test_host_pool_refuses_repeated_or_mismatched_blocks():
     spec = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
     a = Layout.preset("flashinfer.HND", spec, 6, 2)

@@ -28,6 +28,7 @@ import numpy as np
 from ..cache import KVCache
 from ..errors import KVABIError
 from ..tensors import framework
+from .pattern import plane_sizes
 from .pattern_copy import copy_pattern
 from .plan import TransferPlan
 
@@ -100,10 +101,7 @@ def execute_pattern(pattern, src_layout, dst_layout, src, dst):
     s = _handle(src, src_layout, "src")
     d = _handle(dst, dst_layout, "dst")
     check_in_use(s, d)
-    sizes = (np.full(src_layout.num_planes, src_layout.plane_nbytes, np.int64),
-             np.full(dst_layout.num_planes, dst_layout.plane_nbytes, np.int64))
-    if not pattern.within(*sizes):
-        raise KVABIError("pattern: a sub-block reaches outside its planes")
+    pattern.check(plane_sizes(src_layout), plane_sizes(dst_layout))
     return _run(pattern, None, s, d, dst)
 
 

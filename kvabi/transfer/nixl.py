@@ -30,6 +30,7 @@ from ..layout import Layout
 from ..tensors import framework
 from .execute import check_in_use, copy_from_staging
 from .handshake import Handshake, make_handshake, parse_handshake
+from .pattern import plane_sizes
 from .plan import TransferPlan, plan_transfer
 from .staging import stage, stage_blocks, worth_staging
 
@@ -381,11 +382,9 @@ class NixlAgent:
         if piece is None:
             return None
         lay, n = piece.layout, piece.layout.plane_nbytes
-        ds = np.full(lay.num_planes, n, np.int64)
+        ds = plane_sizes(lay)
         pr = piece.pull.check(src_nbytes=h.plane_nbytes, dst_nbytes=ds).regions
-        if not piece.local.within(ds, np.full(dst.layout.num_planes, dst.layout.plane_nbytes,
-                                              np.int64)):
-            raise KVABIError("plan.pattern: a staged sub-block reaches outside its planes")
+        piece.local.check(ds, plane_sizes(dst.layout), "plan.pattern")
         buf, addr, dev, mem = self._staging_buffer(piece.nbytes, dst)
         local = np.stack([addr + pr[:, 2] * n + pr[:, 3], pr[:, 4], np.full(len(pr), dev)],
                          axis=1)

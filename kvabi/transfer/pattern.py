@@ -13,8 +13,14 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from ..errors import KVABIError
 from ..frozen import frozen_array, is_frozen
 from ..layout import Layout
+
+
+def plane_sizes(layout: Layout) -> np.ndarray:
+    """The bytes of each plane ``layout`` addresses (what a checked cache of it holds)."""
+    return np.full(layout.num_planes, layout.plane_nbytes, np.int64)
 
 
 def base_offsets(layout: Layout, slots: np.ndarray) -> np.ndarray:
@@ -66,3 +72,11 @@ class BlockPattern:
             if np.any((rel + base.min() < 0) | (rel + t[:, 4] + base.max() > sizes[p])):
                 return False
         return self._distinct
+
+    def check(self, src_sizes: np.ndarray, dst_sizes: np.ndarray,
+              field: str = "pattern") -> None:
+        """KVABIError (naming ``field``) unless :meth:`within` proves every sub-block
+        inside its planes: where a pattern is run without its regions, nothing else
+        checks them."""
+        if not self.within(src_sizes, dst_sizes):
+            raise KVABIError(f"{field}: a sub-block reaches outside its planes")

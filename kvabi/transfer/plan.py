@@ -34,7 +34,7 @@ from ..coerce import int_array
 from ..errors import KVABIError
 from ..frozen import frozen_array, is_frozen
 from ..layout import Layout
-from .pattern import BlockPattern, base_offsets
+from .pattern import BlockPattern, base_offsets, plane_sizes
 
 #: the logical axes one token of one layer holds, besides the token itself
 _ELEMENT_AXES = ("KV", "H", "D")
@@ -142,7 +142,7 @@ def _made(regions, src, dst, pattern=None) -> TransferPlan:
 
 def _sizes(nbytes, layout: Layout, side: str) -> np.ndarray:
     if nbytes is None:
-        return np.full(layout.num_planes, layout.plane_nbytes, np.int64)
+        return plane_sizes(layout)
     if isinstance(nbytes, (list, tuple, np.ndarray)):
         return int_array(nbytes, f"{side}_nbytes", lo=0)
     return np.full(layout.num_planes, int_array([nbytes], f"{side}_nbytes", lo=0)[0],
