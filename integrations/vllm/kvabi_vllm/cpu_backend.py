@@ -265,16 +265,18 @@ def _lse(plan: CpuVllmPlan, query, key_cache, hq: int, sink) -> torch.Tensor:
     vis = torch.from_numpy((j >= lo) & (j <= pos[:, None]) & (j < seq))
     e = len(plan.entries)
     keys = key_cache.view(e, h, d, bs).permute(0, 3, 1, 2)  # [E, N, H, D]
-    k = keys[plan.table.long()[req]].reshape(n, width * bs, h, d).float()
-    q = query[:n].float().reshape(n, h, hq // h, d)
+    # float64: the lse is compared in absolute terms, and logits of large head dims are
+    # large (|logit| ~ 30 leaves float32 accumulation ~1e-5 off)
+    k = keys[plan.table.long()[req]].reshape(n, width * bs, h, d).double()
+    q = query[:n].double().reshape(n, h, hq // h, d)
     logits = torch.einsum("nhgd,nshd->nhgs", q, k) * plan.scale
     if plan.softcap is not None:
         logits = plan.softcap * torch.tanh(logits / plan.softcap)
     logits = torch.where(vis[:, None, None, :], logits, float("-inf"))
     if sink is not None:
-        s = torch.from_numpy(sink.astype(np.float32)).reshape(1, h, hq // h, 1)
+        s = torch.from_numpy(sink).reshape(1, h, hq // h, 1)
         logits = torch.cat([logits, s.expand(n, h, hq // h, 1)], dim=-1)
-    full[:n] = torch.logsumexp(logits, dim=-1).reshape(n, hq)
+    full[:n] = torch.logsumexp(logits, dim=-1).reshape(n, hq).float()
     return full
 
 
