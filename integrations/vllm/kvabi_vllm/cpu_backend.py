@@ -5,16 +5,19 @@
   write, all vectorized over requests and tokens.
 - ``write_kv``: the step's K/V scattered to their slots of the kvabi layout (a strided
   torch write; any layout ``Layout`` describes).
-- ``attention``: the blocks each request reads are copied into the kernels' own byte order
-  (keys transposed per block and head, see :mod:`kvabi_vllm.cpu_layout`), rows no query may
-  see zeroed, then ``cpu_attention_with_kv_cache`` runs: causal, sliding window (the kernels
-  take W, the keys a query sees, its own included: kvabi's convention), soft cap, per-head
-  sinks (``s_aux``, float32), scale, GQA.
+- ``attention``: ``cpu_attention_with_kv_cache`` (causal, sliding window: the kernels take
+  W, the keys a query sees, its own included, kvabi's convention; soft cap; per-head sinks
+  as ``s_aux`` float32; scale; GQA). The kernels' keys are ``[D, N]`` tiles per block and
+  head, their values ``[N, D]`` (see :mod:`kvabi_vllm.cpu_layout`). In the preferred
+  layout ``vllm.cpu_kt`` the keys are read in place and the values of the step's blocks
+  copied token-major into a scratch; in any other layout the step's blocks are copied
+  whole. Value rows no query sees are zeroed in the copy (the kernels would turn NaN there
+  into NaN output).
 
 The kernels' own write (``cpu_attn_reshape_and_cache``) is not used for the kvabi cache: its
 tile order (keys transposed, values not) is not expressible as one kvabi ``Layout``. The
-kernels return no log-sum-exp: with ``return_lse=True`` it is computed in torch from the
-same copied blocks (a second pass; engines decoding through vLLM never ask for it).
+kernels return no log-sum-exp: with ``return_lse=True`` it is computed in torch (float64)
+from the same keys (a second pass; engines decoding through vLLM never ask for it).
 
 vLLM is imported on first use (``available``/``plan``), never by ``import kvabi_vllm``.
 """
@@ -29,11 +32,14 @@ import torch
 import kvabi
 from kvabi.tensors import to_torch
 
-from .cpu_layout import BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, to_kernel_blocks
+from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, key_tiles,
+                         keys_in_kernel_order, to_kernel_blocks, value_scratch,
+                         values_to_kernel_order)
 
 KINDS = ("full", "sliding_window")
 DTYPES = ("float32", "float16", "bfloat16")
-PREFERRED = ("vllm.LBHNC", "flashinfer.HND")
+#: keys read in place first; vLLM's own name for the cache it allocates next (copied)
+PREFERRED = ("vllm.cpu_kt", "vllm.LBHNC")
 
 
 def _ops():
@@ -47,10 +53,14 @@ def _ops():
 class CpuVllmPlan:
     """One step of one KV group, for any layer.
 
-    ``entries`` [E]: the cache blocks the step reads, one entry per (request, block column)
-    up to each request's ``seq_len``; ``table`` [R, max blocks] int32: each request's
-    entries, as the kernels' block table over the copied blocks; ``hidden`` [E, N] (or
-    None): rows of those entries that no query of their request sees. ``write_*``: the
+    ``native``: the layout's keys are in kernel order (read in place). Then ``entries``
+    [U] are the distinct cache blocks the step reads, ``table`` the step's block table,
+    ``hidden`` [U, N] the rows of those blocks no query of any request reading them sees.
+    Otherwise ``entries`` [E] holds one entry per (request, block column) up to each
+    request's ``seq_len``, ``table`` [R, max blocks] int32 each request's entries (the
+    kernels' block table over the copied blocks), ``hidden`` [E, N] the rows no query of
+    the entry's request sees. ``hidden`` holds those rows as row indices of the value
+    scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is. ``write_*``: the
     tokens written (slot != -1) and their block and offset. ``sched``: scheduler metadata
     per number of query heads (filled in ``plan`` when it is given, else on first use).
     """
@@ -59,6 +69,7 @@ class CpuVllmPlan:
     spec: kvabi.KVSpec
     layout: object
     isa: str
+    native: bool
     num_tokens: int  # real tokens (the rest is padding)
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -73,6 +84,7 @@ class CpuVllmPlan:
     sinks: np.ndarray | None
     num_q_heads: int | None
     sched: dict = dataclasses.field(default_factory=dict)
+    scratch: dict = dataclasses.field(default_factory=dict)  # reused by the group's layers
 
 
 class CpuVllmBackend(kvabi.Backend):
@@ -140,21 +152,41 @@ class CpuVllmBackend(kvabi.Backend):
         req = np.repeat(np.arange(meta.num_reqs), nblk)
         col = np.arange(total) - np.repeat(start, nblk)
         entries = meta.block_table[req, col].astype(np.int64) if total else np.zeros(0, np.int64)
-        width = int(nblk.max()) if meta.num_reqs else 0
-        table = np.zeros((meta.num_reqs, max(width, 1)), np.int32)
-        table[req, col] = np.arange(total, dtype=np.int32)
         # Rows no query of the request sees: past seq_len, or before the window of its
         # first query (a request without queries sees nothing).
         j = col[:, None] * bs + np.arange(bs)[None, :]
         lo = np.asarray(spec.first_visible_key(ctx), np.int64)[req][:, None]
         hidden = (j >= seq[req][:, None]) | (j < lo) | (np.diff(qsl) == 0)[req][:, None]
+        native = keys_in_kernel_order(layout)
+        if native:  # distinct blocks; a row is hidden when every request reading it hides it
+            entries, inv = np.unique(entries, return_inverse=True)
+            seen = np.zeros((len(entries), bs), bool)
+            np.logical_or.at(seen, inv.reshape(-1), ~hidden)
+            hidden = ~seen
+            table = np.ascontiguousarray(meta.block_table, np.int32)
+            if table.shape[1] == 0:
+                table = np.zeros((meta.num_reqs, 1), np.int32)
+        else:
+            width = int(nblk.max()) if meta.num_reqs else 0
+            table = np.zeros((meta.num_reqs, max(width, 1)), np.int32)
+            table[req, col] = np.arange(total, dtype=np.int32)
+        # Hidden value rows as row indices of the value scratch viewed [rows, D].
+        he, hn = np.nonzero(hidden)
+        h = np.arange(spec.num_kv_heads, dtype=np.int64)[None, :]
+        if native:  # the scratch has the layout's block and head strides
+            row = (layout.stride("B") * entries[he][:, None] + layout.stride("H") * h) \
+                // (layout.itemsize * spec.head_dim)
+        else:
+            row = (he[:, None] * spec.num_kv_heads + h) * 2 * bs + bs
+        rows = (row + hn[:, None]).reshape(-1)
         slots = meta.slot_mapping
         written = np.nonzero(slots >= 0)[0]
         t = torch.from_numpy
         plan = CpuVllmPlan(
-            meta, spec, layout, choose_isa(spec.head_dim, bs), int(qsl[-1]),
+            meta, spec, layout, choose_isa(spec.head_dim, bs), native, int(qsl[-1]),
             t(meta.query_start_loc.astype(np.int32)), t(meta.seq_lens.astype(np.int32)),
-            t(entries), t(table), t(hidden) if hidden.any() else None, t(written),
+            t(entries), t(table), t(rows) if len(rows) else None,
+            t(written),
             t(slots[written] // bs), t(slots[written] % bs), opts.scale, opts.softcap,
             opts.sinks, num_q_heads)
         if num_q_heads is not None:
@@ -219,9 +251,23 @@ class CpuVllmBackend(kvabi.Backend):
         cdt = kvabi.tensors.torch_dtype(spec.dtype)
         kview, vview = cache.kv_view(layer, 0), cache.kv_view(layer, 1)
         e = len(plan.entries)
-        scratch, kc, vc = kernel_scratch(torch, e, spec.num_kv_heads, spec.block_size, d, cdt)
-        if e:
-            to_kernel_blocks(kview, vview, plan.entries, kc, vc, plan.hidden)
+        if plan.native:
+            kc = key_tiles(torch, kview)
+            key = ("v", tuple(kc.shape), kc.stride())
+            vc = plan.scratch.get(key)
+            if vc is None:
+                vc = plan.scratch[key] = value_scratch(torch, kc, cdt)
+            vc, rows = vc
+            if e:
+                values_to_kernel_order(vview, plan.entries, vc, rows, plan.hidden)
+        else:
+            bufs = plan.scratch.get("kv")
+            if bufs is None:
+                bufs = plan.scratch["kv"] = kernel_scratch(
+                    torch, e, spec.num_kv_heads, spec.block_size, d, cdt)
+            scratch, kc, vc = bufs
+            if e:
+                to_kernel_blocks(kview, vview, plan.entries, scratch, plan.hidden)
         direct = out is not None and out.dtype == cdt and out.is_contiguous()
         result = out if direct else torch.empty((t_all, hq, d), dtype=cdt)
         result[n:].zero_()  # padding tokens: unspecified by the ABI, zero here
@@ -243,12 +289,17 @@ class CpuVllmBackend(kvabi.Backend):
                 result = out.copy_(result)
         if not return_lse:
             return result
-        return result, _lse(plan, query, kc, hq, sink)
+        if plan.native:
+            keys = kview  # [B, N, H, D], indexed by the step's block table
+        else:  # [E, N, H, D] over the copied entries
+            keys = kc.view(e, spec.num_kv_heads, d, spec.block_size).permute(0, 3, 1, 2)
+        return result, _lse(plan, query, keys, hq, sink)
 
 
-def _lse(plan: CpuVllmPlan, query, key_cache, hq: int, sink) -> torch.Tensor:
-    """Log-sum-exp [T, Hq] float32 of the step (the kernels return none), in torch over
-    the blocks in kernel order: per real token, its request's entries, masked by select."""
+def _lse(plan: CpuVllmPlan, query, keys, hq: int, sink) -> torch.Tensor:
+    """Log-sum-exp [T, Hq] float32 of the step (the kernels return none), in torch:
+    ``keys`` [X, N, H, D] indexed by ``plan.table``; per real token, its request's keys,
+    masked by select."""
     meta, spec = plan.meta, plan.spec
     n, bs, h, d = plan.num_tokens, spec.block_size, spec.num_kv_heads, spec.head_dim
     full = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32)
@@ -263,8 +314,6 @@ def _lse(plan: CpuVllmPlan, query, key_cache, hq: int, sink) -> torch.Tensor:
     lo = np.asarray(spec.first_visible_key(pos), np.int64)[:, None]
     seq = meta.seq_lens.astype(np.int64)[meta.token_request[:n]][:, None]
     vis = torch.from_numpy((j >= lo) & (j <= pos[:, None]) & (j < seq))
-    e = len(plan.entries)
-    keys = key_cache.view(e, h, d, bs).permute(0, 3, 1, 2)  # [E, N, H, D]
     # float64: the lse is compared in absolute terms, and logits of large head dims are
     # large (|logit| ~ 30 leaves float32 accumulation ~1e-5 off)
     k = keys[plan.table.long()[req]].reshape(n, width * bs, h, d).double()
