@@ -55,7 +55,8 @@ test-vllm: $(VLLM_STAMP)
 
 # The long property and fuzz runs (e.g. 10,000 mutated layout descriptors): the `thorough`
 # Hypothesis profile over the hostile-input (descriptor, config, metadata) and transfer-plan tests.
-THOROUGH_TESTS ?= tests/test_hostile_*.py tests/test_metadata_hostile.py tests/test_transfer_plan.py
+THOROUGH_TESTS ?= tests/test_hostile_*.py tests/test_metadata_hostile.py tests/test_transfer_plan.py \
+	tests/test_transfer_handshake_schema.py
 thorough: setup
 	KVABI_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q $(THOROUGH_TESTS)
 
