@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from kvabi.argtypes import int_arg
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 LAYOUTS = ("vllm.cpu_kt", "vllm.LBHNC")
 
@@ -143,17 +145,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kvabi bench cpu.vllm",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--batch", type=int, default=8, help="decoding requests (default 8)")
-    p.add_argument("--context", type=int, default=512,
+    p.add_argument("--batch", type=int_arg(1, 1024), default=8,
+                   help="decoding requests (default 8)")
+    p.add_argument("--context", type=int_arg(1, 1 << 17), default=512,
                    help="cached tokens per request (default 512)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--repeat", type=int, default=30, help="repetitions (default 30)")
-    p.add_argument("--layers", type=int, default=8, help="layers per timed step (default 8)")
+    p.add_argument("--repeat", type=int_arg(1, 100_000), default=30,
+                   help="repetitions (default 30)")
+    p.add_argument("--layers", type=int_arg(1, 10_000), default=8,
+                   help="layers per timed step (default 8)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args(argv)
-    for name in ("batch", "context", "repeat", "layers"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name}: must be at least 1, got {getattr(args, name)}")
     prog = None if args.quiet else (lambda s: print(s, file=sys.stderr, end="\r"))
     rows = measure(args.batch, args.context, args.dtype, args.repeat, args.layers, prog)
     if args.json:

@@ -87,3 +87,49 @@ def test_kernels_without_zeroed_invisible_rows_fail_the_poison_check():
     r = run_check(get_check("poisoned_rows"), _NoZeroing(), max_examples=8, seed=0,
                   shrink=False, replay=None)
     assert r.status == "FAILED" and "invisible rows" in r.message, r
+
+
+@pytest.mark.parametrize("dtype,bs,hd,window", [("float32", 32, 64, None),
+                                                ("bfloat16", 16, 80, 7)])
+def test_same_bits_as_the_kernels_called_the_way_vllm_calls_them(dtype, bs, hd, window):
+    """Over the cache vLLM's own CPU backend would hold (written by the kernels' own
+    reshape-and-cache), the kernels give exactly what cpu.vllm gives over a kvabi cache."""
+    from vllm import _custom_ops as ops
+
+    from kvabi_vllm.cpu_layout import choose_isa, kernel_scratch
+
+    kind = "full" if window is None else "sliding_window"
+    spec = kvabi.KVSpec(kind, block_size=bs, num_kv_heads=2, head_dim=hd, dtype=dtype,
+                        **({} if window is None else {"window": window}))
+    meta = kvabi.CommonAttentionMetadata.from_lengths(
+        [1, 5, 1], [40, 0, 3], [[3, 1, 4], [0, 0, 0], [2, 5, 0]], bs, num_blocks=6)
+    tdt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(meta.num_tokens, hq, hd, generator=g).to(tdt)
+               for hq in (4, 2, 2))
+    slots = torch.from_numpy(meta.slot_mapping)
+    _, kc, vc = kernel_scratch(torch, 6, 2, bs, hd, tdt)
+    kc.zero_(), vc.zero_()
+    isa = choose_isa(hd, bs)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+    qsl = torch.from_numpy(meta.query_start_loc)
+    seq = torch.from_numpy(meta.seq_lens)
+    w = -1 if window is None else window
+    md = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=3, num_heads=4, num_kv_heads=2, head_dim=hd, seq_lens=seq, dtype=tdt,
+        query_start_loc=qsl, causal=True, sliding_window_size=w, isa=isa,
+        enable_kv_split=False)
+    want = torch.zeros_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=kc, value_cache=vc, output=want, query_start_loc=qsl,
+        seq_lens=seq, scale=0.3, causal=True, alibi_slopes=None, sliding_window=w,
+        block_table=torch.from_numpy(meta.block_table), softcap=0.0, scheduler_metadata=md,
+        s_aux=None)
+    b = CpuVllmBackend()
+    for name in ("vllm.cpu_kt", "vllm.LBHNC"):
+        layout = kvabi.Layout.preset(name, spec, num_blocks=6)
+        cache = b.allocate(layout)
+        plan = b.plan(meta, spec, layout, num_q_heads=4, scale=0.3)
+        b.write_kv(cache, layout, k, v, plan)
+        got = b.attention(q, cache, layout, plan)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
