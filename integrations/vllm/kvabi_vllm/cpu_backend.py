@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import threading
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from kvabi.tensors import to_torch
 
 from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, key_tiles,
                          keys_in_kernel_order, to_kernel_blocks, value_scratch,
-                         values_to_kernel_order)
+                         value_scratch_numel, values_to_kernel_order)
 
 KINDS = ("full", "sliding_window")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -60,9 +61,10 @@ class CpuVllmPlan:
     request's ``seq_len``, ``table`` [R, max blocks] int32 each request's entries (the
     kernels' block table over the copied blocks), ``hidden`` [E, N] the rows no query of
     the entry's request sees. ``hidden`` holds those rows as row indices of the value
-    scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is. ``write_*``: the
-    tokens written (slot != -1) and their block and offset. ``sched``: scheduler metadata
-    per number of query heads (filled in ``plan`` when it is given, else on first use).
+    scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is.
+    ``write_*``: the tokens written (slot != -1) and their block and offset. ``sched``:
+    scheduler metadata per number of query heads (filled in ``plan`` when it is given,
+    else on first use).
     """
 
     meta: kvabi.CommonAttentionMetadata
@@ -84,7 +86,6 @@ class CpuVllmPlan:
     sinks: np.ndarray | None
     num_q_heads: int | None
     sched: dict = dataclasses.field(default_factory=dict)
-    scratch: dict = dataclasses.field(default_factory=dict)  # reused by the group's layers
 
 
 class CpuVllmBackend(kvabi.Backend):
@@ -98,6 +99,18 @@ class CpuVllmBackend(kvabi.Backend):
 
     def __init__(self):
         self._available = None
+        # Scratch memory per thread and dtype, grown as needed and reused by every layer
+        # and step: a fresh buffer per step would pay its page faults again every time.
+        self._scratch = threading.local()
+
+    def _buffer(self, numel: int, dtype):
+        """A 1-D scratch tensor of at least ``numel`` elements of ``dtype`` (this thread's;
+        its contents are overwritten by the next attention call of the thread)."""
+        bufs = self._scratch.__dict__.setdefault("bufs", {})
+        buf = bufs.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
+        return buf
 
     def available(self):
         if self._available is None:
@@ -254,19 +267,14 @@ class CpuVllmBackend(kvabi.Backend):
         e = len(plan.entries)
         if plan.native:
             kc = key_tiles(torch, kview)
-            key = ("v", tuple(kc.shape), kc.stride())
-            vc = plan.scratch.get(key)
-            if vc is None:
-                vc = plan.scratch[key] = value_scratch(torch, kc, cdt)
-            vc, rows = vc
+            vc, rows = value_scratch(torch, kc, cdt,
+                                     self._buffer(value_scratch_numel(kc), cdt))
             if e:
                 values_to_kernel_order(vview, plan.entries, vc, rows, plan.hidden)
         else:
-            bufs = plan.scratch.get("kv")
-            if bufs is None:
-                bufs = plan.scratch["kv"] = kernel_scratch(
-                    torch, e, spec.num_kv_heads, spec.block_size, d, cdt)
-            scratch, kc, vc = bufs
+            h, bs = spec.num_kv_heads, spec.block_size
+            scratch, kc, vc = kernel_scratch(torch, e, h, bs, d, cdt,
+                                             self._buffer(e * h * 2 * bs * d, cdt))
             if e:
                 to_kernel_blocks(kview, vview, plan.entries, scratch, plan.hidden)
         direct = out is not None and out.dtype == cdt and out.is_contiguous()
