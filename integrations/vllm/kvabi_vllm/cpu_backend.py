@@ -131,7 +131,8 @@ class CpuVllmBackend(kvabi.Backend):
             return False, f"vLLM's CPU kernels are not importable: {type(e).__name__}: {e}"
         if not ok:
             return False, f"vLLM {vllm.__version__} has no CPU attention kernels (not a CPU build)"
-        return True, f"vLLM {vllm.__version__} CPU_ATTN kernels (vec/vec16), torch {torch.__version__}"
+        return True, (f"vLLM {vllm.__version__} CPU_ATTN kernels (vec/vec16), "
+                      f"torch {torch.__version__}")
 
     def capabilities(self, spec=None):
         return kvabi.Capabilities(
