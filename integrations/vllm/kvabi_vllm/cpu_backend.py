@@ -138,7 +138,8 @@ class CpuVllmBackend(kvabi.Backend):
         return kvabi.Capabilities(
             kinds=KINDS, dtypes=DTYPES, head_dims=HEAD_SIZES, block_size_multiple=BLOCK_MULTIPLE,
             softcap=True, sinks=True, layouts=PREFERRED if spec is not None else (),
-            notes="vLLM CPU_ATTN kernels; blocks copied per layer into the kernels' order")
+            notes="vLLM CPU_ATTN kernels; in vllm.cpu_kt keys read in place and the values "
+                  "of the step's blocks copied per layer (both, in other layouts)")
 
     def preferred_layouts(self, spec):
         return PREFERRED
