@@ -179,7 +179,7 @@ class CpuVllmBackend(kvabi.Backend):
             e, n = np.nonzero(~hidden)
             seen[inv.reshape(-1)[e], n] = True  # repeated (block, row) pairs: same value
             hidden = ~seen
-            table = np.ascontiguousarray(meta.block_table, np.int32)
+            table = np.array(meta.block_table, np.int32)  # metadata arrays are read-only
             if table.shape[1] == 0:
                 table = np.zeros((meta.num_reqs, 1), np.int32)
         else:
@@ -233,7 +233,7 @@ class CpuVllmBackend(kvabi.Backend):
 
     # -- write ----------------------------------------------------------------------------
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = kvabi.as_cache(cache, layout)
+        cache = kvabi.as_cache(cache, layout, self.framework)
         self._check_plan(plan, layout)
         spec = plan.spec
         key, value = to_torch(key), to_torch(value)
@@ -247,7 +247,7 @@ class CpuVllmBackend(kvabi.Backend):
     # -- attention ------------------------------------------------------------------------
     def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, out=None,
                   return_lse=False):
-        cache = kvabi.as_cache(cache, layout)
+        cache = kvabi.as_cache(cache, layout, self.framework)
         self._check_plan(plan, layout)
         spec = plan.spec
         query = to_torch(query)
