@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from .coerce import as_int, is_int
 from .errors import FrozenError, KVABIError
-from .layout import Layout
+from .layout import check_layout as _check_layout
 from .planes import (check_plane, check_planes, check_torch, check_torch_devices,
                      plane_stamp)
 from .tensors import framework, torch_dtype
@@ -225,13 +225,6 @@ def as_cache(cache, layout, framework: str | None = None) -> KVCache:
         raise KVABIError(f"cache: this backend takes {framework} planes, got a cache of "
                          f"{c.framework} planes (kvabi.tensors.convert copies them)")
     return c
-
-
-def _check_layout(layout) -> None:
-    if not isinstance(layout, Layout):
-        hint = " (a preset name? Layout.preset(name, spec, num_blocks) builds one)" \
-            if isinstance(layout, str) else ""
-        raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}{hint}")
 
 
 def _plane_index(i, n: int, what: str) -> int:

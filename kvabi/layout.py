@@ -560,3 +560,13 @@ def _as_strided(x: np.ndarray, shape, strides) -> np.ndarray:
     typestr numpy cannot parse: stride an unsigned-int view and view it back."""
     raw = x.view(np.dtype(f"u{x.dtype.itemsize}"))
     return np.lib.stride_tricks.as_strided(raw, shape, strides).view(x.dtype)
+
+
+def check_layout(value, field: str = "layout") -> "Layout":
+    """``value`` when it is a :class:`Layout`; else KVABIError naming ``field`` (with a
+    hint for a preset name, the usual mistake)."""
+    if not isinstance(value, Layout):
+        hint = " (a preset name? Layout.preset(name, spec, num_blocks) builds one)" \
+            if isinstance(value, str) else ""
+        raise KVABIError(f"{field}: must be a kvabi.Layout, got {type(value).__name__}{hint}")
+    return value

@@ -10,7 +10,7 @@ import numpy as np
 
 from .coerce import INT32_MAX, INT64_MAX, as_float, as_int, real_array
 from .errors import KVABIError
-from .layout import Layout
+from .layout import check_layout
 from .metadata import CommonAttentionMetadata
 from .spec import KVSpec
 
@@ -102,8 +102,7 @@ def check_step(meta, spec, layout) -> None:
     if meta.block_size != spec.block_size:
         raise KVABIError(f"meta.block_size: must equal spec.block_size {spec.block_size}, "
                          f"got {meta.block_size}")
-    if not isinstance(layout, Layout):
-        raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
+    check_layout(layout)
     if layout.dtype != spec.dtype:
         raise KVABIError(f"layout.dtype: must equal spec.dtype {spec.dtype!r}, got "
                          f"{layout.dtype!r}")

@@ -17,7 +17,7 @@ import numpy as np
 from ..cache import KVCache
 from ..coerce import as_int, int_array
 from ..errors import KVABIError
-from ..layout import Layout
+from ..layout import Layout, check_layout
 from ..spec import KVSpec
 from .execute import execute_pattern
 from .plan import _layers, block_pattern, block_template, check_compatible
@@ -85,8 +85,8 @@ class HostPool:
             layout = cross_layer_twin(source, num_blocks, layers)
         elif layout is None:
             layout = Layout.preset(preset, spec, num_blocks, layers)
-        elif not isinstance(layout, Layout):
-            raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
+        else:
+            check_layout(layout)
         if isinstance(source, Layout):
             check_compatible(source, layout)
         need, have = layout.num_planes * layout.plane_nbytes, host_memory()

@@ -33,7 +33,7 @@ import numpy as np
 from ..coerce import int_array
 from ..errors import KVABIError
 from ..frozen import frozen_array, is_frozen
-from ..layout import Layout
+from ..layout import Layout, check_layout
 from .pattern import BlockPattern, base_offsets, plane_sizes
 
 #: the logical axes one token of one layer holds, besides the token itself
@@ -80,9 +80,7 @@ class TransferPlan:
     @src_layout.validator
     @dst_layout.validator
     def _is_layout(self, attribute, value):
-        if not isinstance(value, Layout):
-            raise KVABIError(f"{attribute.name}: must be a kvabi.Layout, got "
-                             f"{type(value).__name__}")
+        check_layout(value, attribute.name)
 
     @property
     def nbytes(self) -> int:
@@ -176,9 +174,8 @@ def check_compatible(src: Layout, dst: Layout) -> None:
     """KVABIError naming the difference unless the layouts hold the same per-token data
     (KV heads, head dim, dtype, K/V or MLA latent); block size, block count, layer count
     and the physical arrangement may differ."""
-    for name, x in (("src_layout", src), ("dst_layout", dst)):
-        if not isinstance(x, Layout):
-            raise KVABIError(f"{name}: must be a kvabi.Layout, got {type(x).__name__}")
+    check_layout(src, "src_layout")
+    check_layout(dst, "dst_layout")
     if src.dtype != dst.dtype:
         raise KVABIError(f"dst_layout.dtype: {dst.dtype} differs from the source's {src.dtype} "
                          "(a plan copies bytes; convert dtypes separately)")
