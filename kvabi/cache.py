@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from .coerce import as_int, is_int
 from .errors import FrozenError, KVABIError
 from .layout import check_layout as _check_layout
@@ -88,10 +90,21 @@ class KVCache(tuple):
         if framework == "torch":
             import torch
 
+            if device is not None:
+                try:
+                    device = torch.device(device)
+                except (RuntimeError, TypeError, ValueError):
+                    raise KVABIError(f"device: not a torch device, got {device!r:.60}") from None
             nbytes = -(-layout.plane_nbytes // layout.itemsize) * layout.itemsize
             planes = []
             for _ in range(layout.num_planes):
-                buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=device)
+                try:  # a device that is not there, or too little memory on it
+                    buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=device)
+                except (RuntimeError, AssertionError) as e:  # a CPU-only torch asserts
+                    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise KVABIError(f"device: cannot allocate {layout.num_planes} planes of "
+                                     f"{nbytes} bytes on {device or 'the default device'}: "
+                                     f"{why:.200}") from None
                 planes.append(buf.view(torch_dtype(layout.dtype)).as_strided(
                     layout.plane_shape, layout.plane_strides))
                 check_torch(planes[-1], len(planes) - 1)
@@ -143,6 +156,9 @@ class KVCache(tuple):
         if self.framework == "jax":
             return
         n = len(self)
+        if planes is not None and not isinstance(planes, (list, tuple, range, np.ndarray)):
+            raise KVABIError(f"planes: must be a list of plane indices, got "
+                             f"{type(planes).__name__}")
         for i in range(n) if planes is None else planes:
             if type(i) is not int or not 0 <= i < n:
                 i = _plane_index(i, n, "planes: must hold")

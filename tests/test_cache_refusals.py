@@ -238,3 +238,20 @@ def test_check_unchanged_takes_plane_indices():
     for bad in ([4], [-1], [1.0], ["0"], [True]):
         with pytest.raises(KVABIError, match=r"^planes: must hold plane indices in \[0, 4\)"):
             c.check_unchanged(bad)
+
+
+@pytest.mark.parametrize("device,match", [("nonsense", r"^device: not a torch device"),
+                                          ([0], r"^device: not a torch device"),
+                                          ("cuda:0" if not torch.cuda.is_available()
+                                           else "cuda:4096", r"^device: cannot allocate")])
+def test_allocate_names_a_device_it_cannot_use(device, match):
+    with pytest.raises(KVABIError, match=match):
+        KVCache.allocate(CROSS, "torch", device=device)
+    assert KVCache.allocate(CROSS, "torch", device="cpu")[0].device.type == "cpu"
+
+
+@pytest.mark.parametrize("planes", [5, "01", {0: 1}])
+def test_check_unchanged_takes_a_list_of_plane_indices(planes):
+    with pytest.raises(KVABIError, match="^planes: must be a list of plane indices"):
+        KVCache.allocate(CROSS).check_unchanged(planes)
+    KVCache.allocate(CROSS).check_unchanged(np.array([0]))
