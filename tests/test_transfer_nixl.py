@@ -237,6 +237,26 @@ def test_refusals(agents):
                           b_agent.register(KVCache.allocate(lay, "numpy")))
     with pytest.raises(KVABIError, match="timeout: must be > 0"):
         b_agent.connect(a_agent.handshake(src), timeout=0)
+    # Arguments checked by name before anything is posted (were AttributeError, or a
+    # NIXL type error after the plan was built, or silently truthy).
+    peer = b_agent.connect(a_agent.handshake(src))
+    dst = b_agent.register(KVCache.allocate(lay, "numpy"))
+    with pytest.raises(KVABIError, match="^peer: not connected"):
+        b_agent.pull(None, dst, [0], [0])
+    for bad in (None, 5, ["x"]):
+        with pytest.raises(KVABIError, match="^notify: must be bytes"):
+            b_agent.pull(peer, dst, [0], [0], notify=bad)
+    with pytest.raises(KVABIError, match="^prefix: must be bytes"):
+        a_agent.wait_notification(5, timeout=0.01)
+    with pytest.raises(KVABIError, match="^include_metadata: must be true or false"):
+        a_agent.handshake(src, include_metadata="yes")
+    for kw, match in ((dict(name="bad\nname"), "^name: must be 1-128 characters"),
+                      (dict(name="ok", host="h\n"), "^host: must be a host name"),
+                      (dict(name="ok", port="80"), "^port: must be an integer"),
+                      (dict(name="ok", port=2**20), "^port: must be <= 65535")):
+        with pytest.raises(KVABIError, match=match):
+            kv_nixl.NixlAgent(**kw)
+    assert not any(dst[0].ravel())
     assert isinstance(plan_transfer(lay, lay, [0], [0]), TransferPlan)
 
 

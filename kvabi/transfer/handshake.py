@@ -104,6 +104,21 @@ def _str(v, field, pattern, what):
     return v
 
 
+def check_agent_name(v, field: str = "agent.name") -> str:
+    """``v`` when it is an agent name a handshake may carry; else KVABIError."""
+    return _str(v, field, _NAME, "1-128 characters of [A-Za-z0-9_.:@-]")
+
+
+def check_host(v, field: str = "agent.host") -> str:
+    """``v`` when it is a host a handshake may carry; else KVABIError."""
+    return _str(v, field, _HOST, "a host name or IP address")
+
+
+def check_port(v, field: str = "agent.port") -> int:
+    """``v`` as a TCP port 1..65535; else KVABIError."""
+    return as_int(v, field, lo=1, hi=65535)
+
+
 def parse_handshake(text) -> Handshake:
     """Validate an untrusted handshake message (str or bytes); KVABIError names the field.
 
@@ -131,9 +146,9 @@ def parse_handshake(text) -> Handshake:
     if not isinstance(d["message"], str) or d["message"] != MESSAGE:
         raise KVABIError(f"message: must be {MESSAGE!r}, got {d['message']!r:.80}")
     agent = _obj(d["agent"], "agent", _AGENT_FIELDS, closed=closed)
-    name = _str(agent["name"], "agent.name", _NAME, "1-128 characters of [A-Za-z0-9_.:@-]")
-    host = _str(agent["host"], "agent.host", _HOST, "a host name or IP address")
-    port = as_int(agent["port"], "agent.port", lo=1, hi=65535)
+    name = check_agent_name(agent["name"])
+    host = check_host(agent["host"])
+    port = check_port(agent["port"])
     memory = d["memory"]
     if not isinstance(memory, str) or memory not in MEMORY_TYPES:
         raise KVABIError(f"memory: must be one of {', '.join(MEMORY_TYPES)}, got "

@@ -29,7 +29,8 @@ from ..errors import KVABIError
 from ..layout import Layout
 from ..tensors import framework
 from .execute import check_in_use, copy_from_staging
-from .handshake import Handshake, make_handshake, parse_handshake
+from .handshake import (Handshake, check_agent_name, check_host, check_port, make_handshake,
+                        parse_handshake)
 from .pattern import plane_sizes
 from .plan import TransferPlan, plan_transfer
 from .staging import stage, stage_blocks, worth_staging
@@ -105,6 +106,15 @@ def metadata_agent_name(metadata: bytes) -> str:
         raise KVABIError("metadata: not NIXL agent metadata") from None
 
 
+def _message(v, field: str) -> bytes:
+    """A notification (or its prefix) as bytes: bytes, or str encoded as UTF-8."""
+    if isinstance(v, str):
+        return v.encode()
+    if not isinstance(v, bytes):
+        raise KVABIError(f"{field}: must be bytes (or str), got {type(v).__name__}")
+    return v
+
+
 @attrs.frozen(eq=False, repr=False)
 class Peer:
     """A connected peer: its validated handshake (and through it the NIXL agent name and
@@ -140,6 +150,9 @@ class NixlAgent:
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", port: int | None = None,
                  backends=("UCX",)):
+        # what this agent's handshakes will carry: a peer would refuse anything else
+        name, host = check_agent_name(name, "name"), check_host(host, "host")
+        port = None if port is None else check_port(port, "port")
         agent_cls, config_cls = nixl_api()
         self.name, self.host = name, host
         self.port = free_port(host) if port is None else port
@@ -209,6 +222,7 @@ class NixlAgent:
         ``include_metadata`` it also carries this agent's NIXL metadata, so the peer needs
         no round trip to the listen address."""
         _, _, rows, mem = self._registration(cache)
+        include_metadata = as_bool(include_metadata, "include_metadata")
         meta = self._agent.get_agent_metadata() if include_metadata else None
         return make_handshake(agent_name=self.name, host=self.host, port=self.port,
                               memory=mem, layout=cache.layout, planes=rows.tolist(),
@@ -266,6 +280,13 @@ class NixlAgent:
         return peer
 
     # -- transfers -------------------------------------------------------------------------
+    def _connected(self, peer) -> None:
+        """KVABIError unless ``peer`` is a Peer this agent's connect() returned (trusted by
+        identity: it is frozen)."""
+        if not isinstance(peer, Peer) or not any(p is peer for p in self._peers.get(
+                peer.name, ())):
+            raise KVABIError("peer: not connected to this agent (use connect(message))")
+
     def pull(self, peer: Peer, dst: KVCache, src_slots, dst_slots, *, layers=None,
              timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None) -> KVCache:
         """READ the peer's tokens ``src_slots`` into ``dst_slots`` of ``dst`` (layouts may
@@ -273,6 +294,7 @@ class NixlAgent:
         handle for jax); KVABIError if the transfer fails or times out (the destination
         slots then hold undefined data and must not be used).  ``staged``: see
         :meth:`pull_plan`."""
+        self._connected(peer)
         if not isinstance(dst, KVCache):
             raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
         plan = plan_transfer(peer.layout, dst.layout, src_slots, dst_slots, layers=layers)
@@ -291,9 +313,8 @@ class NixlAgent:
         against the peer's registered planes and ``dst``'s (registered) planes at each
         call, before anything is posted."""
         timeout = as_float(timeout, "timeout", positive=True)
-        if not isinstance(peer, Peer) or not any(p is peer for p in self._peers.get(
-                peer.name, ())):
-            raise KVABIError("peer: not connected to this agent (use connect(message))")
+        notify = _message(notify, "notify")
+        self._connected(peer)
         if not isinstance(plan, TransferPlan):
             raise KVABIError(f"plan: must be a TransferPlan, got {type(plan).__name__}")
         if plan.src_layout != peer.layout:
@@ -457,6 +478,7 @@ class NixlAgent:
         """Block until a notification starting with ``prefix`` arrives (from ``peer`` if
         given); returns (sender, message).  KVABIError after ``timeout`` seconds."""
         timeout = as_float(timeout, "timeout", positive=True)
+        prefix = _message(prefix, "prefix")
         deadline = time.monotonic() + timeout
         while True:
             for sender, msgs in self._agent.update_notifs().items():
