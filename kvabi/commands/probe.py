@@ -14,7 +14,7 @@ import json
 
 from ..dtypes import DTYPES
 from ..errors import KVABIError
-from .argtypes import positive_int
+from ..argtypes import positive_int
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
