@@ -58,6 +58,8 @@ class TPUBackendBase(kvabi.Backend):
         self.fast_compile = bool(fast_compile)
         #: [(spec, layout, StepBuckets)] declared by warmup
         self._declared: list = []
+        #: executables compiled by warmup, by :func:`kvabi_tpu.steps.signature`
+        self._compiled: dict = {}
 
     # -- description ---------------------------------------------------------------------
     def _block_size_multiple(self, spec) -> int:
@@ -145,6 +147,8 @@ class TPUBackendBase(kvabi.Backend):
                           if not (d[0] == spec and d[1] == layout)] + [(spec, layout, buckets)]
         import jax
 
+        from .steps import signature
+
         hq = spec.num_kv_heads if num_q_heads is None else \
             kvabi.check_num_q_heads(num_q_heads, spec)
         dt = numpy_dtype(layout.dtype)
@@ -164,9 +168,9 @@ class TPUBackendBase(kvabi.Backend):
                 for what, (fn, args, kw) in (
                         ("write", self._write_call(plan, tuple(planes[i] for i in idx), kv,
                                                    kv, layer)),
-                        ("attention", self._attend_call(plan, q, tuple(planes[i] for i in idx),
+                        ("attend", self._attend_call(plan, q, tuple(planes[i] for i in idx),
                                                         None, layer))):
-                    fn.lower(*args, **kw).compile()
+                    self._compiled[signature(what, args, kw)] = fn.lower(*args, **kw).compile()
                     done += 1
                     if progress is not None:
                         progress(done, total, f"{what}: {b.tokens} tokens, layer {layer}")
@@ -231,8 +235,10 @@ class TPUBackendBase(kvabi.Backend):
         if len({id(handle[i]) for i in idx}) < len(idx):
             raise KVABIError(f"cache: planes {list(idx)} of layer {layer} are one array; "
                              f"each plane needs its own memory")
+        from .steps import run
+
         fn, args, kw = self._write_call(plan, tuple(handle[i] for i in idx), key, value, layer)
-        new = fn(*args, **kw)
+        new = run(self._compiled, "write", fn, args, kw)
         if isinstance(cache, kvabi.KVCache):
             return handle.replace_planes(dict(zip(idx, new)))
         out = list(cache)
@@ -272,7 +278,9 @@ class TPUBackendBase(kvabi.Backend):
         else:
             fn, args, kw = self._attend_call(plan, query, tuple(handle[i] for i in idx), sink,
                                              layer)
-            res, lse = fn(*args, **kw)
+            from .steps import run
+
+            res, lse = run(self._compiled, "attend", fn, args, kw)
             if plan.bucket is not None:
                 res, lse = first_rows(res, t), first_rows(lse, t)
         return (res, lse) if return_lse else res
