@@ -15,7 +15,7 @@ import numpy as np
 
 import kvabi
 from kvabi import KVABIError
-from kvabi.coerce import as_int, real_array
+from kvabi.coerce import real_array
 from kvabi.dtypes import numpy_dtype
 from kvabi.tensors import framework, to_jax
 
@@ -203,8 +203,7 @@ class TPUBackendBase(kvabi.Backend):
         layout); refuses planes consumed by an earlier write."""
         idx = plan.planes_of_layer.get(layer) if type(layer) is int else None
         if idx is None:
-            n = plan.layout.num_layers
-            layer = as_int(layer, "layer", lo=0, hi=n - 1)
+            layer = kvabi.check_layer(layer, plan.layout)
             idx = plan.planes_of_layer[layer] = plan.fmt.plane_indices(plan.layout, layer)
         for i in idx:
             if cache[i].is_deleted():

@@ -93,9 +93,12 @@ def test_bad_arguments_name_the_field(backend):
     with pytest.raises(KVABIError, match="query"):
         backend.attention(backend.asarray(np.zeros((4, 3, 64), np.float32)), cache, layout,
                           plan)
-    with pytest.raises(KVABIError, match="layer"):
+    # the one wording of kvabi.check_layer, as every backend
+    with pytest.raises(KVABIError, match=r"^layer: 1 out of range \[0, 1\)$"):
         backend.attention(backend.asarray(np.zeros((4, 2, 64), np.float32)), cache, layout,
                           plan, layer=1)
+    with pytest.raises(KVABIError, match=r"^layer: 1 out of range \[0, 1\)$"):
+        backend.write_kv(cache, layout, k, k, plan, layer=1)
     with pytest.raises(KVABIError, match="cache"):
         backend.write_kv(cache + cache, layout, k, k, plan)
     with pytest.raises(KVABIError, match="sinks"):
