@@ -88,14 +88,15 @@ def to_jax(x, dtype: str | None = None):
         try:
             a = jax.dlpack.from_dlpack(x.detach())
         except Exception:  # noqa: BLE001
-            a = jax.device_put(to_numpy(x))
+            a = jax.device_put(np.array(to_numpy(x)))
     else:
         # on the host, then one device_put: jnp.asarray and astype would each compile a
-        # small XLA computation per new shape (a cliff for steps of many sizes)
+        # small XLA computation per new shape (a cliff for steps of many sizes).  The
+        # device_put of a host array may read it after returning (CPU: it aliases), so it
+        # gets an array nobody else holds: the caller may reuse its buffer at once.
         h = to_numpy(x)
-        if dtype is not None and str(h.dtype) != dtype:
-            h = h.astype(numpy_dtype(dtype))
-        return jax.device_put(h)
+        convert = dtype is not None and str(h.dtype) != dtype
+        return jax.device_put(h.astype(numpy_dtype(dtype)) if convert else np.array(h))
     if dtype is not None and str(a.dtype) != dtype:
         a = a.astype(numpy_dtype(dtype))
     return a

@@ -43,7 +43,7 @@ def first_rows(x, t: int):
 
     if not _on_host():
         return _slice_jit(t)(x)
-    return jax.device_put(np.asarray(x)[:t])
+    return jax.device_put(np.array(np.asarray(x)[:t]))  # a copy: device_put may alias it
 
 
 @functools.lru_cache(maxsize=None)
