@@ -221,7 +221,7 @@ class TPUBackendBase(kvabi.Backend):
         not the cache size.  Use the returned cache (a :class:`kvabi.KVCache` when given
         one, a list when given an ABI 1.0 list); the argument's planes of this layer are
         deleted.  (``donate_cache=False`` at construction keeps them, copying instead.)"""
-        fmt = self._check_plan(layout, plan)
+        self._check_plan(layout, plan)
         handle = self._handle(cache, layout)
         spec = plan.spec
         if value is None:
@@ -257,7 +257,7 @@ class TPUBackendBase(kvabi.Backend):
         dtype) and the result is *returned*, never written into it."""
         import jax.numpy as jnp
 
-        fmt = self._check_plan(layout, plan)
+        self._check_plan(layout, plan)
         handle = self._handle(cache, layout)
         spec, t = plan.spec, plan.meta.num_tokens
         query = _jax(query, "query")

@@ -3,7 +3,8 @@
 An engine declares its limits, warms the backend up, then runs steps of every mix of
 decodes, chunked prefills and fresh prefills.  This runs ``steps`` such random steps (within
 the limits) through ``tpu.jax`` after ``warmup`` and reports the XLA compiles during them
-(goal: none) and the spread of step times (goal: every step within 3x of the median).  A
+(goal: none) and the spread of step times (goal: every step within 3x of the median; since
+random steps differ in work, also each step against a linear fit of time on its work).  A
 step is ``plan`` + ``write_kv`` + ``attention`` of one layer, waited for.  For comparison the
 first ``baseline`` of the same steps run on a backend without declared limits, where every
 new power of two of any count compiles.
@@ -80,6 +81,7 @@ def steady_state(*, limits, spec, num_q_heads: int, steps: int, baseline: int, s
     warm_s, warm_n = time.perf_counter() - t0, compiles()[0] - c0
     times, n = _run(backend, spec, layout, todo, arrays, num_q_heads)
     med = statistics.median(times)
+    fit = work_fit(todo, times)
     out = {"backend": backend_name, "limits": {"max_tokens": limits.max_tokens,
                                                "max_reqs": limits.max_reqs,
                                                "max_seq_len": limits.max_seq_len},
@@ -89,13 +91,29 @@ def steady_state(*, limits, spec, num_q_heads: int, steps: int, baseline: int, s
            "p90_ms": float(np.percentile(times, 90)) * 1e3, "max_ms": max(times) * 1e3,
            "max_over_median": max(times) / med,
            "steps_over_3x_median": sum(t > 3 * med for t in times),
-           "total_s": sum(times)}
+           "max_over_work_fit": fit, "total_s": sum(times),
+           "step_ms": [t * 1e3 for t in times]}
     if baseline:
         print("kvabi bench tpu: baseline without limits ...", file=sys.stderr, flush=True)
         base, bn = _run(type(proto)(), spec, layout, todo[:baseline], arrays, num_q_heads)
         out["baseline"] = {"steps": len(base), "compiles": bn, "total_s": sum(base),
                            "warm_total_s": sum(times[:len(base)])}
     return out
+
+
+def work_fit(steps, times) -> float:
+    """The largest ratio of a step's time to what its work predicts: a least-squares fit
+    ``time = a + b * tokens + c * query-key pairs`` over the run.  Steps differ in work (a
+    lone decode against 512 prefill tokens over long contexts), so their times differ
+    without any cliff; a step far above its fit is a cliff (a compile, a slow path)."""
+    pairs = np.array([float((m.query_lens.astype(np.float64) * m.seq_lens).sum())
+                      for m in steps])
+    tokens = np.array([float(m.num_tokens) for m in steps])
+    x = np.stack([np.ones_like(pairs), tokens, pairs], axis=1)
+    y = np.asarray(times)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    pred = np.maximum(x @ coef, 1e-3 * y.min())
+    return float((y / pred).max())
 
 
 def report(r: dict) -> list[str]:
@@ -110,7 +128,10 @@ def report(r: dict) -> list[str]:
              f"  goal: 0 compiles after warm-up; measured: {r['compiles_after_warmup']}",
              f"  goal: every step within 3x of the median; measured: slowest "
              f"{r['max_over_median']:.2f}x the median ({r['steps_over_3x_median']} steps "
-             f"over 3x)"]
+             f"over 3x)",
+             f"  steps differ in work: the slowest against what its work predicts (a linear "
+             f"fit of time on tokens and query-key pairs over the run): "
+             f"{r['max_over_work_fit']:.2f}x"]
     b = r.get("baseline")
     if b:
         lines.append(f"  without declared limits, the first {b['steps']} of these steps: "
