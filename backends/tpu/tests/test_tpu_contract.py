@@ -158,8 +158,19 @@ def test_bench_suite_runs_and_reports_json(capsys):
 
     assert run(["--quick", "--json", "--reqs", "3", "--tokens", "9", "--context", "20",
                 "--kv-heads", "1", "--q-heads", "2", "--head-dim", "64", "--repeat", "1",
-                "--big-mib", "2"]) == 0
+                "--big-mib", "2", "--steps", "12", "--baseline", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
+    steady = report["steady_state"]
+    assert steady["limits"] == {"max_tokens": 9, "max_reqs": 3, "max_seq_len": 20}
+    assert steady["token_buckets"] == [9] and steady["steps"] == len(steady["step_ms"]) == 12
+    assert steady["compiles_after_warmup"] == 0 and steady["baseline"]["steps"] == 2
+    assert steady["max_over_median"] >= 1 and steady["max_over_work_fit"] > 0
+    from kvabi_tpu.bench_steps import report as steady_lines
+
+    text = "\n".join(steady_lines(steady))
+    assert "goal: 0 compiles after warm-up; measured: 0" in text
+    assert "goal: every step within 3x of the median; measured: slowest" in text
+    assert "FAIL" not in text and "NOT met" not in text
     assert report["suite"] == "tpu"
     names = [r["backend"] for r in report["results"]]
     assert names[:2] == ["tpu.jax", "reference"]
@@ -171,6 +182,8 @@ def test_bench_suite_runs_and_reports_json(capsys):
         assert r["tokens"] == 64 and r["in_place_ms"] > 0 and r["copy_ms"] > 0
     with pytest.raises(SystemExit):
         run(["--big-mib", "0"])
+    with pytest.raises(SystemExit):
+        run(["--steps", "-1"])
 
 
 def test_without_jax_the_backends_register_as_unavailable():
