@@ -161,8 +161,11 @@ def test_bench_suite_runs_and_reports_json(capsys):
                 "--big-mib", "2", "--steps", "12", "--baseline", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     steady = report["steady_state"]
-    assert steady["limits"] == {"max_tokens": 9, "max_reqs": 3, "max_seq_len": 20}
-    assert steady["token_buckets"] == [9] and steady["steps"] == len(steady["step_ms"]) == 12
+    lim = steady["limits"]  # from --tokens, --reqs, --context (as --quick leaves them)
+    assert (lim["max_tokens"], lim["max_reqs"]) == (report["batch"]["query_tokens"],
+                                                    report["batch"]["num_reqs"])
+    assert steady["token_buckets"][-1] == lim["max_tokens"]
+    assert steady["steps"] == len(steady["step_ms"]) == 12
     assert steady["compiles_after_warmup"] == 0 and steady["baseline"]["steps"] == 2
     assert steady["max_over_median"] >= 1 and steady["max_over_work_fit"] > 0
     from kvabi_tpu.bench_steps import report as steady_lines
