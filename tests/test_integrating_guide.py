@@ -42,7 +42,8 @@ def test_guide_runs(monkeypatch):
         view = np.asarray(caches[1].kv_view(1, kv))
         t = ns["tables"][1]
         assert np.array_equal(view[t[2][:3]], view[t[0][:3]])
-    # the local relayout moved request 1's 23 tokens exactly (byte offsets, both layouts)
+    # request 1's 23 tokens arrived exactly (byte offsets, both layouts): moved by NIXL
+    # where it is installed (the NIXL block rebinds ``dst``), else by the local execute
     src, dst = layouts[0], ns["dst_layout"]
     blocks0 = ns["tables"][0][1]
     for layer in range(src.num_layers):
