@@ -213,6 +213,10 @@ def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None) 
 
     rows = []
     extra = {}
+    # first, before the large buffers and the NIXL agent's threads (with an agent alive
+    # the list path measured ~3x slower, the array path unchanged): a Python-heavy figure
+    say("from_lengths of Python lists against np.asarray + the numpy path")
+    extra["from_lengths"] = from_lengths_lists(setup.repeat)
     rig = None
     if nixl:
         from ..transfer.nixl import available
@@ -233,9 +237,6 @@ def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None) 
                              regions=regions, gbps=g, ref_gbps=g_one))
 
     try:
-        # first, before the large buffers: a small Python-heavy figure
-        say("from_lengths of Python lists against np.asarray + the numpy path")
-        extra["from_lengths"] = from_lengths_lists(setup.repeat)
         done = 0
         for i, name in enumerate(presets):
             say(f"[{i + 1}/{len(presets)}] {name}")

@@ -73,9 +73,10 @@ def execute(plan: TransferPlan, src, dst):
 
     Both sides are checked against the layouts (plane count, shape, dtype, strides, memory
     reach), and again at this call where memory can change under a handle: a read-only
-    destination, a torch plane on the meta device (no memory) or whose storage was
-    replaced since the handle was made (``Tensor.set_``), source and destination memory
-    that overlap (``execute(plan, c, c)``): each a KVABIError naming the plane.  The
+    destination, a torch plane on the meta device (no memory), a plane changed since the
+    handle was made (``KVCache.check_unchanged``: e.g. ``Tensor.set_``), source and
+    destination memory that overlap (``execute(plan, c, c)``): each a KVABIError naming
+    the plane.  The
     regions are checked against the planes at every call before any byte moves.  Returns
     ``dst`` (the same object for numpy/torch, written in place; a new KVCache for jax).
     """
@@ -127,21 +128,19 @@ def check_in_use(s: KVCache | None, d: KVCache | None) -> None:
 
 def check_memory(c: KVCache, side: str, *, write: bool) -> None:
     """KVABIError naming the plane unless every plane of ``c`` is memory kvabi may read
-    (and write, with ``write``) over the layout's ``plane_nbytes``, now."""
-    need = c.layout.plane_nbytes
+    (and write, with ``write``) over the layout's ``plane_nbytes``, now: each plane as
+    ``KVCache.wrap`` checked it (:meth:`KVCache.check_unchanged`: a torch ``set_()`` or
+    storage ``resize_()`` since is refused), on a device with memory, writable."""
+    try:
+        c.check_unchanged()
+    except KVABIError as e:
+        raise KVABIError(f"{side}: {e}") from None
     for i, p in enumerate(c):
         if isinstance(p, np.ndarray):
             if write and not p.flags.writeable:
                 raise KVABIError(f"{side}[{i}]: the numpy plane is read-only")
-        elif c.framework == "torch":
-            if p.device.type == "meta":
-                raise KVABIError(f"{side}[{i}]: a torch plane on the meta device holds no "
-                                 "memory")
-            have = p.untyped_storage().nbytes() - p.storage_offset() * p.element_size()
-            if have < need:
-                raise KVABIError(f"{side}[{i}]: its storage now holds {have} bytes from the "
-                                 f"plane's start, the layout addresses {need} (storage "
-                                 "replaced after the handle was made?)")
+        elif c.framework == "torch" and p.device.type == "meta":
+            raise KVABIError(f"{side}[{i}]: a torch plane on the meta device holds no memory")
 
 
 def _spans(c: KVCache) -> np.ndarray:
