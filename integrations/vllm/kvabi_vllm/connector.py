@@ -1,0 +1,364 @@
+"""``KvabiConnector``: a vLLM KV connector that moves KV between engines whose caches differ
+in layout and block size, and keeps a host tier.
+
+Load it with ``KVTransferConfig(kv_connector="KvabiConnector",
+kv_connector_module_path="kvabi_vllm.connector", kv_role=...)``:
+
+- ``kv_producer`` (prefill engine): a request sent with ``kv_transfer_params=
+  {"do_remote_decode": True}`` keeps its blocks when it finishes; its output's
+  ``kv_transfer_params`` carry the block ids and this engine's kvabi handshake (one per KV
+  cache group: the layout descriptor, the registered planes, the NIXL agent's metadata).
+- ``kv_consumer`` (decode engine): a request carrying those params reads the prompt's KV
+  with one NIXL READ per group, planned by ``kvabi.transfer`` from the two layouts (relayout
+  included), after validating the peer's handshake as untrusted input; the READ's
+  notification frees the producer's blocks.
+- ``kv_connector_extra_config={"host_blocks": N}`` (any role): a host tier on
+  ``kvabi.transfer.HostPool`` (cross-layer blocks): full blocks of a finished request are
+  saved, and a later request whose prompt starts with them loads them instead of computing.
+  Sliding-window groups keep (and need) only the blocks inside the window.
+
+The layout of the cache vLLM allocates is derived from its views and checked against the
+engine's own cache write at start (``connector_layout``).
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvabi import KVABIError
+from kvabi.transfer import HostPool, plan_transfer
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorHandshakeMetadata,
+                                                               KVConnectorRole, SupportsHMA)
+
+from .connector_layout import (engine_writer, group_cache, group_layout, interior_of,
+                               verify_group)
+from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata, Pull,
+                             paired_slots, prefix_keys, usable_prefix)
+
+log = logging.getLogger(__name__)
+
+NOTIFY_PREFIX = "kvabi.pull:"
+
+
+@dataclass
+class KvabiHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """The producer worker's handshake messages (JSON), one per KV cache group."""
+    handshakes: list[str] = field(default_factory=list)
+
+
+def _window_blocks(spec, block_size: int) -> int | None:
+    """Blocks a sliding-window group needs before a position (None: all of them)."""
+    w = getattr(spec, "sliding_window", None)
+    return None if not w else -(-(int(w) - 1) // block_size) + 1
+
+
+class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
+    """P/D over NIXL across layouts and block sizes, and a host tier (module docstring)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = self._kv_transfer_config
+        extra = dict(cfg.kv_connector_extra_config or {})
+        self._producer, self._consumer = cfg.is_kv_producer, cfg.is_kv_consumer
+        self._host_blocks = int(extra.get("host_blocks", 0))
+        self._nixl_host = str(extra.get("nixl_host", "127.0.0.1"))
+        self._engine = cfg.engine_id or uuid.uuid4().hex[:8]
+        self._block_size = int(vllm_config.cache_config.block_size)
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self._groups = groups
+        # per group: how many blocks before a position it needs (full attention: all)
+        self._need_back = np.array([
+            _window_blocks(g.kv_cache_spec, self._block_size) or 1 << 40 for g in groups],
+            np.int64)
+        if role == KVConnectorRole.SCHEDULER:
+            self._handshakes: list[str] = []
+            self._pulls: dict[str, Pull] = {}
+            self._saves: list[HostSave] = []
+            self._loads: list[HostLoad] = []
+            self._saving: set[str] = set()
+            # host tier index: key -> which groups hold it; host blocks used per group
+            self._index: dict[int, tuple[bool, ...]] = {}
+            self._host_used = np.zeros(len(groups), np.int64)
+        else:
+            self._caches = []
+            self._agent = None
+            self._own_handshakes: list[str] = []
+            self._peers: dict[str, object] = {}
+            self._pools: list[HostPool] = []
+            self._host_ids: list[dict[int, int]] = []
+            self._recved: set[str] = set()
+            self._saved: set[str] = set()
+            self._notified: dict[str, int] = {}
+            self._sent: set[str] = set()
+            self._finished_seen: set[str] = set()
+            self._load_errors: set[int] = set()
+
+    # ================================ worker side ================================
+    def register_kv_caches(self, kv_caches):
+        """Describe each KV cache group's memory as a kvabi Layout (checked against the
+        engine's own write), register it with NIXL for P/D, make the host pools."""
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        layout_name = self._vllm_config.cache_config.kv_cache_layout
+        for gi, group in enumerate(self._groups):
+            names = [n for n in group.layer_names if n in kv_caches]
+            tensors = [kv_caches[n] for n in names]
+            backend = getattr(ctx.get(names[0]), "attn_backend", None)
+            interior = interior_of(backend)
+            layout = group_layout(tensors, interior=interior,
+                                  name=f"vllm.{layout_name}.{interior}.g{gi}")
+            cache = group_cache(tensors, layout)
+            if all(n in ctx for n in names):
+                verify_group(layout, cache, engine_writer([ctx[n] for n in names], tensors))
+            self._caches.append(cache)
+        if self._producer or self._consumer:
+            from kvabi.transfer.nixl import NixlAgent
+
+            self._agent = NixlAgent(f"kvabi-{self._engine}-{uuid.uuid4().hex[:8]}",
+                                    host=self._nixl_host)
+            for c in self._caches:
+                self._agent.register(c)
+            if self._producer:
+                self._own_handshakes = [self._agent.handshake(c, include_metadata=True)
+                                        for c in self._caches]
+        if self._host_blocks:
+            for c in self._caches:
+                self._pools.append(HostPool(c.layout, self._host_blocks, preset="cross_layer",
+                                            framework="torch"))
+                self._host_ids.append({})
+        log.info("KvabiConnector: %d KV cache group(s): %s", len(self._caches),
+                 "; ".join(f"{c.layout.name} {c.layout.order} N={c.layout.size('N')}"
+                           for c in self._caches))
+
+    def get_handshake_metadata(self):
+        if not self._own_handshakes:
+            return None
+        return KvabiHandshakeMetadata(handshakes=list(self._own_handshakes))
+
+    def start_load_kv(self, forward_context, **kwargs):
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvabiConnectorMetadata):
+            return
+        for p in meta.pulls:
+            self._pull(p)
+        for s in meta.saves:
+            self._save(s)
+        for ld in meta.loads:
+            self._load(ld)
+
+    def _peer(self, message: str):
+        peer = self._peers.get(message)
+        if peer is None:
+            peer = self._peers[message] = self._agent.connect(message)
+        return peer
+
+    def _pull(self, p: Pull) -> None:
+        try:
+            if self._agent is None:
+                raise KVABIError("kv_role: this engine is not a kv_consumer (no NIXL agent)")
+            if len(p.handshakes) != len(self._caches):
+                raise KVABIError(f"kvabi_handshakes: the peer serves {len(p.handshakes)} KV "
+                                 f"cache groups, this engine has {len(self._caches)}")
+            for g, cache in enumerate(self._caches):
+                peer = self._peer(p.handshakes[g])
+                s, d = paired_slots(p.src_blocks[g], peer.layout.size("N"), p.dst_blocks[g],
+                                    cache.layout.size("N"), p.start, p.num_tokens)
+                plan = plan_transfer(peer.layout, cache.layout, s, d)
+                self._agent.pull_plan(peer, plan, cache, notify=f"{p.notify}:{g}".encode())
+                self._after_pull(p, g, cache, d)
+        except KVABIError as e:
+            log.error("KvabiConnector: pull of request %s failed: %s", p.req_id, e)
+            for blocks in p.dst_blocks:
+                self._load_errors.update(int(b) for b in blocks if b != NULL_BLOCK)
+        self._recved.add(p.req_id)
+
+    def _after_pull(self, pull: Pull, group: int, cache, dst_slots: np.ndarray) -> None:
+        """Called once a group's KV has arrived (a place for checks; nothing by default)."""
+
+    def _save(self, s: HostSave) -> None:
+        for g, cache in enumerate(self._caches):
+            blocks = np.asarray(s.blocks[g], np.int64)
+            keep = blocks != NULL_BLOCK
+            if keep.any():
+                ids = self._pools[g].offload(cache, blocks[keep])
+                self._host_ids[g].update(zip(np.asarray(s.keys)[keep].tolist(), ids.tolist()))
+        self._saved.add(s.req_id)
+
+    def _load(self, ld: HostLoad) -> None:
+        for g, cache in enumerate(self._caches):
+            blocks = np.asarray(ld.blocks[g], np.int64)
+            keep = blocks != NULL_BLOCK
+            if keep.any():
+                ids = [self._host_ids[g][k] for k in np.asarray(ld.keys)[keep].tolist()]
+                self._pools[g].onload(cache, ids, blocks[keep])
+
+    def wait_for_layer_load(self, layer_name):
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        return None
+
+    def wait_for_save(self):
+        return None
+
+    def get_finished(self, finished_req_ids):
+        self._finished_seen |= set(finished_req_ids)
+        if self._producer and self._agent is not None:
+            self._poll_notifications()
+        done_send = {r for r in self._sent | self._saved if r in self._finished_seen}
+        self._sent -= done_send
+        self._saved -= done_send
+        self._finished_seen -= done_send
+        recved, self._recved = self._recved, set()
+        return (done_send or None), (recved or None)
+
+    def _poll_notifications(self) -> None:
+        while True:
+            try:
+                _, msg = self._agent.wait_notification(NOTIFY_PREFIX.encode(), timeout=1e-4)
+            except KVABIError:
+                return
+            req = msg.decode(errors="replace")[len(NOTIFY_PREFIX):].rsplit(":", 1)[0]
+            req = req.split(":", 1)[1] if ":" in req else req
+            n = self._notified.get(req, 0) + 1
+            if n >= len(self._caches):
+                self._notified.pop(req, None)
+                self._sent.add(req)
+            else:
+                self._notified[req] = n
+
+    def get_block_ids_with_load_errors(self):
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def shutdown(self):
+        if getattr(self, "_agent", None) is not None:
+            self._agent.close()
+            self._agent = None
+
+    # ================================ scheduler side ================================
+    def set_xfer_handshake_metadata(self, metadata):
+        for m in metadata.values():
+            if isinstance(m, KvabiHandshakeMetadata):
+                self._handshakes = list(m.handshakes)
+
+    def _remote_prefill(self, request) -> dict | None:
+        params = request.kv_transfer_params
+        if self._consumer and params and params.get("do_remote_prefill") and \
+                params.get("kvabi_handshakes"):
+            return params
+        return None
+
+    def _host_hit(self, request) -> tuple[list[int], int]:
+        """(keys of the prompt's full blocks, blocks restorable from the host tier)."""
+        if not self._host_blocks or not self._index:
+            return [], 0
+        prompt = request.prompt_token_ids or []
+        # the last prompt token is always computed (its logits start the decode)
+        keys = prefix_keys(prompt[:max(len(prompt) - 1, 0)], self._block_size)
+        if not keys:
+            return keys, 0
+        none = (False,) * len(self._groups)
+        present = np.array([self._index.get(k, none) for k in keys], bool).T
+        return keys, usable_prefix(present, self._need_back)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if self._remote_prefill(request) is not None:
+            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+        _, k = self._host_hit(request)
+        count = k * self._block_size - num_computed_tokens
+        return (count, False) if count > 0 else (0, False)
+
+    def get_loaded_kv_cache_group_ids(self, request):
+        return tuple(range(len(self._groups)))
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        params = self._remote_prefill(request)
+        if params is not None:
+            params["do_remote_prefill"] = False
+            if num_external_tokens > 0:
+                n = len(request.prompt_token_ids)
+                self._pulls[request.request_id] = Pull(
+                    req_id=request.request_id, handshakes=list(params["kvabi_handshakes"]),
+                    src_blocks=[list(b) for b in params["remote_block_ids"]],
+                    dst_blocks=[list(b) for b in blocks.get_block_ids()],
+                    start=n - num_external_tokens, num_tokens=num_external_tokens,
+                    notify=str(params["kvabi_notify"]))
+            return
+        if num_external_tokens <= 0:
+            return
+        keys, k = self._host_hit(request)
+        first = k - num_external_tokens // self._block_size
+        ids = blocks.get_block_ids()
+        none = (False,) * len(self._groups)
+        per_group = []
+        for g, group_ids in enumerate(ids):
+            row = []
+            for i in range(first, k):
+                held = self._index.get(keys[i], none)[g]
+                row.append(group_ids[i] if i < len(group_ids) and held else NULL_BLOCK)
+            per_group.append(row)
+        self._loads.append(HostLoad(request.request_id, keys[first:k], per_group))
+
+    def build_connector_meta(self, scheduler_output):
+        meta = KvabiConnectorMetadata(pulls=list(self._pulls.values()), saves=self._saves,
+                                      loads=self._loads)
+        self._pulls, self._saves, self._loads = {}, [], []
+        return meta
+
+    def request_finished(self, request, block_ids):
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids):
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params or {}
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                    RequestStatus.FINISHED_STOPPED)
+        if self._producer and params.get("do_remote_decode"):
+            if not normal or not self._handshakes or not any(block_ids):
+                return False, None
+            return True, {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [list(map(int, b)) for b in block_ids],
+                "remote_num_tokens": int(request.num_computed_tokens),
+                "remote_request_id": request.request_id,
+                "kvabi_handshakes": list(self._handshakes),
+                "kvabi_notify": f"{NOTIFY_PREFIX}{self._engine}:{request.request_id}",
+            }
+        if self._host_blocks and normal:
+            return self._schedule_save(request, block_ids), None
+        return False, None
+
+    def _schedule_save(self, request, block_ids) -> bool:
+        toks = request.all_token_ids[:request.num_computed_tokens]
+        keys = prefix_keys(toks, self._block_size)
+        save_keys, rows = [], [[] for _ in self._groups]
+        for i, key in enumerate(keys):
+            if key in self._index:
+                continue
+            row = [int(b[i]) if i < len(b) else NULL_BLOCK for b in block_ids]
+            held = np.array([b != NULL_BLOCK for b in row])
+            if np.any(self._host_used + held > self._host_blocks):
+                break  # host tier full (no eviction)
+            self._host_used += held
+            self._index[key] = tuple(bool(h) for h in held)
+            save_keys.append(key)
+            for g, b in enumerate(row):
+                rows[g].append(b)
+        if not save_keys:
+            return False
+        self._saves.append(HostSave(request.request_id, save_keys, rows))
+        self._saving.add(request.request_id)
+        return True
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._role == KVConnectorRole.SCHEDULER and self._saves)
+
+    def update_connector_output(self, connector_output):
+        for r in connector_output.finished_sending or ():
+            self._saving.discard(r)
