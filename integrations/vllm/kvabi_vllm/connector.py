@@ -23,6 +23,7 @@ engine's own cache write at start (``connector_layout``).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -96,6 +97,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             self._sent: set[str] = set()
             self._finished_seen: set[str] = set()
             self._load_errors: set[int] = set()
+            #: per pull: (request id, seconds, regions, bytes), for benchmarks
+            self.pull_stats: list[tuple[str, float, int, int]] = []
 
     # ================================ worker side ================================
     def register_kv_caches(self, kv_caches):
@@ -156,6 +159,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
         return peer
 
     def _pull(self, p: Pull) -> None:
+        t0, regions, nbytes = time.perf_counter(), 0, 0
         try:
             if self._agent is None:
                 raise KVABIError("kv_role: this engine is not a kv_consumer (no NIXL agent)")
@@ -168,7 +172,9 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                                     cache.layout.size("N"), p.start, p.num_tokens)
                 plan = plan_transfer(peer.layout, cache.layout, s, d)
                 self._agent.pull_plan(peer, plan, cache, notify=f"{p.notify}:{g}".encode())
+                regions, nbytes = regions + len(plan), nbytes + plan.nbytes
                 self._after_pull(p, g, cache, d)
+            self.pull_stats.append((p.req_id, time.perf_counter() - t0, regions, nbytes))
         except KVABIError as e:
             log.error("KvabiConnector: pull of request %s failed: %s", p.req_id, e)
             for blocks in p.dst_blocks:
