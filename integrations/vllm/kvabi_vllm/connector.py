@@ -35,8 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorHandshakeMetadata,
                                                                KVConnectorRole, SupportsHMA)
 
-from .connector_layout import (engine_writer, group_cache, group_layout, interior_of,
-                               verify_group)
+from .connector_layout import (engine_writer, group_parts, interior_of, part_cache,
+                               verify_part)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata, Pull,
                              paired_slots, prefix_keys, usable_prefix)
 
@@ -47,8 +47,8 @@ NOTIFY_PREFIX = "kvabi.pull:"
 
 @dataclass
 class KvabiHandshakeMetadata(KVConnectorHandshakeMetadata):
-    """The producer worker's handshake messages (JSON), one per KV cache group."""
-    handshakes: list[str] = field(default_factory=list)
+    """The producer worker's handshake messages (JSON), per KV cache group one per part."""
+    handshakes: list[dict[str, str]] = field(default_factory=list)
 
 
 def _window_blocks(spec, block_size: int) -> int | None:
@@ -76,7 +76,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             _window_blocks(g.kv_cache_spec, self._block_size) or 1 << 40 for g in groups],
             np.int64)
         if role == KVConnectorRole.SCHEDULER:
-            self._handshakes: list[str] = []
+            self._handshakes: list[dict[str, str]] = []
             self._pulls: dict[str, Pull] = {}
             self._saves: list[HostSave] = []
             self._loads: list[HostLoad] = []
@@ -102,39 +102,44 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================================ worker side ================================
     def register_kv_caches(self, kv_caches):
-        """Describe each KV cache group's memory as a kvabi Layout (checked against the
-        engine's own write), register it with NIXL for P/D, make the host pools."""
+        """Describe each KV cache group's memory with kvabi layouts (one, or a K and a V
+        part), check them against the engine's own write, register them with NIXL for P/D
+        and make the host pools."""
         ctx = self._vllm_config.compilation_config.static_forward_context
         layout_name = self._vllm_config.cache_config.kv_cache_layout
         for gi, group in enumerate(self._groups):
             names = [n for n in group.layer_names if n in kv_caches]
             tensors = [kv_caches[n] for n in names]
-            backend = getattr(ctx.get(names[0]), "attn_backend", None)
-            interior = interior_of(backend)
-            layout = group_layout(tensors, interior=interior,
-                                  name=f"vllm.{layout_name}.{interior}.g{gi}")
-            cache = group_cache(tensors, layout)
+            interior = interior_of(getattr(ctx.get(names[0]), "attn_backend", None))
+            parts = [(part, part_cache(tensors, layout, off)) for part, layout, off in
+                     group_parts(tensors, interior=interior,
+                                 name=f"vllm.{layout_name}.{interior}.g{gi}")]
             if all(n in ctx for n in names):
-                verify_group(layout, cache, engine_writer([ctx[n] for n in names], tensors))
-            self._caches.append(cache)
+                layers = [ctx[n] for n in names]
+                for part, cache in parts:
+                    verify_part(cache, engine_writer(layers, tensors, parts, part))
+            self._caches.append(parts)
         if self._producer or self._consumer:
             from kvabi.transfer.nixl import NixlAgent
 
             self._agent = NixlAgent(f"kvabi-{self._engine}-{uuid.uuid4().hex[:8]}",
                                     host=self._nixl_host)
-            for c in self._caches:
-                self._agent.register(c)
+            for parts in self._caches:
+                for _, c in parts:
+                    self._agent.register(c)
             if self._producer:
-                self._own_handshakes = [self._agent.handshake(c, include_metadata=True)
-                                        for c in self._caches]
+                self._own_handshakes = [
+                    {part: self._agent.handshake(c, include_metadata=True) for part, c in parts}
+                    for parts in self._caches]
         if self._host_blocks:
-            for c in self._caches:
-                self._pools.append(HostPool(c.layout, self._host_blocks, preset="cross_layer",
-                                            framework="torch"))
+            for parts in self._caches:
+                self._pools.append({part: HostPool(c.layout, self._host_blocks,
+                                                   preset="cross_layer", framework="torch")
+                                    for part, c in parts})
                 self._host_ids.append({})
-        log.info("KvabiConnector: %d KV cache group(s): %s", len(self._caches),
-                 "; ".join(f"{c.layout.name} {c.layout.order} N={c.layout.size('N')}"
-                           for c in self._caches))
+        log.info("KvabiConnector: %d KV cache group(s): %s", len(self._caches), "; ".join(
+            f"{c.layout.name} {c.layout.order} N={c.layout.size('N')}"
+            for parts in self._caches for _, c in parts))
 
     def get_handshake_metadata(self):
         if not self._own_handshakes:
@@ -163,17 +168,27 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             if self._agent is None:
                 raise KVABIError("kv_role: this engine is not a kv_consumer (no NIXL agent)")
-            if len(p.handshakes) != len(self._caches):
-                raise KVABIError(f"kvabi_handshakes: the peer serves {len(p.handshakes)} KV "
-                                 f"cache groups, this engine has {len(self._caches)}")
-            for g, cache in enumerate(self._caches):
-                peer = self._peer(p.handshakes[g])
-                s, d = paired_slots(p.src_blocks[g], peer.layout.size("N"), p.dst_blocks[g],
-                                    cache.layout.size("N"), p.start, p.num_tokens)
-                plan = plan_transfer(peer.layout, cache.layout, s, d)
-                self._agent.pull_plan(peer, plan, cache, notify=f"{p.notify}:{g}".encode())
-                regions, nbytes = regions + len(plan), nbytes + plan.nbytes
-                self._after_pull(p, g, cache, d)
+            if not isinstance(p.handshakes, list) or len(p.handshakes) != len(self._caches):
+                raise KVABIError(f"kvabi_handshakes: the peer must serve "
+                                 f"{len(self._caches)} KV cache groups, got "
+                                 f"{len(p.handshakes) if isinstance(p.handshakes, list) else p.handshakes!r:.40}")
+            for g, parts in enumerate(self._caches):
+                theirs = p.handshakes[g]
+                if not isinstance(theirs, dict) or sorted(theirs) != sorted(n for n, _ in parts):
+                    raise KVABIError(f"kvabi_handshakes[{g}]: the peer serves parts "
+                                     f"{sorted(theirs) if isinstance(theirs, dict) else theirs!r:.40}, "
+                                     f"this engine {sorted(n for n, _ in parts)} (one cache "
+                                     "holds K and V in an order the other cannot express)")
+                for part, cache in parts:
+                    peer = self._peer(theirs[part])
+                    s, d = paired_slots(p.src_blocks[g], peer.layout.size("N"),
+                                        p.dst_blocks[g], cache.layout.size("N"), p.start,
+                                        p.num_tokens)
+                    plan = plan_transfer(peer.layout, cache.layout, s, d)
+                    self._agent.pull_plan(peer, plan, cache,
+                                          notify=f"{p.notify}:{g}.{part}".encode())
+                    regions, nbytes = regions + len(plan), nbytes + plan.nbytes
+                    self._after_pull(p, g, part, cache, d)
             self.pull_stats.append((p.req_id, time.perf_counter() - t0, regions, nbytes))
         except KVABIError as e:
             log.error("KvabiConnector: pull of request %s failed: %s", p.req_id, e)
@@ -181,25 +196,31 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                 self._load_errors.update(int(b) for b in blocks if b != NULL_BLOCK)
         self._recved.add(p.req_id)
 
-    def _after_pull(self, pull: Pull, group: int, cache, dst_slots: np.ndarray) -> None:
-        """Called once a group's KV has arrived (a place for checks; nothing by default)."""
+    def _after_pull(self, pull: Pull, group: int, part: str, cache, dst_slots) -> None:
+        """Called once a part of a group has arrived (a place for checks; nothing here)."""
 
     def _save(self, s: HostSave) -> None:
-        for g, cache in enumerate(self._caches):
+        keys = np.asarray(s.keys, np.int64)
+        for g, parts in enumerate(self._caches):
             blocks = np.asarray(s.blocks[g], np.int64)
             keep = blocks != NULL_BLOCK
-            if keep.any():
-                ids = self._pools[g].offload(cache, blocks[keep])
-                self._host_ids[g].update(zip(np.asarray(s.keys)[keep].tolist(), ids.tolist()))
+            if not keep.any():
+                continue
+            ids = {part: self._pools[g][part].offload(c, blocks[keep]) for part, c in parts}
+            for j, key in enumerate(keys[keep].tolist()):
+                self._host_ids[g][key] = {part: int(i[j]) for part, i in ids.items()}
         self._saved.add(s.req_id)
 
     def _load(self, ld: HostLoad) -> None:
-        for g, cache in enumerate(self._caches):
+        keys = np.asarray(ld.keys, np.int64)
+        for g, parts in enumerate(self._caches):
             blocks = np.asarray(ld.blocks[g], np.int64)
             keep = blocks != NULL_BLOCK
-            if keep.any():
-                ids = [self._host_ids[g][k] for k in np.asarray(ld.keys)[keep].tolist()]
-                self._pools[g].onload(cache, ids, blocks[keep])
+            if not keep.any():
+                continue
+            held = [self._host_ids[g][k] for k in keys[keep].tolist()]
+            for part, c in parts:
+                self._pools[g][part].onload(c, [h[part] for h in held], blocks[keep])
 
     def wait_for_layer_load(self, layer_name):
         return None
@@ -230,7 +251,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             req = msg.decode(errors="replace")[len(NOTIFY_PREFIX):].rsplit(":", 1)[0]
             req = req.split(":", 1)[1] if ":" in req else req
             n = self._notified.get(req, 0) + 1
-            if n >= len(self._caches):
+            if n >= sum(len(parts) for parts in self._caches):
                 self._notified.pop(req, None)
                 self._sent.add(req)
             else:

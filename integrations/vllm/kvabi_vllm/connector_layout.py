@@ -8,9 +8,13 @@ use (cross-layer ``BLHNC`` included).  Inside one block-head the views only say 
 elements"; how the kernels split them is the attention backend's business:
 
 - vLLM's own CPU backend (``CPU_ATTN``) views a block-head as ``[2 * block_size, head_dim]``
-  and takes the first half as keys: all keys, then all values (``KV`` before ``N``), although
-  the allocation's name says ``[N, 2 * D]``;
-- otherwise the name's meaning: each token's key then value (``N`` before ``KV``).
+  and takes the first half as keys, although the allocation's name says ``[N, 2 * D]``; and
+  its cache write (ISA ``vec``, checked here) stores the keys transposed, ``[head_dim,
+  block_size]``, the values ``[block_size, head_dim]``.  No single kvabi Layout holds both
+  (one memory order for K and V): the connector serves such a cache as two *parts*, a K and
+  a V layout without a ``KV`` axis (the V plane starts ``N * D`` elements into the block-head);
+- otherwise the name's meaning, one layout with a ``KV`` axis: each token's key then value
+  (``N`` before ``KV``), or a backend's own ``kvabi_kv_interior``.
 
 The connector checks the result against the engine's own cache write once at start
 (:func:`verify_group`), so a backend whose kernels write another order is refused before any
@@ -27,15 +31,17 @@ from kvabi import tensors as tensors_mod
 
 log = logging.getLogger(__name__)
 
-#: interior orders of a block-head: keys then values, or key and value per token
-KV_SPLIT, KV_PACKED = "kv_split", "kv_packed"
+#: block-head interiors: key then value per token; all keys then all values; CPU_ATTN's
+#: transposed keys then values (two parts)
+KV_PACKED, KV_SPLIT, KT_V = "kv_packed", "kv_split", "kt_v"
+INTERIORS = (KV_PACKED, KV_SPLIT, KT_V)
 
 
 def interior_of(backend_cls) -> str:
-    """How ``backend_cls`` (a vLLM attention backend class) splits a block-head's
+    """How ``backend_cls`` (a vLLM attention backend class) orders a block-head's
     ``2 * N * D`` elements; a class may say so itself with ``kvabi_kv_interior``."""
     own = getattr(backend_cls, "kvabi_kv_interior", None)
-    if own in (KV_SPLIT, KV_PACKED):
+    if own in INTERIORS:
         return own
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -43,15 +49,12 @@ def interior_of(backend_cls) -> str:
         CPUAttentionBackend = None
     if CPUAttentionBackend is not None and isinstance(backend_cls, type) and \
             issubclass(backend_cls, CPUAttentionBackend):
-        return KV_SPLIT
+        return KT_V
     return KV_PACKED
 
 
-def group_layout(tensors, *, interior: str = KV_PACKED, name: str | None = None) -> Layout:
-    """The Layout of one KV cache group from its layers' vLLM views (in layer order).
-
-    KVABIError naming what does not fit: a view that is not 4-D, an interior that is not
-    dense, layers whose first bytes are not evenly spaced, an odd content size."""
+def _outer(tensors):
+    """(sizes L/B/H/N/D, byte strides of L/B/H, itemsize, dtype name) of a group's views."""
     if not tensors:
         raise KVABIError("kv_caches: a KV cache group has no layers")
     t0 = tensors[0]
@@ -62,7 +65,6 @@ def group_layout(tensors, *, interior: str = KV_PACKED, name: str | None = None)
     if c % 2:
         raise KVABIError(f"kv_caches: content size {c} is not 2 * head_dim (MLA caches "
                          "are not served by this connector)")
-    d = c // 2
     isz = t0.element_size()
     sb, sh, sn, sc = (int(s) * isz for s in t0.stride())
     if sc != isz or (bs > 1 and sn != c * isz):
@@ -78,49 +80,87 @@ def group_layout(tensors, *, interior: str = KV_PACKED, name: str | None = None)
     if steps.size and (np.any(steps != steps[0]) or steps[0] <= 0):
         raise KVABIError(f"kv_caches: the layers' first bytes are not evenly spaced "
                          f"({steps[:4].tolist()}...)")
-    interior_strides = {KV_SPLIT: {"KV": bs * d * isz, "N": d * isz, "D": isz},
-                        KV_PACKED: {"N": c * isz, "KV": d * isz, "D": isz}}
-    if interior not in interior_strides:
-        raise KVABIError(f"interior: must be {KV_SPLIT!r} or {KV_PACKED!r}, got {interior!r}")
-    strides = {"B": sb, "H": sh, **interior_strides[interior]}
-    sizes = {"L": len(tensors), "B": nb, "H": nh, "N": bs, "KV": 2, "D": d}
+    sizes = {"L": len(tensors), "B": nb, "H": nh, "N": bs, "D": c // 2}
     # A group of one layer: its L stride never matters; put it outside everything.
-    strides["L"] = int(steps[0]) if steps.size else sb * nb + sh * nh
-    # Memory order: by stride, outermost first (size-1 axes anywhere they fit).
-    order = sorted(strides, key=lambda a: (-strides[a], ("L", "B", "H", "KV", "N", "D").index(a)))
-    return Layout(order=order, sizes=sizes, dtype=tensors_mod.dtype_name(t0), strides=strides,
-                  name=name)
+    sl = int(steps[0]) if steps.size else sb * nb + sh * nh
+    return sizes, {"L": sl, "B": sb, "H": sh}, isz, tensors_mod.dtype_name(t0)
 
 
-def group_cache(tensors, layout: Layout) -> KVCache:
-    """A KVCache over vLLM's own memory: one plane starting at layer 0's first byte."""
+def _layout(sizes, strides, dtype, name) -> Layout:
+    # Memory order: by stride, outermost first (ties: the canonical axis order).
+    canon = ("L", "B", "H", "KV", "N", "D")
+    order = sorted(strides, key=lambda a: (-strides[a], canon.index(a)))
+    return Layout(order=order, sizes={a: sizes[a] for a in order}, dtype=dtype,
+                  strides=strides, name=name)
+
+
+def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm"):
+    """The parts of one KV cache group from its layers' vLLM views (in layer order):
+    ``[(part, Layout, byte offset of the part's first element from layer 0's first byte)]``
+    with part ``"kv"`` (one layout with a ``KV`` axis) or ``"k"`` and ``"v"``.
+
+    KVABIError naming what does not fit: a view that is not 4-D, an interior that is not
+    dense, layers whose first bytes are not evenly spaced, an odd content size."""
+    if interior not in INTERIORS:
+        raise KVABIError(f"interior: must be one of {INTERIORS}, got {interior!r}")
+    sizes, outer, isz, dtype = _outer(tensors)
+    n, d = sizes["N"], sizes["D"]
+    if interior == KT_V:
+        k = _layout(sizes, {**outer, "D": n * isz, "N": isz}, dtype, f"{name}.k")
+        v = _layout(sizes, {**outer, "N": d * isz, "D": isz}, dtype, f"{name}.v")
+        return [("k", k, 0), ("v", v, n * d * isz)]
+    inner = {KV_SPLIT: {"KV": n * d * isz, "N": d * isz, "D": isz},
+             KV_PACKED: {"N": 2 * d * isz, "KV": d * isz, "D": isz}}[interior]
+    return [("kv", _layout({**sizes, "KV": 2}, {**outer, **inner}, dtype, name), 0)]
+
+
+def part_cache(tensors, layout: Layout, offset: int) -> KVCache:
+    """A KVCache over vLLM's own memory: one plane starting ``offset`` bytes after layer 0's
+    first byte."""
     t0 = tensors[0]
-    plane = t0.as_strided(layout.plane_shape, layout.plane_strides, t0.storage_offset())
+    isz = t0.element_size()
+    plane = t0.as_strided(layout.plane_shape, layout.plane_strides,
+                          t0.storage_offset() + offset // isz)
     return KVCache.wrap(layout, [plane])
 
 
-def engine_writer(attn_layers, tensors):
+def engine_writer(attn_layers, tensors, parts, part: str):
     """``write(layer, slot_mapping, key, value)`` through the engine's own cache write
-    (each layer's ``impl.do_kv_cache_update``): numpy in, the vLLM tensors written."""
+    (each layer's ``impl.do_kv_cache_update``), numpy in, for verifying ``part``: a K or V
+    part's write rewrites the other part's current values (so only its own bytes change)."""
     import torch
+
+    others = {p: c for p, c in parts if p != part}
+
+    def current(p, layer, slots):
+        view = others[p].kv_view(layer, 0)  # [B, N, H, D]
+        bs = others[p].layout.size("N")
+        s = torch.from_numpy(np.asarray(slots, np.int64))
+        return view[s // bs, s % bs].clone()
 
     def write(layer, slot_mapping, key, value):
         mod = attn_layers[layer]
-        mod.impl.do_kv_cache_update(
-            mod, torch.from_numpy(np.ascontiguousarray(key)),
-            torch.from_numpy(np.ascontiguousarray(value)), tensors[layer],
-            torch.from_numpy(np.asarray(slot_mapping, np.int64)))
+        k = torch.from_numpy(np.ascontiguousarray(key)) if part != "v" else \
+            current("k", layer, slot_mapping)
+        if part == "kv":
+            v = torch.from_numpy(np.ascontiguousarray(value))
+        elif part == "k":
+            v = current("v", layer, slot_mapping)
+        else:
+            v = torch.from_numpy(np.ascontiguousarray(key))  # a part's own elements
+        mod.impl.do_kv_cache_update(mod, k, v, tensors[layer],
+                                    torch.from_numpy(np.asarray(slot_mapping, np.int64)))
     return write
 
 
-def verify_group(layout: Layout, cache: KVCache, write) -> bool:
-    """Check ``layout`` against what the engine's write really does (kvabi.probe); True
-    when checked, False when this kvabi has no probe.  KVABIError on a mismatch."""
+def verify_part(cache: KVCache, write) -> bool:
+    """Check a part's layout against what the engine's write really does (kvabi.probe);
+    True when checked, False when this kvabi has no probe.  KVABIError on a mismatch."""
     try:
         from kvabi.probe import verify_layout
     except ImportError:
         log.warning("kvabi.probe is not available: the cache layout %s is not verified "
-                    "against the engine's write", layout.name)
+                    "against the engine's write", cache.layout.name)
         return False
-    verify_layout(layout, list(cache), write)
+    verify_layout(cache.layout, list(cache), write)
     return True

@@ -78,7 +78,7 @@ def usable_prefix(present: np.ndarray, needed_back: np.ndarray) -> int:
 class Pull:
     """Read a request's prompt KV from a peer engine (P/D decode side)."""
     req_id: str
-    handshakes: list[str]              # the peer's handshake message per KV cache group
+    handshakes: list[dict[str, str]]   # per KV cache group, the peer's message per part
     src_blocks: list[list[int]]        # the peer's block ids per group
     dst_blocks: list[list[int]]        # ours per group
     start: int                         # first token position to read
