@@ -15,7 +15,8 @@ kv_connector_module_path="kvabi_vllm.connector", kv_role=...)``:
 - ``kv_connector_extra_config={"host_blocks": N}`` (any role): a host tier on
   ``kvabi.transfer.HostPool`` (cross-layer blocks): full blocks of a finished request are
   saved, and a later request whose prompt starts with them loads them instead of computing.
-  Sliding-window groups keep (and need) only the blocks inside the window.
+  Sliding-window groups keep (and need) only the blocks inside the window.  A request
+  with ``kv_transfer_params={"kvabi_host": False}`` neither loads nor saves.
 
 The layout of the cache vLLM allocates is derived from its views and checked against the
 engine's own cache write at start (``connector_layout``).
@@ -52,9 +53,14 @@ class KvabiHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 def _window_blocks(spec, block_size: int) -> int | None:
-    """Blocks a sliding-window group needs before a position (None: all of them)."""
+    """Blocks a sliding-window group needs before a block boundary (None: all of them):
+    the first token computed after it attends back ``window - 1`` tokens."""
     w = getattr(spec, "sliding_window", None)
-    return None if not w else -(-(int(w) - 1) // block_size) + 1
+    return None if not w else max(-(-(int(w) - 1) // block_size), 1)
+
+
+def _host_on(request) -> bool:
+    return (request.kv_transfer_params or {}).get("kvabi_host", True) is not False
 
 
 class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
@@ -64,7 +70,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = self._kv_transfer_config
         extra = dict(cfg.kv_connector_extra_config or {})
-        self._producer, self._consumer = cfg.is_kv_producer, cfg.is_kv_consumer
+        # P/D needs one side each; kv_both engines use the host tier only
+        self._producer, self._consumer = cfg.kv_role == "kv_producer", cfg.kv_role == "kv_consumer"
         self._host_blocks = int(extra.get("host_blocks", 0))
         self._nixl_host = str(extra.get("nixl_host", "127.0.0.1"))
         self._engine = cfg.engine_id or uuid.uuid4().hex[:8]
@@ -99,6 +106,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             self._load_errors: set[int] = set()
             #: per pull: (request id, seconds, regions, bytes), for benchmarks
             self.pull_stats: list[tuple[str, float, int, int]] = []
+            #: host tier: blocks saved and loaded (per group, all parts), for tests and benchmarks
+            self.host_stats = {"saved": 0, "loaded": 0}
 
     # ================================ worker side ================================
     def register_kv_caches(self, kv_caches):
@@ -207,6 +216,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             if not keep.any():
                 continue
             ids = {part: self._pools[g][part].offload(c, blocks[keep]) for part, c in parts}
+            self.host_stats["saved"] += int(keep.sum())
             for j, key in enumerate(keys[keep].tolist()):
                 self._host_ids[g][key] = {part: int(i[j]) for part, i in ids.items()}
         self._saved.add(s.req_id)
@@ -219,8 +229,13 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             if not keep.any():
                 continue
             held = [self._host_ids[g][k] for k in keys[keep].tolist()]
+            self.host_stats["loaded"] += int(keep.sum())
             for part, c in parts:
                 self._pools[g][part].onload(c, [h[part] for h in held], blocks[keep])
+                self._after_load(ld, g, part, c, blocks[keep])
+
+    def _after_load(self, load: HostLoad, group: int, part: str, cache, blocks) -> None:
+        """Called once a part of a group's host blocks are back (nothing here)."""
 
     def wait_for_layer_load(self, layer_name):
         return None
@@ -281,7 +296,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _host_hit(self, request) -> tuple[list[int], int]:
         """(keys of the prompt's full blocks, blocks restorable from the host tier)."""
-        if not self._host_blocks or not self._index:
+        if not self._host_blocks or not self._index or not _host_on(request):
             return [], 0
         prompt = request.prompt_token_ids or []
         # the last prompt token is always computed (its logits start the decode)
@@ -357,7 +372,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                 "kvabi_handshakes": list(self._handshakes),
                 "kvabi_notify": f"{NOTIFY_PREFIX}{self._engine}:{request.request_id}",
             }
-        if self._host_blocks and normal:
+        if self._host_blocks and normal and _host_on(request):
             return self._schedule_save(request, block_ids), None
         return False, None
 
