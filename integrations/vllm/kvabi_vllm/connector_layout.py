@@ -54,7 +54,8 @@ def interior_of(backend_cls) -> str:
 
 
 def _outer(tensors):
-    """(sizes L/B/H/N/D, byte strides of L/B/H, itemsize, dtype name) of a group's views."""
+    """(sizes L/B/H/N/D, byte strides of L/B/H/N, itemsize, dtype name) of a group's
+    views."""
     if not tensors:
         raise KVABIError("kv_caches: a KV cache group has no layers")
     t0 = tensors[0]
@@ -67,8 +68,8 @@ def _outer(tensors):
                          "are not served by this connector)")
     isz = t0.element_size()
     sb, sh, sn, sc = (int(s) * isz for s in t0.stride())
-    if sc != isz or (bs > 1 and sn != c * isz):
-        raise KVABIError(f"kv_caches: a block-head is not {bs * c} dense elements (strides "
+    if sc != isz:
+        raise KVABIError(f"kv_caches: a token's {c} elements are not contiguous (strides "
                          f"{tuple(t0.stride())})")
     for i, t in enumerate(tensors[1:], 1):
         if tuple(t.shape) != tuple(t0.shape) or t.stride() != t0.stride() or \
@@ -83,7 +84,7 @@ def _outer(tensors):
     sizes = {"L": len(tensors), "B": nb, "H": nh, "N": bs, "D": c // 2}
     # A group of one layer: its L stride never matters; put it outside everything.
     sl = int(steps[0]) if steps.size else sb * nb + sh * nh
-    return sizes, {"L": sl, "B": sb, "H": sh}, isz, tensors_mod.dtype_name(t0)
+    return sizes, {"L": sl, "B": sb, "H": sh, "N": sn}, isz, tensors_mod.dtype_name(t0)
 
 
 def _layout(sizes, strides, dtype, name) -> Layout:
@@ -105,12 +106,16 @@ def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm"):
         raise KVABIError(f"interior: must be one of {INTERIORS}, got {interior!r}")
     sizes, outer, isz, dtype = _outer(tensors)
     n, d = sizes["N"], sizes["D"]
+    sn = outer.pop("N")
+    if interior != KV_PACKED and n > 1 and sn != 2 * d * isz:
+        raise KVABIError(f"kv_caches: interior {interior} splits a block-head's {2 * n * d} "
+                         f"elements, but its tokens are {sn} bytes apart (not dense)")
     if interior == KT_V:
         k = _layout(sizes, {**outer, "D": n * isz, "N": isz}, dtype, f"{name}.k")
         v = _layout(sizes, {**outer, "N": d * isz, "D": isz}, dtype, f"{name}.v")
         return [("k", k, 0), ("v", v, n * d * isz)]
     inner = {KV_SPLIT: {"KV": n * d * isz, "N": d * isz, "D": isz},
-             KV_PACKED: {"N": 2 * d * isz, "KV": d * isz, "D": isz}}[interior]
+             KV_PACKED: {"N": sn, "KV": d * isz, "D": isz}}[interior]
     return [("kv", _layout({**sizes, "KV": 2}, {**outer, **inner}, dtype, name), 0)]
 
 
