@@ -36,8 +36,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorHandshakeMetadata,
                                                                KVConnectorRole, SupportsHMA)
 
-from .connector_layout import (engine_writer, group_parts, interior_of, part_cache,
-                               verify_part)
+from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, interior_of,
+                               part_cache, verify_part)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata, Pull,
                              paired_slots, prefix_keys, usable_prefix)
 
@@ -57,6 +57,45 @@ def _window_blocks(spec, block_size: int) -> int | None:
     the first token computed after it attends back ``window - 1`` tokens."""
     w = getattr(spec, "sliding_window", None)
     return None if not w else max(-(-(int(w) - 1) // block_size), 1)
+
+
+def _host_parts(parts):
+    """The parts the host tier keeps: the block image where there is one (whole blocks,
+    no relayout), else all."""
+    image = [(n, c) for n, c in parts if n.startswith(IMAGE)]
+    return image or parts
+
+
+def _block_pairs(src, dst, block_size: int, start: int, num_tokens: int):
+    """(source, destination) ids of the blocks holding positions ``start ..
+    start + num_tokens - 1`` on both sides (equal block sizes; null on either side: left
+    out).  Whole blocks move: slots past the last token hold nothing the destination reads
+    before writing them itself."""
+    lo, hi = start // block_size, -(-(start + num_tokens) // block_size)
+    s, d = np.asarray(src[lo:hi], np.int64), np.asarray(dst[lo:hi], np.int64)
+    n = min(s.size, d.size)
+    s, d = s[:n], d[:n]
+    keep = (s != NULL_BLOCK) & (d != NULL_BLOCK)
+    return s[keep], d[keep]
+
+
+def _matching_parts(parts, theirs, g: int):
+    """[(part, own cache, peer's message)] to pull for group ``g``: the block image when the
+    peer serves the same one (same interior, block size, head dim), else every other part,
+    which the peer must serve too."""
+    if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                               for k, v in theirs.items()):
+        raise KVABIError(f"kvabi_handshakes[{g}]: must be an object of part -> message")
+    for name, cache in parts:
+        if name.startswith(IMAGE) and name in theirs:
+            return [(name, cache, theirs[name])]
+    mine = [(n, c) for n, c in parts if not n.startswith(IMAGE)]
+    served = sorted(k for k in theirs if not k.startswith(IMAGE))
+    if served != sorted(n for n, _ in mine):
+        raise KVABIError(f"kvabi_handshakes[{g}]: the peer serves parts {served}, this engine "
+                         f"{sorted(n for n, _ in mine)} (one cache orders K and V in a way the "
+                         "other's layout cannot express)")
+    return [(n, c, theirs[n]) for n, c in mine]
 
 
 def _host_on(request) -> bool:
@@ -104,7 +143,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             self._sent: set[str] = set()
             self._finished_seen: set[str] = set()
             self._load_errors: set[int] = set()
-            #: per pull: (request id, seconds, regions, bytes), for benchmarks
+            #: per pull: (request id, seconds, regions, bytes, seconds in READs), for benchmarks
             self.pull_stats: list[tuple[str, float, int, int]] = []
             #: host tier: blocks saved and loaded (per group, all parts), for tests and benchmarks
             self.host_stats = {"saved": 0, "loaded": 0}
@@ -120,13 +159,16 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             names = [n for n in group.layer_names if n in kv_caches]
             tensors = [kv_caches[n] for n in names]
             interior = interior_of(getattr(ctx.get(names[0]), "attn_backend", None))
+            name = f"vllm.{layout_name}.{interior}.g{gi}"
             parts = [(part, part_cache(tensors, layout, off)) for part, layout, off in
-                     group_parts(tensors, interior=interior,
-                                 name=f"vllm.{layout_name}.{interior}.g{gi}")]
+                     group_parts(tensors, interior=interior, name=name)]
             if all(n in ctx for n in names):
                 layers = [ctx[n] for n in names]
                 for part, cache in parts:
                     verify_part(cache, engine_writer(layers, tensors, parts, part))
+            image = image_part(tensors, interior=interior, name=name)
+            if image is not None:  # bytes of verified parts, seen whole
+                parts.append((image[0], part_cache(tensors, image[1], 0)))
             self._caches.append(parts)
         if self._producer or self._consumer:
             from kvabi.transfer.nixl import NixlAgent
@@ -144,7 +186,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             for parts in self._caches:
                 self._pools.append({part: HostPool(c.layout, self._host_blocks,
                                                    preset="cross_layer", framework="torch")
-                                    for part, c in parts})
+                                    for part, c in _host_parts(parts)})
                 self._host_ids.append({})
         log.info("KvabiConnector: %d KV cache group(s): %s", len(self._caches), "; ".join(
             f"{c.layout.name} {c.layout.order} N={c.layout.size('N')}"
@@ -173,7 +215,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
         return peer
 
     def _pull(self, p: Pull) -> None:
-        t0, regions, nbytes = time.perf_counter(), 0, 0
+        t0, regions, nbytes, read_s = time.perf_counter(), 0, 0, 0.0
         try:
             if self._agent is None:
                 raise KVABIError("kv_role: this engine is not a kv_consumer (no NIXL agent)")
@@ -181,24 +223,28 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                 raise KVABIError(f"kvabi_handshakes: the peer must serve "
                                  f"{len(self._caches)} KV cache groups, got "
                                  f"{len(p.handshakes) if isinstance(p.handshakes, list) else p.handshakes!r:.40}")
-            for g, parts in enumerate(self._caches):
-                theirs = p.handshakes[g]
-                if not isinstance(theirs, dict) or sorted(theirs) != sorted(n for n, _ in parts):
-                    raise KVABIError(f"kvabi_handshakes[{g}]: the peer serves parts "
-                                     f"{sorted(theirs) if isinstance(theirs, dict) else theirs!r:.40}, "
-                                     f"this engine {sorted(n for n, _ in parts)} (one cache "
-                                     "holds K and V in an order the other cannot express)")
-                for part, cache in parts:
-                    peer = self._peer(theirs[part])
+            todo = [(g, part, cache, peer_msg) for g, parts in enumerate(self._caches)
+                    for part, cache, peer_msg in _matching_parts(parts, p.handshakes[g], g)]
+            for i, (g, part, cache, msg) in enumerate(todo):
+                peer = self._peer(msg)
+                if part.startswith(IMAGE):  # same interior and block size: whole blocks
+                    s, d = _block_pairs(p.src_blocks[g], p.dst_blocks[g], self._block_size,
+                                        p.start, p.num_tokens)
+                else:
                     s, d = paired_slots(p.src_blocks[g], peer.layout.size("N"),
                                         p.dst_blocks[g], cache.layout.size("N"), p.start,
                                         p.num_tokens)
-                    plan = plan_transfer(peer.layout, cache.layout, s, d)
-                    self._agent.pull_plan(peer, plan, cache,
-                                          notify=f"{p.notify}:{g}.{part}".encode())
-                    regions, nbytes = regions + len(plan), nbytes + plan.nbytes
-                    self._after_pull(p, g, part, cache, d)
-            self.pull_stats.append((p.req_id, time.perf_counter() - t0, regions, nbytes))
+                plan = plan_transfer(peer.layout, cache.layout, s, d)
+                r0 = time.perf_counter()
+                # the last READ's notification tells the peer it may free the blocks
+                last = i == len(todo) - 1
+                self._agent.pull_plan(peer, plan, cache, notify=(
+                    p.notify if last else f"kvabi.part:{p.notify}:{i}").encode())
+                read_s += time.perf_counter() - r0
+                regions, nbytes = regions + len(plan), nbytes + plan.nbytes
+                self._after_pull(p, g, part, cache, d)
+            self.pull_stats.append((p.req_id, time.perf_counter() - t0, regions, nbytes,
+                                    read_s))
         except KVABIError as e:
             log.error("KvabiConnector: pull of request %s failed: %s", p.req_id, e)
             for blocks in p.dst_blocks:
@@ -215,7 +261,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             keep = blocks != NULL_BLOCK
             if not keep.any():
                 continue
-            ids = {part: self._pools[g][part].offload(c, blocks[keep]) for part, c in parts}
+            ids = {part: self._pools[g][part].offload(c, blocks[keep])
+                   for part, c in _host_parts(parts)}
             self.host_stats["saved"] += int(keep.sum())
             for j, key in enumerate(keys[keep].tolist()):
                 self._host_ids[g][key] = {part: int(i[j]) for part, i in ids.items()}
@@ -230,7 +277,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             held = [self._host_ids[g][k] for k in keys[keep].tolist()]
             self.host_stats["loaded"] += int(keep.sum())
-            for part, c in parts:
+            for part, c in _host_parts(parts):
                 self._pools[g][part].onload(c, [h[part] for h in held], blocks[keep])
                 self._after_load(ld, g, part, c, blocks[keep])
 
@@ -263,14 +310,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                 _, msg = self._agent.wait_notification(NOTIFY_PREFIX.encode(), timeout=1e-4)
             except KVABIError:
                 return
-            req = msg.decode(errors="replace")[len(NOTIFY_PREFIX):].rsplit(":", 1)[0]
-            req = req.split(":", 1)[1] if ":" in req else req
-            n = self._notified.get(req, 0) + 1
-            if n >= sum(len(parts) for parts in self._caches):
-                self._notified.pop(req, None)
-                self._sent.add(req)
-            else:
-                self._notified[req] = n
+            rest = msg.decode(errors="replace")[len(NOTIFY_PREFIX):]
+            self._sent.add(rest.split(":", 1)[1] if ":" in rest else rest)
 
     def get_block_ids_with_load_errors(self):
         errs, self._load_errors = self._load_errors, set()

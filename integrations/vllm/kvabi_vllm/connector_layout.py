@@ -119,6 +119,26 @@ def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm"):
     return [("kv", _layout({**sizes, "KV": 2}, {**outer, **inner}, dtype, name), 0)]
 
 
+IMAGE = "image"
+
+
+def image_part(tensors, *, interior: str, name: str = "vllm"):
+    """``(part, Layout, 0)`` holding each (layer, block, head)'s ``2 * N * D`` elements as
+    one opaque run (``N`` = 1, ``D`` = the run), or None where a block-head is not dense
+    (token-major names).  Between two caches of the same interior and block size a block
+    moves as bytes, in runs as long as the two layouts share (a run of blocks for all layers
+    of a cross-layer cache); the part's name carries what must match."""
+    sizes, outer, isz, dtype = _outer(tensors)
+    n, d = sizes["N"], sizes["D"]
+    sn = outer.pop("N")
+    if n > 1 and sn != 2 * d * isz:
+        return None
+    run = 2 * n * d
+    lay = _layout({**sizes, "N": 1, "D": run}, {**outer, "N": run * isz, "D": isz}, dtype,
+                  f"{name}.image")
+    return (f"{IMAGE}.{interior}.n{n}.d{d}", lay, 0)
+
+
 def part_cache(tensors, layout: Layout, offset: int) -> KVCache:
     """A KVCache over vLLM's own memory: one plane starting ``offset`` bytes after layer 0's
     first byte."""
@@ -135,7 +155,7 @@ def engine_writer(attn_layers, tensors, parts, part: str):
     part's write rewrites the other part's current values (so only its own bytes change)."""
     import torch
 
-    others = {p: c for p, c in parts if p != part}
+    others = {p: c for p, c in parts if p != part and not p.startswith(IMAGE)}
 
     def current(p, layer, slots):
         view = others[p].kv_view(layer, 0)  # [B, N, H, D]

@@ -4,8 +4,8 @@
 Turn 1 generates from the prompts (their blocks are saved to the host tier when they
 finish).  The reference then computes turn 2 (each prompt + its turn-1 answer + new tokens)
 with the host tier off for those requests (``kvabi_host: False``); then the same turn 2 runs
-with it on, loading the saved prefix.  Prefix caching is off, so a hit can only come from
-the host tier."""
+with it on, loading the saved prefix, twice (the negative control's connector corrupts the
+second run's loads).  Prefix caching is off, so a hit can only come from the host tier."""
 import json
 import sys
 
@@ -30,7 +30,11 @@ if __name__ == "__main__":
     conn = get_kv_transfer_group()
     before = dict(conn.host_stats)
     hit = llm.generate(tp, _sampling(gen), use_tqdm=False)
+    mid = dict(conn.host_stats)
+    # the negative control's connector corrupts loads from request 3 * len(tp) on: this run
+    again = llm.generate(tp, _sampling(gen), use_tqdm=False)
     json.dump({"ref": [list(o.outputs[0].token_ids) for o in ref],
                "hit": [list(o.outputs[0].token_ids) for o in hit],
+               "again": [list(o.outputs[0].token_ids) for o in again], "stats_mid": mid,
                "stats_before": before, "stats": conn.host_stats,
                "corrupted": getattr(type(conn), "corrupted", 0)}, open(out, "w"))
