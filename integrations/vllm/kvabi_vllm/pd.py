@@ -83,7 +83,35 @@ def _worker_connector():
     return get_kv_transfer_group()
 
 
+def _nixl_side_channel(a) -> None:
+    """vLLM's NixlConnector listens on VLLM_NIXL_SIDE_CHANNEL_PORT: one free port per
+    process (the prefill side's travels in kv_transfer_params)."""
+    if a.connector == "NixlConnector":
+        from kvabi.transfer.nixl import free_port
+
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+
+
+def _record_nixl_transfers() -> list:
+    """NixlConnector's per-READ telemetry (post and transfer seconds, bytes, descriptors),
+    kept here as well: the engine drains the connector's own figures every step."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    seen: list = []
+    orig = NixlKVConnectorStats.record_transfer
+
+    def record(self, res):
+        if res is not None:
+            seen.append((res.postDuration / 1e6, res.xferDuration / 1e6, int(res.totalBytes),
+                         int(res.descCount)))
+        return orig(self, res)
+
+    NixlKVConnectorStats.record_transfer = record
+    return seen
+
+
 def prefill_main(a) -> int:
+    _nixl_side_channel(a)
     llm = make_llm(a.model, block_size=a.block_size, role="kv_producer",
                    connector=a.connector, module=a.module, layout=a.layout)
     prompts = _prompts(a.prompts)
@@ -100,6 +128,8 @@ def prefill_main(a) -> int:
 
 
 def decode_main(a) -> int:
+    _nixl_side_channel(a)
+    nixl = _record_nixl_transfers() if a.connector == "NixlConnector" else []
     llm = make_llm(a.model, block_size=a.block_size, role="kv_consumer",
                    connector=a.connector, module=a.module, layout=a.layout)
     prompts = _prompts(a.prompts)
@@ -113,7 +143,7 @@ def decode_main(a) -> int:
     Path(a.out).write_text(json.dumps({
         "pd": [list(o.outputs[0].token_ids) for o in pd],
         "single": [list(o.outputs[0].token_ids) for o in single],
-        "pulls": stats, "generate_s": pd_s,
+        "pulls": stats, "nixl": nixl, "generate_s": pd_s,
     }))
     return 0
 
