@@ -142,6 +142,7 @@ def decode_main(a) -> int:
     single = llm.generate(prompts, [_sampling(a.max_tokens) for _ in prompts], use_tqdm=False)
     Path(a.out).write_text(json.dumps({
         "pd": [list(o.outputs[0].token_ids) for o in pd],
+        "finish": [str(o.outputs[0].finish_reason) for o in pd],
         "single": [list(o.outputs[0].token_ids) for o in single],
         "pulls": stats, "nixl": nixl, "generate_s": pd_s,
     }))
@@ -178,10 +179,12 @@ def main(argv=None) -> int:
 
 
 def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
-             max_tokens: int = 16, timeout: float = 600.0, env: dict | None = None) -> dict:
+             max_tokens: int = 16, timeout: float = 600.0, env: dict | None = None,
+             edit_params=None) -> dict:
     """Run a prefill and a decode process; ``prefill``/``decode`` give each side's
-    ``block_size``, ``layout``, ``connector``, ``module``.  Returns the decode side's
-    results (``pd`` and ``single`` tokens, ``pulls``)."""
+    ``block_size``, ``layout``, ``connector``, ``module``; ``edit_params`` (tests) may
+    rewrite the prefill side's kv_transfer_params on their way.  Returns the decode side's
+    results (``pd`` and ``single`` tokens, ``finish`` reasons, ``pulls``)."""
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     (work / "prompts.json").write_text(json.dumps([list(map(int, p)) for p in prompts]))
@@ -209,6 +212,8 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
                 raise RuntimeError("prefill process failed:\n" +
                                    (work / "prefill.log").read_text()[-4000:])
             time.sleep(0.2)
+        if edit_params is not None:
+            params.write_text(json.dumps(edit_params(json.loads(params.read_text()))))
         d = subprocess.run(cmd + ["decode"] + args(decode) +
                            ["--params", str(params), "--out", str(out),
                             "--max-tokens", str(max_tokens)], env=penv, capture_output=True,
@@ -228,3 +233,27 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def demo_pair(workdir=None, *, progress=print) -> bool:
+    """The demo's P/D pair: prefill on vLLM's CPU backend with LBHNC and 32-token blocks,
+    decode on cross-layer BLHNC with 64-token blocks, KV moved by KvabiConnector over NIXL
+    with relayout.  Prints what moved; True when the decode side's tokens equal the decode
+    engine computing alone."""
+    import tempfile
+
+    from .checkpoints import distinct_tokens, prompts, write_checkpoint
+
+    work = Path(workdir or tempfile.mkdtemp(prefix="kvabi-pd-demo-"))
+    model = write_checkpoint("llama", work / "llama")
+    ps = prompts(3, lengths=(37, 70, 100), shared_prefix=0)
+    progress("P/D pair: prefill vLLM CPU_ATTN LBHNC/32 -> decode CPU_ATTN BLHNC/64 "
+             "(KvabiConnector, NIXL UCX over DRAM, relayout) ...")
+    r = run_pair(model, ps, work / "pd", prefill={"block_size": 32},
+                 decode={"block_size": 64, "layout": "BLHNC"}, max_tokens=12)
+    for (req, secs, regions, nbytes, read_s), toks in zip(r["pulls"], r["pd"]):
+        progress(f"  request {req.split('-')[0]}: {nbytes / 1024:.0f} KiB in {regions} "
+                 f"regions, READs {read_s * 1e3:.1f} ms; tokens {toks[:6]}...")
+    ok = r["pd"] == r["single"] and distinct_tokens(r["single"]) > 1
+    progress(f"  decode tokens {'equal' if ok else 'DIFFER from'} the single engine's")
+    return ok
