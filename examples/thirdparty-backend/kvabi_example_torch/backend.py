@@ -59,11 +59,6 @@ class TorchPlan:
     sinks: np.ndarray | None
 
 
-# Strided views address these too (an engine that allocates vLLM's names can use them).
-VLLM_LAYOUTS = ("vllm.LBNHC", "vllm.LBHNC", "vllm.BLNHC", "vllm.BLHNC", "vllm.BHLNC",
-                "vllm.LHBNC")
-
-
 class TorchSDPABackend(kvabi.Backend):
     """Full and sliding-window attention, GQA, soft cap and sinks; float32 and float16."""
 
@@ -78,8 +73,7 @@ class TorchSDPABackend(kvabi.Backend):
         # ``layouts``: the presets this backend can address for ``spec`` (informational);
         # ``preferred_layouts`` is what an engine should allocate and the kit draws.
         return kvabi.Capabilities(kinds=KINDS, dtypes=DTYPES, softcap=True, sinks=True,
-                                  layouts=self.preferred_layouts(spec) + VLLM_LAYOUTS
-                                  if spec else (),
+                                  layouts=self.preferred_layouts(spec) if spec else (),
                                   notes="plain torch on CPU; any layout via strided views")
 
     def preferred_layouts(self, spec):

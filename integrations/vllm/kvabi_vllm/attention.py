@@ -14,6 +14,7 @@ backend's reason, never mid-generation.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -36,6 +37,11 @@ from .metadata import from_vllm, keep_indices
 ENV_BACKEND = "KVABI_VLLM_BACKEND"
 #: Optional: one of vLLM's six layout names to allocate (default: the backend's first fit).
 ENV_LAYOUT = "KVABI_VLLM_LAYOUT"
+
+#: Per process: kvabi plans made (one per step and attention group), and how many of them
+#: came from prefill skip and dropped tokens (``kv_sharing_fast_prefill``).  Read by tests,
+#: the demo and the benchmark to show that kvabi, not vLLM's kernels, ran.
+STATS: Counter = Counter()
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -208,15 +214,17 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
                                 sinks=None if sinks is None else np.zeros(one.num_heads))
         choice = vl.choose(backend, spec, vllm_name=vllm_config.cache_config
                            .get_resolved_kv_cache_layout().name)
-        owners = [n for n in layer_names if impls[n].kv_sharing_target_layer_name is None]
-        index = {n: i for i, n in enumerate(owners)}
-        for n in layer_names:
-            target = impls[n].kv_sharing_target_layer_name
-            if target is not None:
-                if target not in index:
-                    raise UnsupportedError(f"{backend.name}: layer {n} reads the cache of "
-                                           f"{target}, which is not in its KV group")
-                index[n] = index[target]
+        # The L axis of the group's layout: the layers that own a cache, in order.  A
+        # KV-shared layer reads its owner's index; its owner may sit in another attention
+        # group (vLLM splits fast-prefill layers off), so owners come from the targets.
+        owners = list(dict.fromkeys(impls[n].kv_sharing_target_layer_name or n
+                                    for n in layer_names))
+        index = {n: owners.index(impls[n].kv_sharing_target_layer_name or n)
+                 for n in layer_names}
+        missing = set(owners) - set(layers)
+        if missing:
+            layers = {**layers, **get_layers_from_vllm_config(vllm_config, Attention,
+                                                              sorted(missing))}
         self.group = KvabiGroup(backend=backend, spec=spec, choice=choice,
                                 num_q_heads=one.num_heads, scale=one.scale, softcap=softcap,
                                 layer_index=index)
@@ -240,6 +248,7 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
 
     def _plan(self, meta: kvabi.CommonAttentionMetadata):
         g = self.group
+        STATS["plans"] += 1
         return g.backend.plan(meta, g.spec, g.layout, num_q_heads=g.num_q_heads,
                               scale=g.scale, softcap=g.softcap)
 
@@ -258,7 +267,10 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
         meta = from_vllm(cm, g.spec.block_size, num_blocks=g.layout.num_blocks)
         keep = keep_indices(cm)
         if keep is not None:
+            full = meta.num_tokens
             meta, _ = kvabi.transforms.prefill_skip(meta, keep)
+            STATS["prefill_skip_plans"] += 1
+            STATS["prefill_skip_tokens_dropped"] += full - meta.num_tokens
         return KvabiMetadata(group=g, meta=meta, plan=self._plan(meta),
                              num_actual_tokens=meta.num_tokens,
                              logits_indices_padded=cm.logits_indices_padded,

@@ -36,6 +36,7 @@ _INNER = {
     "BLHNC": ("H", "N", "KV", "D"), "BLNHC": ("N", "H", "KV", "D"),
     "BHLNC": ("N", "KV", "D"), "LHBNC": ("N", "KV", "D"),
 }
+_SIX = frozenset("vllm." + v for v in VLLM_LAYOUTS)
 # Axis order of the 4-D view vLLM binds to a layer: [B, H, N, C].
 _VIEW = ("B", "H", "N", "C")
 
@@ -102,8 +103,8 @@ def choose(backend, spec: kvabi.KVSpec, *, vllm_name: str | None = None) -> Choi
             tried.append(f"{name} (not a kvabi preset for this spec)")
             continue
         for v in ([vllm_name] if vllm_name else VLLM_LAYOUTS):
-            # A vLLM preset fits only its own name (it *is* that byte order).
-            if name.startswith("vllm.") and name != "vllm." + v:
+            # One of vLLM's six presets fits only its own name (it *is* that byte order).
+            if name in _SIX and name != "vllm." + v:
                 continue
             if fits(tpl, v):
                 return Choice(v, name)
