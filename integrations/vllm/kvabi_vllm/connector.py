@@ -37,7 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, SupportsHMA)
 
 from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, interior_of,
-                               part_cache, verify_part)
+                               is_kvabi_backend, kvabi_backend_part, part_cache, split_kv,
+                               verify_part)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata, Pull,
                              paired_slots, prefix_keys, usable_prefix)
 
@@ -89,13 +90,13 @@ def _matching_parts(parts, theirs, g: int):
     for name, cache in parts:
         if name.startswith(IMAGE) and name in theirs:
             return [(name, cache, theirs[name])]
-    mine = [(n, c) for n, c in parts if not n.startswith(IMAGE)]
+    mine = dict((n, c) for n, c in parts if not n.startswith(IMAGE))
     served = sorted(k for k in theirs if not k.startswith(IMAGE))
-    if served != sorted(n for n, _ in mine):
-        raise KVABIError(f"kvabi_handshakes[{g}]: the peer serves parts {served}, this engine "
-                         f"{sorted(n for n, _ in mine)} (one cache orders K and V in a way the "
-                         "other's layout cannot express)")
-    return [(n, c, theirs[n]) for n, c in mine]
+    for want in (("kv",), ("k", "v")):  # one K/V layout each, else keys and values apart
+        if all(w in mine and w in theirs for w in want):
+            return [(w, mine[w], theirs[w]) for w in want]
+    raise KVABIError(f"kvabi_handshakes[{g}]: the peer serves parts {served}, this engine "
+                     f"{sorted(mine)}: no pair to copy between")
 
 
 def _host_on(request) -> bool:
@@ -158,17 +159,26 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
         for gi, group in enumerate(self._groups):
             names = [n for n in group.layer_names if n in kv_caches]
             tensors = [kv_caches[n] for n in names]
-            interior = interior_of(getattr(ctx.get(names[0]), "attn_backend", None))
-            name = f"vllm.{layout_name}.{interior}.g{gi}"
-            parts = [(part, part_cache(tensors, layout, off)) for part, layout, off in
-                     group_parts(tensors, interior=interior, name=name)]
-            if all(n in ctx for n in names):
-                layers = [ctx[n] for n in names]
-                for part, cache in parts:
-                    verify_part(cache, engine_writer(layers, tensors, parts, part))
-            image = image_part(tensors, interior=interior, name=name)
-            if image is not None:  # bytes of verified parts, seen whole
-                parts.append((image[0], part_cache(tensors, image[1], 0)))
+            backend = getattr(ctx.get(names[0]), "attn_backend", None)
+            if is_kvabi_backend(backend):  # the plugin's own layout; its backend's write
+                part, cache, write = kvabi_backend_part(tensors, self._vllm_config)
+                verify_part(cache, write)
+                parts, interior = [(part, cache)], cache.layout.name
+            else:
+                interior = interior_of(backend)
+                name = f"vllm.{layout_name}.{interior}.g{gi}"
+                parts = [(part, part_cache(tensors, layout, off)) for part, layout, off in
+                         group_parts(tensors, interior=interior, name=name)]
+                if all(n in ctx for n in names):
+                    layers = [ctx[n] for n in names]
+                    for part, cache in parts:
+                        verify_part(cache, engine_writer(layers, tensors, parts, part))
+                image = image_part(tensors, interior=interior, name=name)
+                if image is not None:  # bytes of verified parts, seen whole
+                    parts.append((image[0], part_cache(tensors, image[1], 0)))
+            if [n for n, _ in parts if not n.startswith(IMAGE)] == ["kv"]:
+                halves = split_kv(parts[0][1])  # for peers that hold K and V apart
+                parts += halves or []
             self._caches.append(parts)
         if self._producer or self._consumer:
             from kvabi.transfer.nixl import NixlAgent

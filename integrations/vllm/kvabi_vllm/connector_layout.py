@@ -189,3 +189,72 @@ def verify_part(cache: KVCache, write) -> bool:
         return False
     verify_layout(cache.layout, list(cache), write)
     return True
+
+
+def split_kv(cache: KVCache):
+    """``[("k", cache), ("v", cache)]``: the keys and the values of a cache whose layout has
+    a ``KV`` axis in its memory order, each as a layout without one over the same memory
+    (the V planes start one ``KV`` stride in), so it can exchange K and V with a peer that
+    cannot hold both in one layout; None where ``KV`` is folded, packed or a plane axis."""
+    lay = cache.layout
+    if "KV" not in lay.order or any("KV" in f for f in lay.folds) or lay.packing:
+        return None
+    order = tuple(a for a in lay.order if a != "KV")
+    ext = {a: lay.extent(a) for a in order}
+    out = []
+    for kv, part in enumerate(("k", "v")):
+        sub = Layout(order=order, sizes={a: lay.size(a) for a in order + lay.planes},
+                     dtype=lay.dtype, planes=lay.planes,
+                     extents=ext if lay.extents else None,
+                     strides={a: lay.stride(a) for a in order},
+                     name=f"{lay.name or 'custom'}.{part}")
+        shift = kv * lay.stride("KV") // lay.itemsize
+        planes = [p.as_strided(sub.plane_shape, sub.plane_strides, p.storage_offset() + shift)
+                  for p in cache]
+        out.append((part, KVCache.wrap(sub, planes)))
+    return out
+
+
+def kvabi_backend_part(tensors, vllm_config):
+    """``("kv", KVCache, write)`` for a group served by the kvabi attention-backend plugin
+    (``KVABI_VLLM_BACKEND``): the plugin's own byte-exact layout of vLLM's views, and a
+    write through the kvabi backend's ``write_kv`` into that memory (for verification)."""
+    import kvabi
+    from kvabi.tensors import convert
+
+    from . import layouts as vl
+    from .attention import kvabi_backend
+
+    backend = kvabi_backend()
+    sizes, _, _, dtype = _outer(tensors)
+    spec = kvabi.KVSpec(kind="full", block_size=sizes["N"], num_kv_heads=sizes["H"],
+                        head_dim=sizes["D"], dtype=dtype)
+    choice = vl.choose(backend, spec, vllm_name=vllm_config.cache_config
+                       .get_resolved_kv_cache_layout().name)
+    layout, planes = vl.bind(choice, spec, tensors)
+    fw = backend.framework if backend.framework in ("numpy", "torch") else None
+    if fw is None:
+        raise KVABIError(f"{backend.name}: a {backend.framework} cache cannot live in vLLM's "
+                         "torch memory")
+    cache = KVCache.wrap(layout, planes)
+    own = KVCache.wrap(layout, [p.numpy() for p in planes]) if fw == "numpy" else cache
+    bs = spec.block_size
+
+    def write(layer, slot_mapping, key, value):
+        slots = np.asarray(slot_mapping, np.int64)
+        meta = kvabi.CommonAttentionMetadata.from_lengths(
+            query_lens=np.ones(len(slots), np.int64), context_lens=slots % bs,
+            block_table=(slots // bs)[:, None], block_size=bs, num_blocks=layout.num_blocks)
+        plan = backend.plan(meta, spec, layout)
+        backend.write_kv(own, layout, convert(key, fw), convert(value, fw), plan, layer=layer)
+
+    return "kv", cache, write
+
+
+def is_kvabi_backend(backend_cls) -> bool:
+    """Whether ``backend_cls`` is the kvabi attention-backend plugin's class."""
+    try:
+        from .attention import KvabiAttentionBackend
+    except ImportError:
+        return False
+    return isinstance(backend_cls, type) and issubclass(backend_cls, KvabiAttentionBackend)

@@ -182,7 +182,8 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
              max_tokens: int = 16, timeout: float = 600.0, env: dict | None = None,
              edit_params=None) -> dict:
     """Run a prefill and a decode process; ``prefill``/``decode`` give each side's
-    ``block_size``, ``layout``, ``connector``, ``module``; ``edit_params`` (tests) may
+    ``block_size``, ``layout``, ``connector``, ``module`` and ``env`` (e.g. the kvabi
+    attention backend, ``KVABI_VLLM_BACKEND``); ``edit_params`` (tests) may
     rewrite the prefill side's kv_transfer_params on their way.  Returns the decode side's
     results (``pd`` and ``single`` tokens, ``finish`` reasons, ``pulls``)."""
     work = Path(workdir)
@@ -203,7 +204,8 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
     cmd = [sys.executable, "-m", "kvabi_vllm.pd"]
     plog = open(work / "prefill.log", "w")  # a file: a pipe nobody reads would block it
     p = subprocess.Popen(cmd + ["prefill"] + args(prefill) +
-                         ["--out", str(params), "--stop", str(stop)], env=penv,
+                         ["--out", str(params), "--stop", str(stop)],
+                         env={**penv, **prefill.get("env", {})},
                          stdout=plog, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + timeout
@@ -216,7 +218,8 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
             params.write_text(json.dumps(edit_params(json.loads(params.read_text()))))
         d = subprocess.run(cmd + ["decode"] + args(decode) +
                            ["--params", str(params), "--out", str(out),
-                            "--max-tokens", str(max_tokens)], env=penv, capture_output=True,
+                            "--max-tokens", str(max_tokens)],
+                           env={**penv, **decode.get("env", {})}, capture_output=True,
                            text=True, timeout=timeout)
         if d.returncode:
             raise RuntimeError("decode process failed:\n" + (d.stdout + d.stderr)[-4000:])

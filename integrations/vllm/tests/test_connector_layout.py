@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvabi import KVABIError
 from kvabi.probe import verify_layout
 from kvabi_vllm.connector_layout import (KT_V, KV_PACKED, KV_SPLIT, engine_writer, group_parts,
-                                         part_cache)
+                                         part_cache, split_kv)
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheLayout, KVCacheTensor,
                                         compute_layout_strides, create_kv_cache_views)
 
@@ -127,3 +127,17 @@ def test_bad_views_are_refused_naming_the_field():
     odd = torch.zeros(4, 2, 32, 63)
     with pytest.raises(KVABIError, match="content size 63"):
         group_parts([odd])
+
+
+@pytest.mark.parametrize("name", ["LBHNC", "BLNHC"])
+def test_split_kv_holds_the_keys_and_values_of_the_layout(name):
+    views = vllm_views(name, layers=2, blocks=3)
+    for i, v in enumerate(views):
+        v.copy_(torch.randn(v.shape, generator=torch.Generator().manual_seed(i)))
+    (_, lay, off), = group_parts(views, interior=KV_PACKED, name=name)
+    cache = part_cache(views, lay, off)
+    (k, kc), (v, vc) = split_kv(cache)
+    assert (k, v) == ("k", "v") and "KV" not in kc.layout.order
+    for layer in range(2):
+        for kv, part in enumerate((kc, vc)):
+            assert torch.equal(part.kv_view(layer, 0), cache.kv_view(layer, kv))
