@@ -202,6 +202,10 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             f"{c.layout.name} {c.layout.order} N={c.layout.size('N')}"
             for parts in self._caches for _, c in parts))
 
+    def part_layouts(self) -> list[dict[str, str]]:
+        """Per KV cache group, each part's layout name (what this engine serves and reads)."""
+        return [{part: c.layout.name for part, c in parts} for parts in self._caches]
+
     def get_handshake_metadata(self):
         if not self._own_handshakes:
             return None

@@ -63,6 +63,13 @@ def make_llm(model: str, *, block_size: int, role: str | None, connector: str = 
                enable_prefix_caching=prefix_caching, kv_transfer_config=kv)
 
 
+#: a decode side on another backend, layout and block size than vLLM's CPU backend: the
+#: kvabi backend example.torch through the plugin, cross-layer BLHNC, 64-token blocks
+KVABI_DECODE = {"block_size": 64, "env": {"KVABI_VLLM_BACKEND": "example.torch",
+                                          "KVABI_VLLM_LAYOUT": "BLHNC",
+                                          "VLLM_KV_CACHE_LAYOUT": "BLHNC"}}
+
+
 def _sampling(max_tokens: int, params: dict | None = None):
     from vllm import SamplingParams
 
@@ -139,12 +146,13 @@ def decode_main(a) -> int:
     pd_s = time.perf_counter() - t0
     conn = _worker_connector()
     stats = list(getattr(conn, "pull_stats", []))
+    layouts = conn.part_layouts() if hasattr(conn, "part_layouts") else []
     single = llm.generate(prompts, [_sampling(a.max_tokens) for _ in prompts], use_tqdm=False)
     Path(a.out).write_text(json.dumps({
         "pd": [list(o.outputs[0].token_ids) for o in pd],
         "finish": [str(o.outputs[0].finish_reason) for o in pd],
         "single": [list(o.outputs[0].token_ids) for o in single],
-        "pulls": stats, "nixl": nixl, "generate_s": pd_s,
+        "pulls": stats, "nixl": nixl, "generate_s": pd_s, "layouts": layouts,
     }))
     return 0
 
@@ -240,7 +248,8 @@ if __name__ == "__main__":
 
 def demo_pair(workdir=None, *, progress=print) -> bool:
     """The demo's P/D pair: prefill on vLLM's CPU backend with LBHNC and 32-token blocks,
-    decode on cross-layer BLHNC with 64-token blocks, KV moved by KvabiConnector over NIXL
+    decode on the kvabi backend ``example.torch`` (through the kvabi attention-backend
+    plugin) on cross-layer BLHNC with 64-token blocks, KV moved by KvabiConnector over NIXL
     with relayout.  Prints what moved; True when the decode side's tokens equal the decode
     engine computing alone."""
     import tempfile
@@ -250,10 +259,11 @@ def demo_pair(workdir=None, *, progress=print) -> bool:
     work = Path(workdir or tempfile.mkdtemp(prefix="kvabi-pd-demo-"))
     model = write_checkpoint("llama", work / "llama")
     ps = prompts(3, lengths=(37, 70, 100), shared_prefix=0)
-    progress("P/D pair: prefill vLLM CPU_ATTN LBHNC/32 -> decode CPU_ATTN BLHNC/64 "
-             "(KvabiConnector, NIXL UCX over DRAM, relayout) ...")
+    progress("P/D pair: prefill on vLLM's CPU_ATTN (LBHNC, 32-token blocks) -> decode on "
+             "kvabi example.torch (cross-layer BLHNC, 64-token blocks); KvabiConnector, NIXL "
+             "UCX over DRAM, relayout ...")
     r = run_pair(model, ps, work / "pd", prefill={"block_size": 32},
-                 decode={"block_size": 64, "layout": "BLHNC"}, max_tokens=12)
+                 decode=KVABI_DECODE, max_tokens=12)
     for (req, secs, regions, nbytes, read_s), toks in zip(r["pulls"], r["pd"]):
         progress(f"  request {req.split('-')[0]}: {nbytes / 1024:.0f} KiB in {regions} "
                  f"regions, READs {read_s * 1e3:.1f} ms; tokens {toks[:6]}...")

@@ -1,6 +1,7 @@
 """P/D disaggregation between two vLLM processes with KvabiConnector over NIXL (UCX, DRAM):
-prefill on vLLM's CPU backend with LBHNC and 32-token blocks, decode on cross-layer BLHNC
-with 64-token blocks (a relayout: other block size, other layout).  The decode side's tokens
+prefill on vLLM's own CPU backend (LBHNC, 32-token blocks, keys stored transposed), decode on
+the kvabi backend example.torch through the kvabi attention-backend plugin (cross-layer
+BLHNC, 64-token blocks): another backend, layout and block size.  The decode side's tokens
 equal the decode engine computing alone; a pulled block corrupted on the way changes them; a
 tampered handshake is refused before any byte moves (the request fails, no tokens from
 garbage)."""
@@ -8,7 +9,7 @@ import json
 from pathlib import Path
 
 from kvabi_vllm.checkpoints import prompts, write_checkpoint
-from kvabi_vllm.pd import run_pair
+from kvabi_vllm.pd import KVABI_DECODE, run_pair
 
 HERE = Path(__file__).parent
 
@@ -29,9 +30,13 @@ def test_pd_relayout_gives_the_single_engine_tokens_and_corruption_changes_them(
     # the decode side's connector corrupts the pulls of requests n.. (the repeated prompts)
     r = run_pair(model, ps + ps + ps[:1], tmp_path / "pd", edit_params=tamper_last,
                  prefill={"block_size": 32},
-                 decode={"block_size": 64, "layout": "BLHNC", "module": "corrupting_connector"},
+                 decode={**KVABI_DECODE, "module": "corrupting_connector"},
                  max_tokens=12, env={"PYTHONPATH": str(HERE), "KVABI_TEST_CORRUPT_FROM": str(n)})
     assert min(len(set(t)) for t in r["single"]) > 1, "degenerate continuations compare nothing"
+    # the decode side really ran the kvabi backend's cross-layer layout, read as K and V parts
+    (g0,) = r["layouts"]
+    assert "@vllm.BLHNC" in g0["kv"], g0
+    assert {"k", "v"} <= set(g0)
     pulled = {p[0].split("-")[0] for p in r["pulls"]}
     assert pulled == {str(i) for i in range(2 * n)}, r["pulls"]  # not the tampered one
     assert all(p[2] > 0 and p[3] > 0 for p in r["pulls"])  # regions, bytes
