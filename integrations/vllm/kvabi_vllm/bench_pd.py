@@ -7,7 +7,9 @@ layers, so per-layer and cross-layer region counts differ by what a real model s
 - vLLM's NixlConnector, same layout (it forces LBHNC);
 - KvabiConnector with relayout (prefill LBHNC/32, decode cross-layer BLHNC/64);
 - KvabiConnector cross-layer (BLHNC/32 on both sides): regions per request against the
-  per-layer run.
+  per-layer run;
+- KvabiConnector from vLLM's CPU backend to the kvabi backend example.torch (through the
+  attention-backend plugin) on cross-layer BLHNC/64.
 
 Transfer time per request is the time in NIXL READs on the decode side (KvabiConnector:
 post to completion, measured around its READs; NixlConnector: NIXL's own post + transfer
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .pd import KVABI_DECODE
+
 #: (label, prefill side, decode side)
 RUNS = (
     ("kvabi same layout", {"block_size": 32}, {"block_size": 32}),
@@ -31,6 +35,7 @@ RUNS = (
     ("kvabi relayout", {"block_size": 32}, {"block_size": 64, "layout": "BLHNC"}),
     ("kvabi cross-layer", {"block_size": 32, "layout": "BLHNC"},
      {"block_size": 32, "layout": "BLHNC"}),
+    ("kvabi relayout, other backend", {"block_size": 32}, KVABI_DECODE),
 )
 
 
@@ -59,11 +64,12 @@ def run(*, requests: int = 6, prompt_len: int = 256, layers: int = 32, workdir=N
     ps = prompts(requests, lengths=(prompt_len,), shared_prefix=0, seed=3)
     out = {}
     for label, pre, dec in RUNS:
+        dl = dec.get("layout") or dec.get("env", {}).get("KVABI_VLLM_LAYOUT", "LBHNC")
         progress(f"  P/D: {label} (prefill {pre.get('layout', 'LBHNC')}/{pre['block_size']}, "
-                 f"decode {dec.get('layout', 'LBHNC')}/{dec['block_size']}) ...")
+                 f"decode {dl}/{dec['block_size']}) ...")
         out[label] = _per_request(run_pair(model, ps, work / label.replace(" ", "_"),
                                            prefill=pre, decode=dec, max_tokens=4))
-    same, nixl, rel, cross = (out[r[0]] for r in RUNS)
+    same, nixl, rel, cross, _ = (out[r[0]] for r in RUNS)
     out["goals"] = [
         ("KvabiConnector same layout >= NixlConnector throughput per request",
          same["gbps"] / nixl["gbps"], 1.0),
@@ -76,10 +82,10 @@ def run(*, requests: int = 6, prompt_len: int = 256, layers: int = 32, workdir=N
 
 def report(out: dict) -> str:
     lines = ["P/D transfer per request (decode side's NIXL READs; median over requests):",
-             f"  {'run':22s} {'read ms':>9s} {'MiB':>7s} {'regions':>8s} {'GB/s':>7s}  tokens"]
+             f"  {'run':30s} {'read ms':>9s} {'MiB':>7s} {'regions':>8s} {'GB/s':>7s}  tokens"]
     for label, *_ in RUNS:
         r = out[label]
-        lines.append(f"  {label:22s} {r['read_s'] * 1e3:9.2f} {r['bytes'] / 2**20:7.2f} "
+        lines.append(f"  {label:30s} {r['read_s'] * 1e3:9.2f} {r['bytes'] / 2**20:7.2f} "
                      f"{r['regions']:8.0f} {r['gbps']:7.2f}  "
                      f"{'= single engine' if r['tokens_equal'] else 'DIFFER'}")
     for what, measured, goal in out["goals"]:
