@@ -6,20 +6,28 @@ kv_connector_module_path="kvabi_vllm.connector", kv_role=...)``:
 
 - ``kv_producer`` (prefill engine): a request sent with ``kv_transfer_params=
   {"do_remote_decode": True}`` keeps its blocks when it finishes; its output's
-  ``kv_transfer_params`` carry the block ids and this engine's kvabi handshake (one per KV
-  cache group: the layout descriptor, the registered planes, the NIXL agent's metadata).
+  ``kv_transfer_params`` carry the block ids and this engine's kvabi handshakes (per KV cache
+  group, one per *part*: the layout descriptor, the registered planes, the NIXL agent's
+  metadata).
 - ``kv_consumer`` (decode engine): a request carrying those params reads the prompt's KV
-  with one NIXL READ per group, planned by ``kvabi.transfer`` from the two layouts (relayout
-  included), after validating the peer's handshake as untrusted input; the READ's
+  with one NIXL READ per part, planned by ``kvabi.transfer`` from the two layouts (relayout
+  included), after validating the peer's handshakes as untrusted input; the last READ's
   notification frees the producer's blocks.
+
+Parts (``connector_layout``): a cache whose K and V share one layout serves it as ``kv``;
+vLLM's CPU backend, whose keys are stored transposed, serves ``k`` and ``v``; every cache
+with one ``kv`` layout also serves its ``k`` and ``v`` halves, and a cache with dense
+block-heads an ``image`` (a block's bytes as one run) for peers of the very same format.
+The decode side reads the image if both serve the same, else ``kv``, else ``k`` and ``v``.
 - ``kv_connector_extra_config={"host_blocks": N}`` (any role): a host tier on
   ``kvabi.transfer.HostPool`` (cross-layer blocks): full blocks of a finished request are
   saved, and a later request whose prompt starts with them loads them instead of computing.
   Sliding-window groups keep (and need) only the blocks inside the window.  A request
   with ``kv_transfer_params={"kvabi_host": False}`` neither loads nor saves.
 
-The layout of the cache vLLM allocates is derived from its views and checked against the
-engine's own cache write at start (``connector_layout``).
+The layouts of the cache vLLM allocates are derived from its views (or taken from the kvabi
+attention-backend plugin) and checked against the engine's own cache write at start with
+``kvabi.probe.verify_layout``: a mismatch stops the engine before any transfer.
 """
 from __future__ import annotations
 
@@ -234,9 +242,9 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             if self._agent is None:
                 raise KVABIError("kv_role: this engine is not a kv_consumer (no NIXL agent)")
             if not isinstance(p.handshakes, list) or len(p.handshakes) != len(self._caches):
+                got = len(p.handshakes) if isinstance(p.handshakes, list) else "no list"
                 raise KVABIError(f"kvabi_handshakes: the peer must serve "
-                                 f"{len(self._caches)} KV cache groups, got "
-                                 f"{len(p.handshakes) if isinstance(p.handshakes, list) else p.handshakes!r:.40}")
+                                 f"{len(self._caches)} KV cache groups, got {got}")
             todo = [(g, part, cache, peer_msg) for g, parts in enumerate(self._caches)
                     for part, cache, peer_msg in _matching_parts(parts, p.handshakes[g], g)]
             for i, (g, part, cache, msg) in enumerate(todo):

@@ -5,8 +5,6 @@ parts and refutes a single K/V layout; bad views give KVABIError."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvabi import KVABIError
 from kvabi.probe import verify_layout
