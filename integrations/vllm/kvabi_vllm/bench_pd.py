@@ -49,7 +49,7 @@ def _per_request(result: dict) -> dict:
         secs, regions, nbytes = x[:, 3], x[:, 1], x[:, 2]
     return {"requests": int(len(secs)), "read_s": float(np.median(secs)),
             "bytes": float(np.median(nbytes)), "regions": float(np.median(regions)),
-            "gbps": float(np.median(nbytes / secs) / 1e9),
+            "gbps": float(np.median(nbytes) / np.median(secs) / 1e9),
             "tokens_equal": result["pd"] == result["single"]}
 
 
@@ -81,7 +81,8 @@ def run(*, requests: int = 6, prompt_len: int = 256, layers: int = 32, workdir=N
 
 
 def report(out: dict) -> str:
-    lines = ["P/D transfer per request (decode side's NIXL READs; median over requests):",
+    lines = ["P/D transfer per request (decode side's NIXL READs; medians over requests; "
+             "GB/s = median bytes / median time):",
              f"  {'run':30s} {'read ms':>9s} {'MiB':>7s} {'regions':>8s} {'GB/s':>7s}  tokens"]
     for label, *_ in RUNS:
         r = out[label]
