@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.dtypes import DTYPES, numpy_dtype
+from kvabi import tensors as kvabi_tensors
+from kvabi.dtypes import DTYPES
 from kvabi.presets import preset_names
 from kvabi.probe import infer_layout, placement_difference
 from kvabi.testing.strategies import random_layouts
@@ -179,3 +180,95 @@ def test_refuses_jax_and_read_only():
         infer_layout(SPEC, planes, lambda *a: None, num_blocks=B)
     with pytest.raises(KVABIError, match="planes"):
         infer_layout(SPEC, "x", lambda *a: None, num_blocks=B)
+
+
+def test_keys_dim_major_values_token_major():
+    # per block-head: keys as [D, N], then values as [N, D] (vLLM CPU's "vec" kernels)
+    cache = np.zeros((L, B, 2, 8 * 4 * 2), np.float32)
+
+    def write(layer, slots, key, value):
+        for i, s in enumerate(slots):
+            b, n = divmod(int(s), 4)
+            blk = cache[layer, b].reshape(2, 2, 32)  # [H, KV, 32]
+            blk[:, 0].reshape(2, 8, 4)[:, :, n] = key[i]
+            blk[:, 1].reshape(2, 4, 8)[:, n, :] = value[i]
+    with pytest.raises(KVABIError, match=r"keys and values are placed with different strides "
+                       r"\(bytes per index step\): keys \{'L': \d+, 'B': 512, 'N': 4, "
+                       r"'H': 256, 'D': 16\}, values \{'L': \d+, 'B': 512, 'N': 32, "
+                       r"'H': 256, 'D': 4\}"):
+        infer_layout(SPEC, [cache], write, num_blocks=B, num_layers=L)
+
+
+def _view_writer(layout, planes):
+    """An engine writing through the layout's strided torch views (no kvabi.probe code)."""
+    import torch
+
+    def write(layer, slots, key, value):
+        s = torch.as_tensor(np.asarray(slots), device=planes[0].device)
+        b, n = s // layout.size("N"), s % layout.size("N")
+        for kv, x in enumerate([key, value]):
+            view = layout.kv_view(planes, layer, kv)
+            view[b, n] = kvabi_tensors.to_torch(x, device=planes[0].device)
+    return write
+
+
+def _torch_planes_case(device):
+    import torch
+
+    spec = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    for name in ("vllm.LHBNC", "flash_attn", "tpu.combined"):
+        truth = Layout.preset(name, spec, B, L)
+        planes = [torch.zeros(truth.plane_nbytes, dtype=torch.uint8, device=device)
+                  .view(torch.bfloat16).as_strided(truth.plane_shape, truth.plane_strides)
+                  for _ in range(truth.num_planes)]
+        write = _view_writer(truth, planes)
+        got = infer_layout(spec, planes, write, num_blocks=B, num_layers=L)
+        assert got.name == name or placement_difference(truth, got) is None
+        assert_same_bytes(truth, got)
+
+
+def test_torch_planes_written_through_views():
+    pytest.importorskip("torch")
+    _torch_planes_case("cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_planes():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _torch_planes_case("cuda")
+
+
+@pytest.mark.parametrize("dtype,rounds", [("int8", 2), ("float8_e4m3fn", 2), ("bfloat16", 1),
+                                          ("float32", 1)])
+def test_one_byte_dtypes_spread_markers_over_writes(dtype, rounds):
+    spec = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    truth = Layout.preset("vllm.BHLNC", spec, B, L)
+    planes = truth.allocate_numpy()
+    inner = layout_writer(truth, planes)
+    calls = []
+
+    def write(layer, *a):
+        calls.append(layer)
+        inner(layer, *a)
+    infer_layout(spec, planes, write, num_blocks=B, num_layers=L, samples=1)
+    # discovery: 3 layers x 6 tokens x 2 x 2 heads x 8 = 576 ids, more than the ~240 digits
+    # of an 8-bit dtype: one write per layer per round; the check: one token (32 ids), once
+    assert len(calls) == 3 * rounds + 1
+
+
+def test_layers_not_probed_are_checked_on_a_fresh_sample():
+    # layers 0, 1 and the last follow the layout; the middle ones land one block later
+    truth = Layout.preset("vllm.BLNHC", SPEC, B, 5)
+    planes = truth.allocate_numpy()
+    inner = layout_writer(truth, planes)
+
+    def write(layer, slots, key, value):
+        if layer in (2, 3):
+            slots = (np.asarray(slots) + 4) % (B * 4)
+        inner(layer, slots, key, value)
+    with pytest.raises(KVABIError, match=r"^infer_layout: the placement fitted from the probed "
+                       r"tokens fails on a fresh sample \(the write is not one layout\): "
+                       r"key of layer [23], block \d, token \d, head 0, dim 0 "):
+        infer_layout(SPEC, planes, write, num_blocks=B, num_layers=5)

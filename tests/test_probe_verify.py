@@ -118,3 +118,27 @@ def test_bad_arguments():
         verify_layout("flash_attn", planes, w)
     with pytest.raises(KVABIError, match=r"planes\[0\]: spans"):
         verify_layout(layout, [np.zeros(4, np.uint8)] * 6, w)
+
+
+def test_write_must_be_callable_and_samples_bounded():
+    from kvabi.probe import infer_layout
+
+    layout = Layout.preset("flash_attn", SPEC, B, L)
+    planes = layout.allocate_numpy()
+    w = layout_writer(layout, planes)
+    for call in (lambda **k: verify_layout(layout, planes, **k),
+                 lambda **k: infer_layout(SPEC, planes, num_blocks=B, num_layers=L, **k)):
+        with pytest.raises(KVABIError, match="write: must be callable"):
+            call(write=None)
+        with pytest.raises(KVABIError, match="samples"):
+            call(write=w, samples=1 << 30)
+        with pytest.raises(KVABIError, match="samples"):
+            call(write=w, samples=True)
+
+
+def test_a_write_that_does_nothing():
+    layout = Layout.preset("flash_attn", SPEC, B, L)
+    planes = layout.allocate_numpy()
+    with pytest.raises(KVABIError, match=r"^key of layer 0, block 0, token 0, head 0, dim 0 is "
+                       r"not where flash_attn puts it \(plane 0, byte 0: it holds no marker"):
+        verify_layout(layout, planes, lambda *a: None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
 
 from ..dtypes import DTYPES
 from ..errors import KVABIError
@@ -19,12 +18,14 @@ from .argtypes import positive_int
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("exit status: 0 when every placement is the declared one, 1 when one "
+                     "differs (or the probe fails), 2 on bad usage")
     parser.add_argument("names", nargs="+", metavar="NAME", help="registered backend names")
     parser.add_argument("--json", action="store_true", help="one JSON object per layout")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="cache dtype (default: the first the backend claims of "
                              "bfloat16, float16, float32, ...)")
-    parser.add_argument("--kv-heads", type=positive_int, default=2)
+    parser.add_argument("--kv-heads", type=positive_int, default=2, help="KV heads (default 2)")
     parser.add_argument("--head-dim", type=positive_int, default=None,
                         help="head dim (default: the claimed one closest to 128)")
     parser.add_argument("--block-size", type=positive_int, default=None,
@@ -33,43 +34,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=positive_int, default=2, help="layers in the cache")
 
 
-def backend_writer(backend, layout, spec):
-    """(planes, write) for ``infer_layout``: the planes of a cache ``backend`` allocated
-    for ``layout`` and a ``write(layer, slots, key, value)`` through ``backend.write_kv``
-    (one single-token request per slot, so any slot can be written)."""
-    import kvabi
-    from ..cache import KVCache
-    from ..tensors import convert
-
-    cache = backend.allocate(layout)
-    jax = cache.framework == "jax"
-    planes = [np.array(p) for p in cache] if jax else list(cache)
-    fw = backend.framework if backend.framework in ("numpy", "torch", "jax") else "numpy"
-    bs = spec.block_size
-
-    def write(layer, slots, key, value):
-        slots = np.asarray(slots, np.int64)
-        meta = kvabi.CommonAttentionMetadata.from_lengths(
-            query_lens=np.ones(len(slots), np.int64), context_lens=slots % bs,
-            block_table=(slots // bs)[:, None], block_size=bs, num_blocks=layout.num_blocks)
-        plan = backend.plan(meta, spec, layout)
-        k = convert(key, fw)
-        v = None if value is None else convert(value, fw)
-        if jax:
-            handle = KVCache.wrap(layout, [convert(np.array(p), "jax") for p in planes])
-            new = backend.write_kv(handle, layout, k, v, plan, layer=layer)
-            for dst, src in zip(planes, new):
-                dst[...] = np.asarray(src)
-        else:
-            backend.write_kv(cache, layout, k, v, plan, layer=layer)
-
-    return planes, write
-
-
 def probe_backend(backend, spec, num_blocks: int, num_layers: int) -> list[dict]:
     """One row per preferred layout: declared, inferred, match, detail."""
     from ..layout import Layout
-    from ..probe import infer_layout, placement_difference
+    from ..probe import backend_writer, infer_layout, placement_difference
 
     rows = []
     for name in backend.preferred_layouts(spec):

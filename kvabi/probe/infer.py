@@ -33,7 +33,7 @@ from .compare import placement_difference
 from .markers import Alphabet
 from .marking import Geometry, Marked, gather, read_ids, scan
 from .memory import plane_bytes
-from .verify import check_marked, sample_rows
+from .verify import MAX_SAMPLES, check_marked, sample_rows
 
 _PLANE_CHOICES = ((), ("L",), ("KV",), ("L", "KV"), ("KV", "L"))
 
@@ -66,7 +66,10 @@ def infer_layout(spec, planes, write, *, num_blocks: int, num_layers: int = 1,
     plane's first byte), or when the fitted layout fails the check on a fresh sample.
     """
     geo = Geometry.of_spec(spec, num_blocks, num_layers)
-    samples = as_int(samples, "samples", lo=1)
+    samples = as_int(samples, "samples", lo=1, hi=MAX_SAMPLES)
+    if not callable(write):
+        raise KVABIError(f"write: must be callable (the engine's cache write), got "
+                         f"{type(write).__name__}")
     seed = as_int(seed, "seed", lo=0)
     mem = plane_bytes(planes)
     isz = spec.itemsize
@@ -193,6 +196,8 @@ def _fit(geo: Geometry, rows: Marked, place_p, place_o, nplanes: int,
             raise KVABIError(f"{a}: index 1 sits {s} bytes from index 0; a layout's strides "
                              f"are positive multiples of the itemsize {isz}")
         stride[a] = s
+    if geo.kvs == 2:
+        _same_strides_for_values(rows, place_p, place_o, element, stride, arg)
     pred = sum(c[arg[a]] * s for a, s in stride.items())
     off = np.flatnonzero(pred != place_o)
     if len(off):
@@ -217,6 +222,20 @@ def _fit(geo: Geometry, rows: Marked, place_p, place_o, nplanes: int,
     if all(dense.stride(a) == stride[a] for a in order) and dense.plane_nbytes == plane_nbytes:
         return dense
     return Layout(**kw, strides=stride, plane_bytes=plane_nbytes)
+
+
+def _same_strides_for_values(rows, place_p, place_o, element, stride, arg) -> None:
+    """KVABIError when the values step differently from the keys along some axis (e.g.
+    keys stored dim-major, values token-major): one layout gives each axis one stride."""
+    v0 = element(kv=1)
+    vstride = {a: int(place_o[element(kv=1, **{arg[a]: 1})]) - int(place_o[v0])
+               for a in stride if a != "KV"
+               and place_p[element(kv=1, **{arg[a]: 1})] == place_p[v0]}
+    kstride = {a: stride[a] for a in vstride}
+    if vstride != kstride:
+        raise KVABIError(f"keys and values are placed with different strides (bytes per "
+                         f"index step): keys {kstride}, values {vstride}; a layout gives each "
+                         f"axis one stride, so no layout expresses this placement")
 
 
 def _named(layout: Layout, spec, geo: Geometry) -> Layout:

@@ -22,7 +22,7 @@ from ..tensors import framework
 #: through float ops (XLA canonicalises NaN payloads); the markers never use it.
 POISON = 0xBB
 _POISON64 = np.uint64(int.from_bytes(bytes([POISON]) * 8, "little"))
-_CHUNK = 1 << 26  # bytes scanned at a time: memory stays bounded whatever the plane size
+_CHUNK = 1 << 22  # bytes scanned at a time: memory stays bounded (and cache-sized)
 
 
 def _span(shape, strides, itemsize: int, field: str) -> int:
@@ -42,6 +42,7 @@ class PlaneBytes:
         fw = framework(plane)
         self._owner = plane  # keeps the memory alive while the views exist
         self._torch = None
+        self._views = {}
         if fw == "numpy":
             if not plane.flags.writeable:
                 raise KVABIError(f"{field}: the array is read-only; the probe writes markers")
@@ -130,31 +131,39 @@ class PlaneBytes:
         hits = np.concatenate(found) if found else np.zeros(0, np.int64)
         return lo + np.sort(hits)
 
-    # -- elements -----------------------------------------------------------------------
+    # -- elements (offsets are multiples of the itemsize: element boundaries) ------------
+    def _typed(self, itemsize: int) -> np.ndarray:
+        """The span as unsigned words of ``itemsize`` bytes (no copy)."""
+        v = self._views.get(itemsize)
+        if v is None:
+            v = self._views[itemsize] = self.u8[:self.nbytes // itemsize * itemsize].view(
+                np.dtype(f"u{itemsize}"))
+        return v
+
     def words(self, offsets: np.ndarray, itemsize: int) -> np.ndarray:
         """The elements at byte ``offsets`` as unsigned integers of ``itemsize`` bytes."""
-        idx = np.asarray(offsets, np.int64)[:, None] + np.arange(itemsize)
+        idx = np.asarray(offsets, np.int64) // itemsize
         if self._torch is not None:
             import torch
 
-            raw = self._torch[torch.from_numpy(idx.ravel()).to(self._torch.device)]
-            raw = raw.cpu().numpy()
-        else:
-            raw = self.u8[idx.ravel()]
-        return np.ascontiguousarray(raw).view(np.dtype(f"u{itemsize}"))
+            u8 = self._torch[:self.nbytes // itemsize * itemsize].view(-1, itemsize)
+            raw = u8[torch.from_numpy(idx).to(self._torch.device)].cpu().numpy()
+            return np.ascontiguousarray(raw).view(np.dtype(f"u{itemsize}")).ravel()
+        return self._typed(itemsize)[idx]
 
     def put_words(self, offsets: np.ndarray, words: np.ndarray) -> None:
         """Write unsigned ``words`` (their itemsize) at byte ``offsets``."""
         isz = words.dtype.itemsize
-        idx = (np.asarray(offsets, np.int64)[:, None] + np.arange(isz)).ravel()
-        data = np.ascontiguousarray(words).view(np.uint8)
+        idx = np.asarray(offsets, np.int64) // isz
         if self._torch is not None:
             import torch
 
             dev = self._torch.device
-            self._torch[torch.from_numpy(idx).to(dev)] = torch.from_numpy(data).to(dev)
+            u8 = self._torch[:self.nbytes // isz * isz].view(-1, isz)
+            data = np.ascontiguousarray(words).view(np.uint8).reshape(-1, isz)
+            u8[torch.from_numpy(idx).to(dev)] = torch.from_numpy(data).to(dev)
         else:
-            self.u8[idx] = data
+            self._typed(isz)[idx] = words
 
 
 class _TooMany(Exception):

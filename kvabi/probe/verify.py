@@ -16,6 +16,9 @@ from .markers import Alphabet
 from .marking import Geometry, Marked, gather, read_ids, scan
 from .memory import plane_bytes
 
+#: most tokens one verification writes (its cost and memory are bounded by the sample)
+MAX_SAMPLES = 1 << 16
+
 
 def sample_rows(geo: Geometry, samples: int, seed: int, avoid=()) -> Marked:
     """``samples`` distinct (layer, slot) rows: the first and the last slot of the cache,
@@ -98,10 +101,10 @@ def check_marked(layout: Layout, mem, write, rows: Marked, what: str) -> None:
             mem[p].write(lo, data)
 
 
-def _report(layout, rows, what, want_p, want_o, at_want, found_p, found_o, at_found):
+def _report(layout, rows, label, want_p, want_o, at_want, found_p, found_o, at_found):
+    """KVABIError for the first misplaced element, else for the first padding written."""
     ids = np.arange(len(want_o))
     wrong = np.flatnonzero(at_want != ids)
-    label = what
     if len(wrong):
         i = int(wrong[0])
         hit = np.flatnonzero(at_found == i)
@@ -114,10 +117,14 @@ def _report(layout, rows, what, want_p, want_o, at_want, found_p, found_o, at_fo
             raise KVABIError(f"{rows.name(i)} found in plane {p} at byte {o}, not where "
                              f"{label} puts it ({where})")
         held = at_want[i]
-        now = "no marker (never written there)" if held < 0 else f"the {rows.name(held)}"
+        now = "no marker (never written there, or the value was converted)" if held < 0 \
+            else f"the {rows.name(held)}"
         raise KVABIError(f"{rows.name(i)} is not where {label} puts it ({where}: it holds "
                          f"{now}), nor anywhere else in the sampled blocks' bytes")
-    # Every element is in place; anything else found was written where the layout pads.
+    # Every element is in place (so each wanted place was found); anything more found was
+    # written where the layout pads.
+    if len(found_o) == len(want_o):
+        return
     span = layout.plane_nbytes
     extra = np.flatnonzero(~np.isin(found_p * span + found_o, want_p * span + want_o))
     if len(extra):
@@ -146,7 +153,10 @@ def verify_layout(layout: Layout, planes, write, *, samples: int = 8, seed: int 
     """
     if not isinstance(layout, Layout):
         raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
-    samples = as_int(samples, "samples", lo=1)
+    samples = as_int(samples, "samples", lo=1, hi=MAX_SAMPLES)
+    if not callable(write):
+        raise KVABIError(f"write: must be callable (the engine's cache write), got "
+                         f"{type(write).__name__}")
     seed = as_int(seed, "seed", lo=0)
     mem = plane_bytes(planes)
     _check_sizes(layout, mem)
