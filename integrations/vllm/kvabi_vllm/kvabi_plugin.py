@@ -7,3 +7,10 @@ import kvabi
 @kvabi.hookimpl
 def kvabi_backends():
     return []
+
+
+@kvabi.hookimpl
+def kvabi_bench_suites():
+    from .bench import main
+
+    return {"vllm": main}
