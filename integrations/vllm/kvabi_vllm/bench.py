@@ -177,7 +177,7 @@ def prefill_skip(args, root: Path, tick) -> dict:
 def run(args, tick=lambda n=1: None) -> dict:
     from .engine import setup_env
 
-    setup_env()
+    setup_env(quiet=True)
     out = {"repeat": args.repeat}
     with tempfile.TemporaryDirectory(prefix="kvabi-bench-vllm-") as tmp:
         out["throughput"] = throughput(args, Path(tmp), tick)
@@ -233,6 +233,9 @@ def main(argv=None) -> int:
     from kvabi import KVABIError
 
     args = parser().parse_args(argv)
+    from .engine import setup_env
+
+    setup_env(quiet=True)  # before vLLM is first imported
     try:
         _check(args)
         from tqdm import tqdm

@@ -40,7 +40,7 @@ def run(args, progress=None) -> list[dict]:
     from .attention import STATS
     from .engine import generate, setup_env
 
-    setup_env()
+    setup_env(quiet=True)
     names = kvabi.backend_names()
     backends = list(dict.fromkeys(b if b in names else "example.torch" for b in args.backends))
     prompts = ck.prompts(args.prompts)
@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     args = parser().parse_args(argv)
+    from .engine import setup_env
+
+    setup_env(quiet=True)  # before vLLM is first imported
     if min(args.prompts, args.new_tokens, args.block_size) < 1:
         print("kvabi-vllm demo: error: --prompts, --new-tokens and --block-size must be >= 1",
               file=sys.stderr)
