@@ -3,7 +3,7 @@
 subcommand that needs a heavy or missing dependency never breaks the others.
 
 Errors: a :class:`~kvabi.KVABIError` (bad input: a file, a config, a descriptor) or a usage
-error (an unknown option, a bad option value; see :mod:`kvabi.commands.argtypes`) prints one
+error (an unknown option, a bad option value; see :mod:`kvabi.argtypes`) prints one
 line, ``kvabi: error: <message>``, on stderr and exits with status 2.  ``--debug`` (before
 or after the command) or ``KVABI_DEBUG=1`` also prints the traceback.
 """
@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "plan": "plan KV cache memory for model configs",
     "conformance": "run the conformance kit against a backend",
     "bench": "run a benchmark suite (transforms, tpu, cuda, ...)",
+    "probe": "infer the layout a backend's write_kv really produces; compare to its declared one",
 }
 
 #: exit status of a KVABIError or a usage error

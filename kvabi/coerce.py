@@ -113,6 +113,25 @@ def _has_bool(seq) -> bool:
     return False
 
 
+def _object_ints(a: np.ndarray, field: str) -> np.ndarray:
+    """An object array (Python ints beyond int64, Fractions, Decimals, None, ... land there)
+    as int64, every entry checked: the entries' types are collected in C, and only entries
+    of a type that is not plainly an integer are looked at one by one."""
+    flat = a.ravel()
+    types = set(map(type, flat))
+    odd = [t for t in types if t is bool or not issubclass(t, (int, np.integer))]
+    if odd:
+        for v in flat:
+            if type(v) in odd and not is_int(v):
+                raise KVABIError(f"{field}: must hold integers, got an entry {_show(v)}")
+        # the odd types were integer scalars (0-d integer tensors): read them as ints
+        flat = np.array([operator.index(v) for v in flat], dtype=object)
+    try:
+        return flat.astype(np.int64).reshape(a.shape)
+    except OverflowError:
+        raise KVABIError(f"{field}: values must fit in int64") from None
+
+
 def int_array(x, field: str, *, ndim: int | None = 1, lo: int | None = None,
               hi: int | None = None) -> np.ndarray:
     """``x`` as an int64 numpy array (a copy only where the dtype differs).
@@ -128,15 +147,7 @@ def int_array(x, field: str, *, ndim: int | None = 1, lo: int | None = None,
         return np.zeros(a.shape if a.ndim == (ndim or a.ndim) else (0,) * ndim, np.int64)
     kind = a.dtype.kind
     if kind == "O":
-        # Python ints beyond int64 land in object arrays: name the first bad entry.
-        flat = a.ravel()
-        for v in flat[:1000]:
-            if not is_int(v):
-                raise KVABIError(f"{field}: must hold integers, got an entry {_show(v)}")
-        try:
-            a = a.astype(np.int64)
-        except OverflowError:
-            raise KVABIError(f"{field}: values must fit in int64") from None
+        a = _object_ints(a, field)
         kind = "i"
     if kind not in "iu":
         raise KVABIError(f"{field}: must hold integers, got dtype {a.dtype}")

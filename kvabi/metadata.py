@@ -29,9 +29,18 @@ MAX_STEP_REQS = 1 << 24
 
 def _array(dtype, field: str, ndim: int = 1):
     def conv(x):
-        return index_array(x, field, dtype, ndim=ndim)
+        a = index_array(x, field, dtype, ndim=ndim)
+        if not a.flags.owndata:
+            a = a.copy()  # maybe the caller's memory (numpy, torch): it could change later
+        return _frozen(a)
 
     return conv
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """``a`` made read-only (kvabi's own array: validated once, never changed)."""
+    a.flags.writeable = False
+    return a
 
 
 def _block_size(v) -> int:
@@ -77,7 +86,7 @@ class CommonAttentionMetadata:
                         ("context_lens", context_lens), ("positions", positions),
                         ("slot_mapping", slot_mapping), ("block_table", block_table),
                         ("block_size", block_size), ("num_blocks", num_blocks)):
-            object.__setattr__(self, name, v)
+            object.__setattr__(self, name, _frozen(v) if isinstance(v, np.ndarray) else v)
         return self
 
     # -- derived sizes -----------------------------------------------------------------

@@ -24,7 +24,7 @@ import re
 
 import attrs
 
-from .coerce import as_int
+from .coerce import as_int, is_int
 from .errors import KVABIError, require
 from .spec import KVSpec, ModelKV
 
@@ -36,14 +36,14 @@ _BYTES_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
 
 
 def parse_bytes(text: str | int) -> int:
-    """Bytes from ``"16GiB"``, ``"1.5 GB"``, ``"512MiB"``, ``"4096"`` or an int.
+    """Bytes from ``"16GiB"``, ``"1.5 GB"``, ``"512MiB"``, ``"4096"`` or an integer
+    (Python, numpy or torch).
 
     Units: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024), any case.
     Fractions round down to a whole byte.
     """
-    if isinstance(text, int) and not isinstance(text, bool):
-        require(text >= 0, "memory", "must be >= 0 bytes", text)
-        return text
+    if is_int(text):
+        return as_int(text, "memory", lo=0)
     require(isinstance(text, str), "memory", "must be a size such as '16GiB'", text)
     m = _BYTES_RE.fullmatch(text)
     unit = m and _UNITS.get(m.group(2).lower())

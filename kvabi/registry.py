@@ -213,7 +213,7 @@ def _check_backend(b, plugin: str) -> str | None:
     """Why backend object ``b`` is refused, or None."""
     if not isinstance(b, Backend):
         return f"not a kvabi.Backend: {type(b).__module__}.{type(b).__qualname__}"
-    if not isinstance(b.name, str) or not _NAME_RE.match(b.name):
+    if not isinstance(b.name, str) or not _NAME_RE.fullmatch(b.name):  # no final "\n"
         return f"invalid backend name {b.name!r} (want dotted words, e.g. 'cuda.triton')"
     v = b.abi_version
     if not (isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, int) for x in v)):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvabi.argtypes import float_arg, from_kvabi, int_arg, positive_int
 from kvabi.cli import main
-from kvabi.commands.argtypes import float_arg, from_kvabi, int_arg, positive_int
 from kvabi.plan import parse_bytes
 
 LLAMA = str(Path(__file__).parents[1] / "examples" / "configs" / "llama-3-8b.json")
@@ -114,3 +114,105 @@ def test_option_types_for_other_commands():
                  ["--k", "9" * 30]):
         with pytest.raises(argparse.ArgumentError):
             p.parse_args(argv)
+
+
+def _path_cases(tmp: Path):
+    """(argv, message) for every option naming a path, given a path of the wrong kind."""
+    a_file = tmp / "a-file"
+    a_file.write_text("x")
+    a_dir = tmp / "a-dir"
+    a_dir.mkdir()
+    conf = ["conformance", "reference", "--quick"]
+    return [
+        (conf + ["--junit-xml", str(a_dir)], "argument --junit-xml: "
+         f"{str(a_dir)!r} is a directory"),
+        (conf + ["--junit-xml", str(a_file / "report.xml")], "argument --junit-xml: "
+         f"{str(a_file / 'report.xml')!r}: {str(a_file)!r} is not a directory"),
+        (conf + ["--junit-xml", str(a_file / "deeper" / "report.xml")],
+         f"{str(a_file)!r} is not a directory"),
+        (conf + ["--junit-xml", ""], "argument --junit-xml: must be a path"),
+        (conf + ["--replay", str(a_file)], f"argument --replay: {str(a_file)!r} is not a "
+         "directory"),
+        (conf + ["--replay", str(a_file / "sub")], f"{str(a_file)!r} is not a directory"),
+    ]
+
+
+def test_path_options_are_checked_by_kind(tmp_path, capsys):
+    """A path of the wrong kind is a usage error before anything runs (not an
+    IsADirectoryError or FileExistsError traceback after the checks ran)."""
+    for argv, match in _path_cases(tmp_path):
+        rc, out, err = run(argv, capsys)
+        assert rc == 2 and out == "", argv
+        assert match in one_line(err), (argv, err)
+    # nothing was written or made by the refused runs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-file"]
+    assert list((tmp_path / "a-dir").iterdir()) == []
+
+
+def test_path_options_accept_paths_of_their_kind(tmp_path):
+    from kvabi.argtypes import directory_arg, output_file_arg
+
+    (tmp_path / "old.xml").write_text("old")
+    for good in (tmp_path / "new.xml", tmp_path / "old.xml", tmp_path / "x" / "y" / "r.xml"):
+        assert output_file_arg(str(good)) == str(good)
+    for good in (tmp_path, tmp_path / "new", tmp_path / "x" / "y"):
+        assert directory_arg(str(good)) == str(good)
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")  # a dangling link is not a dir
+    with pytest.raises(argparse.ArgumentTypeError, match="not a directory"):
+        directory_arg(str(tmp_path / "link"))
+
+
+def test_bench_usage_errors_are_one_line(capsys):
+    """Built-in suites and a plugin's suite with its own argparse parser: one line, status 2,
+    no usage block; argparse's own error handling is restored afterwards."""
+    registry = pytest.importorskip("kvabi.registry")
+    from kvabi import hookimpl
+
+    def suite(argv):
+        p = argparse.ArgumentParser(prog="kvabi bench strict")
+        p.add_argument("--n", type=positive_int, default=1)
+        p.parse_args(argv)
+        return 0
+
+    class Plugin:
+        @hookimpl
+        def kvabi_bench_suites(self):
+            return {"strict": suite}
+
+    registry.reset()
+    try:
+        registry.register(Plugin(), name="bench-strict")
+        for argv, match in [
+            (["bench", "transforms", "--bogus"],
+             "kvabi: error: bench transforms: unrecognized arguments: --bogus (see "
+             "'kvabi bench transforms --help')"),
+            (["bench", "layout", "--bogus"], "kvabi: error: bench layout: unrecognized arguments"),
+            (["bench", "strict", "--n", "0"],
+             "kvabi: error: bench strict: argument --n: must be >= 1, got 0 (see "
+             "'kvabi bench strict --help')"),
+            (["bench", "strict", "--n"],
+             "kvabi: error: bench strict: argument --n: expected one argument"),
+        ]:
+            rc, out, err = run(argv, capsys)
+            assert rc == 2 and out == "", argv
+            assert one_line(err).startswith(match), err
+        assert run(["bench", "strict", "--n", "3"], capsys)[0] == 0
+    finally:
+        registry.reset()
+    with pytest.raises(SystemExit):  # outside `kvabi bench`, argparse is argparse again
+        argparse.ArgumentParser().parse_args(["--bogus"])
+    capsys.readouterr()
+
+
+def test_every_installed_bench_suite_gives_one_line_usage_errors(capsys):
+    """Whatever suites are installed here (built-in and plugins'), an unknown option is a
+    one-line usage error naming the suite."""
+    from kvabi.commands.bench import suites
+
+    names = sorted(suites())
+    assert {"transforms", "layout", "overhead", "transfer"} <= set(names)
+    for name in names:
+        rc, out, err = run(["bench", name, "--no-such-option"], capsys)
+        assert rc == 2 and out == "", name
+        assert one_line(err).startswith(f"kvabi: error: bench {name}: unrecognized "
+                                        "arguments: --no-such-option"), err

@@ -5,6 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,6 +47,16 @@ def blocks_needed(s: KVSpec, length: int, q: int) -> int:
 ])
 def test_parse_bytes(text, want):
     assert parse_bytes(text) == want
+
+
+def test_parse_bytes_takes_numpy_and_torch_integers():
+    torch = pytest.importorskip("torch")
+    for n in (np.int64(4096), np.uint32(4096), torch.tensor(4096)):
+        got = parse_bytes(n)
+        assert got == 4096 and type(got) is int
+    for bad in (np.float64(4096), torch.tensor(4096.0), np.int64(-1), np.bool_(True)):
+        with pytest.raises(KVABIError, match="^memory"):
+            parse_bytes(bad)
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "16XB", "-1GiB", "1e9", "16 GiB extra",

@@ -188,13 +188,14 @@ class Raising:
 def test_bad_hooks_and_objects_are_refused_with_reasons():
     registry.register(Raising(), name="raiser")
     registry.register(Plugin(object(), backend("Bad Name!"), backend("badabi", "1.0"),
-                             backend("fine.one")), name="mixed")
+                             backend("fine.one"), backend("fine.two\n")), name="mixed")
     names = registry.backend_names()
     assert "fine.one" in names and names[0] == "reference"
     reasons = {(r.plugin, r.name): r.reason for r in registry.refused()}
     assert "OSError: driver not found" in reasons[("raiser", "raiser")]
     assert "not a kvabi.Backend" in reasons[("mixed", "mixed")]
     assert "invalid backend name" in reasons[("mixed", "Bad Name!")]
+    assert "invalid backend name" in reasons[("mixed", "fine.two\n")]  # matched whole
     assert "abi_version" in reasons[("mixed", "badabi")]
 
 

@@ -1,6 +1,9 @@
 """kvabi.tensors (bit-exact conversion) and kvabi.coerce (strict boundary types)."""
 from __future__ import annotations
 
+from decimal import Decimal
+from fractions import Fraction
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -68,6 +71,44 @@ def test_int_array_keeps_every_int64(xs):
     a = coerce.int_array(xs, "f")
     assert a.dtype == np.int64 and a.tolist() == xs
     assert coerce.int_array(torch.tensor(xs, dtype=torch.int64), "f").tolist() == xs
+
+
+_NOT_INTS = [Fraction(5, 2), Fraction(4, 2), Decimal("2.5"), Decimal("2"), 2.5, 2.0, None,
+             True, np.bool_(False), "2", 1j, np.float64(2.0), torch.tensor(2.5),
+             torch.tensor([2]), object()]
+
+
+@given(st.integers(0, 1500), st.integers(0, 1500), st.sampled_from(_NOT_INTS),
+       st.sampled_from(["list", "object array", "object 2-D"]), st.booleans())
+def test_every_entry_is_checked_not_a_prefix(n, where, bad, form, big):
+    """One non-integer anywhere among many integers (Python ints beyond int64 too, which
+    put even a list into an object array) is refused by name, never truncated or read as
+    an int, never a TypeError."""
+    where = min(where, n)
+    xs = [2**63 + i if big and i % 7 == 0 else i for i in range(n)]
+    xs.insert(where, bad)
+    if form == "list":
+        x = xs
+    else:
+        x = np.empty(len(xs), dtype=object)
+        x[:] = xs
+        if form == "object 2-D" and len(xs) % 2 == 0:
+            x = x.reshape(2, -1)
+    with pytest.raises(KVABIError, match="^field: "):
+        coerce.int_array(x, "field", ndim=None)
+
+
+@given(st.lists(st.integers(-2 ** 63, 2 ** 63 - 1), max_size=40), st.booleans())
+def test_object_arrays_of_integers_are_read_exactly(xs, tensors_too):
+    """Object arrays holding Python, numpy and 0-d torch integers: every value, exactly."""
+    x = np.empty(len(xs), dtype=object)
+    for i, v in enumerate(xs):
+        x[i] = (np.int64(v) if i % 3 == 1 else torch.tensor(v) if tensors_too and i % 3 == 2
+                else v)
+    a = coerce.int_array(x, "f")
+    assert a.dtype == np.int64 and a.tolist() == xs
+    with pytest.raises(KVABIError, match="f: values must fit in int64"):
+        coerce.int_array(np.array(xs + [2**63], dtype=object), "f")
 
 
 def test_int_array_bounds_and_empties():

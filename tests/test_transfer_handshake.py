@@ -69,7 +69,13 @@ def _mutate(path, value):
     (("kvabi_abi",), [2, 0], "kvabi_abi: the peer speaks ABI 2.0"),
     (("kvabi_abi",), [1], r"kvabi_abi: must be \[major, minor\]"),
     (("kvabi_abi",), [True, 1], r"kvabi_abi: must be \[major, minor\]"),
+    (("kvabi_abi",), [1, 0], "kvabi_abi: the handshake message exists since ABI 1.1"),
     (("message",), "something.else", "message: must be"),
+    (("agent", "zone"), "eu", "agent.zone: unknown field"),
+    (("planes", 1, "numa"), 0, r"planes\[1\].numa: unknown field"),
+    (("agent", "name"), "prefill-0\n", "agent.name"),
+    (("agent", "host"), "127.0.0.1\n", "agent.host"),
+    (("metadata",), None, "metadata: must be a base64 string, got NoneType"),
     (("extra",), 1, "handshake.extra: unknown field"),
     (("planes",), KeyError, "handshake.planes: missing"),
     (("agent", "name"), "a b", "agent.name"),
@@ -97,6 +103,21 @@ def _mutate(path, value):
 def test_refusals_name_the_field(path, value, match):
     with pytest.raises(KVABIError, match=match):
         parse_handshake(json.dumps(_mutate(path, value)))
+
+
+def test_a_parsed_handshake_cannot_change():
+    """What the receiver checked stays checked: the handshake is frozen and its planes
+    (the bounds every later pull trusts) are read-only."""
+    import attrs
+
+    h = parse_handshake(json.dumps(message()))
+    with pytest.raises(ValueError, match="read-only"):
+        h.planes[0, 1] = 1 << 40
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        h.planes = np.zeros((2, 3), np.int64)
+    with pytest.raises(ValueError):
+        h.planes.flags.writeable = True  # the array owns its memory, but not this flag
+    assert list(h.plane_nbytes) == [LAYOUT.plane_nbytes] * 2
 
 
 def test_newer_minor_may_add_fields():

@@ -3,6 +3,7 @@ end (cuda.triton on flashinfer.HND block 16 -> tpu.jax on tpu.combined block 32,
 reference backend where those are unavailable).  Skipped, with the reason, without nixl."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pathlib
@@ -122,12 +123,17 @@ def test_lying_peer_fails_cleanly(agents):
     lay = Layout.preset("flash_attn", SPEC, 4, 1)
     src = a_agent.register(_random(lay, 3))
     dst = b_agent.register(KVCache.allocate(lay, "numpy"))
-    msg = json.loads(a_agent.handshake(src))
+    msg = json.loads(a_agent.handshake(src, include_metadata=True))
     for p in msg["planes"]:
         p["address"] += 1 << 40  # passes kvabi's checks: the peer's claims are consistent
     peer = b_agent.connect(json.dumps(msg))
     with pytest.raises(KVABIError, match="transfer: .*src-agent"):
         b_agent.pull(peer, dst, [0, 1], [0, 1], timeout=30)
+    # Fetched from a known agent, metadata must hold the planes the message names.
+    del msg["metadata"]
+    with pytest.raises(KVABIError, match="did not answer within 1 s with metadata of the "
+                                         "planes in its message"):
+        b_agent.connect(json.dumps(msg), timeout=1)
 
 
 def test_unreachable_peer(agents):
@@ -142,6 +148,71 @@ def test_unreachable_peer(agents):
     msg["agent"] = {"name": "nobody", "host": "127.0.0.1", "port": kv_nixl.free_port()}
     with pytest.raises(KVABIError, match="peer: agent 'nobody' at 127.0.0.1:.* did not answer"):
         b_agent.connect(json.dumps(msg), timeout=1.0)
+
+
+def test_refused_handshakes_change_nothing(agents):
+    """Messages naming a connected agent (or carrying its metadata) that are refused: at a
+    dead port, with another agent's or stale or broken metadata.  The connected peers'
+    NIXL metadata stays: pulls from them still deliver every byte."""
+    a_agent, b_agent = agents
+    lay = Layout.preset("flash_attn", SPEC, 4, 1)
+    src = a_agent.register(_random(lay, 5))
+    stale = json.loads(a_agent.handshake(src, include_metadata=True))["metadata"]
+    peer = b_agent.connect(a_agent.handshake(src))
+    src2 = a_agent.register(_random(lay, 6))  # planes the stale metadata does not hold
+    peer2 = b_agent.connect(a_agent.handshake(src2))
+    dst = b_agent.register(KVCache.allocate(lay, "numpy"))
+
+    def pulls_still_work():
+        for p, s in ((peer, src), (peer2, src2)):
+            for q in dst:
+                q[...] = 0
+            b_agent.pull(p, dst, [0, 5], [9, 2], timeout=30)
+            for kv in range(2):
+                np.testing.assert_array_equal(dst.kv_view(0, kv)[[2, 0], [1, 2]],
+                                              s.kv_view(0, kv)[[0, 1], [0, 1]])
+
+    pulls_still_work()
+    src3 = a_agent.register(_random(lay, 7))  # new planes: only a fresh fetch has them
+    dead = json.loads(a_agent.handshake(src3))
+    dead["agent"]["port"] = kv_nixl.free_port()
+    with pytest.raises(KVABIError, match="peer: agent 'src-agent' at 127.0.0.1:.* did not "
+                                         "answer"):
+        b_agent.connect(json.dumps(dead), timeout=1.0)
+    pulls_still_work()
+    other = kv_nixl.NixlAgent("other-agent")
+    try:
+        other_md = other._agent.get_agent_metadata()
+    finally:
+        other.close()
+    head = b"nixlSerDes|Agent" + len(b"src-agent").to_bytes(8, "little") + b"src-agent"
+    for name, md, match in [
+            ("impostor", base64.b64decode(stale), "metadata: describes agent 'src-agent', "
+                                                  "the message names 'impostor'"),
+            ("src-agent", other_md, "metadata: describes agent 'other-agent'"),
+            ("src-agent", head + b"|Conns" + b"\xff" * 40, "peer: connecting to 'src-agent'"),
+            ("src-agent", b"not nixl", "metadata: not NIXL agent metadata"),
+            ("src-agent", head[:20], "metadata: not NIXL agent metadata")]:
+        msg = json.loads(a_agent.handshake(src))
+        msg["agent"]["name"] = name
+        msg["metadata"] = base64.b64encode(md).decode()
+        with pytest.raises(KVABIError, match=match):
+            b_agent.connect(json.dumps(msg), timeout=2)
+        pulls_still_work()
+    assert not b_agent._agent.check_remote_metadata("other-agent")
+    for c in (src, src2, src3):
+        a_agent.deregister(c)
+    b_agent.deregister(dst)
+
+
+def test_metadata_agent_name():
+    md = b"nixlSerDes|Agent" + (5).to_bytes(8, "little") + b"abcde|Conns..."
+    assert kv_nixl.metadata_agent_name(md) == "abcde"
+    for bad in (b"", md[:23], md[:26], b"nixlSerDes|Agent" + (2**63).to_bytes(8, "little"),
+                b"nixlSerDes|Agent" + (0).to_bytes(8, "little") + b"x",
+                b"nixlSerDes|Agent" + (1).to_bytes(8, "little") + b"\xff"):
+        with pytest.raises(KVABIError, match="metadata: not NIXL agent metadata"):
+            kv_nixl.metadata_agent_name(bad)
 
 
 def test_refusals(agents):

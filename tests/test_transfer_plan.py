@@ -3,6 +3,9 @@ path), padding and untouched slots keep their poison, and region counts match th
 formula for presets."""
 from __future__ import annotations
 
+from decimal import Decimal
+from fractions import Fraction
+
 import attrs
 import numpy as np
 import pytest
@@ -159,6 +162,25 @@ def test_refuses_different_data(other, field):
 def test_refuses_bad_input(kwargs, match):
     with pytest.raises(KVABIError, match=match):
         plan_transfer(A, A, **kwargs)
+
+
+@pytest.mark.parametrize("last", [Fraction(5, 2), Decimal("2.5"), 2.5, None])
+@pytest.mark.parametrize("form", [list, lambda xs: np.array(xs, dtype=object)])
+def test_every_slot_is_checked(last, form):
+    """The last of 1,001 slots is checked as the first is: never planned as slot 2."""
+    b = Layout.preset("flashinfer.NHD", SPEC, 300, 2)
+    src = list(range(1000)) + [last]
+    with pytest.raises(KVABIError, match="^src_slots: must hold integers"):
+        plan_transfer(b, b, form(src), list(range(1001)))
+    with pytest.raises(KVABIError, match="^dst_slots: must hold integers"):
+        plan_transfer(b, b, list(range(1001)), form(src))
+
+
+def test_repeated_destination_blocks_are_named_as_blocks():
+    with pytest.raises(KVABIError, match="^dst_blocks: block 2 appears twice"):
+        plan_block_transfer(A, A, [0, 1], [2, 2])
+    with pytest.raises(KVABIError, match="^dst_blocks: block 1 appears twice"):
+        plan_block_transfer(A, A, [0, 0, 3], [1, 2, 1])
 
 
 def test_layer_counts_must_match_or_be_named():

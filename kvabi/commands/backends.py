@@ -15,7 +15,7 @@ import attrs
 from ..abi import ABI_VERSION
 from ..dtypes import DTYPES
 from ..spec import KINDS, KVSpec
-from .argtypes import positive_int
+from ..argtypes import positive_int
 
 
 def configure(parser) -> None:

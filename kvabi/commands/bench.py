@@ -1,7 +1,13 @@
-"""``kvabi bench SUITE [ARGS...]``: run a built-in or plugin-provided benchmark suite."""
+"""``kvabi bench SUITE [ARGS...]``: run a built-in or plugin-provided benchmark suite.
+
+A suite parses its own arguments with argparse; while it runs, argparse's usage errors are
+raised as :class:`kvabi.cli.UsageError`, so every suite's (plugins' included) prints the
+one-line ``kvabi: error: bench SUITE: ...`` form of ``specs/security.md``.
+"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from ..errors import KVABIError
@@ -37,10 +43,16 @@ def _builtin_transfer(argv):
     return transfer.run(argv)
 
 
+def _builtin_probe(argv):
+    from ..bench import probe
+
+    return probe.run(argv)
+
+
 def suites() -> dict:
     """{name: callable(argv) -> int}: the built-in suites plus those of plugins."""
     found = {"transforms": _builtin_transforms, "layout": _builtin_layout,
-             "overhead": _builtin_overhead, "transfer": _builtin_transfer}
+             "overhead": _builtin_overhead, "transfer": _builtin_transfer, "probe": _builtin_probe}
     try:
         from .. import registry
     except ImportError:  # registry not available: built-in suites only
@@ -60,6 +72,23 @@ def suites() -> dict:
     return found
 
 
+@contextlib.contextmanager
+def _one_line_usage_errors(suite: str):
+    """argparse's ``error`` raising UsageError (printed by ``kvabi.cli.main`` as one line)
+    instead of printing the usage block and exiting, for as long as a suite runs."""
+    from ..cli import UsageError
+
+    def error(parser, message):
+        raise UsageError(f"bench {suite}: {message} (see '{parser.prog} --help')")
+
+    original = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original
+
+
 def run(args) -> int:
     available = suites()
     if args.suite is None:
@@ -69,4 +98,5 @@ def run(args) -> int:
     if args.suite not in available:
         raise KVABIError(f"suite: unknown benchmark suite {args.suite!r}; available: "
                          f"{', '.join(sorted(available))}")
-    return int(available[args.suite](list(args.args)) or 0)
+    with _one_line_usage_errors(args.suite):
+        return int(available[args.suite](list(args.args)) or 0)

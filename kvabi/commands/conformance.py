@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from ..dtypes import DTYPES
-from .argtypes import float_arg, int_arg, positive_int
+from ..argtypes import directory_arg, float_arg, int_arg, output_file_arg, positive_int
 
 PROFILES = ("ci", "thorough", "quick")
 
@@ -51,13 +51,13 @@ def configure(parser) -> None:
                         type=_check_name, help="run only this check (repeatable)")
     parser.add_argument("--dtype", action="append", default=None, choices=DTYPES,
                         help="draw only this cache dtype (repeatable)")
-    parser.add_argument("--replay", default=None, metavar="DIR",
+    parser.add_argument("--replay", default=None, metavar="DIR", type=directory_arg,
                         help="write the reproducer of each failure into DIR (default: "
                              "$KVABI_REPLAY_DIR, else a new temporary directory)")
     parser.add_argument("--json", action="store_true",
                         help="print the results as JSON (one object per backend and check) "
                              "instead of the table")
-    parser.add_argument("--junit-xml", default=None, metavar="PATH",
+    parser.add_argument("--junit-xml", default=None, metavar="PATH", type=output_file_arg,
                         help="also write the results as JUnit XML (one test case per "
                              "backend and check)")
 
@@ -108,10 +108,15 @@ def run(args) -> int:
         results += run_backend(b, checks=checks, options=options,
                                max_examples=args.max_examples, seed=seed, profile=profile,
                                time_budget=budget, shrink=not args.no_shrink,
-                               replay=args.replay or DEFAULT, progress=progress(b.name))
+                               replay=args.replay or DEFAULT,
+                               progress=progress(b.name))
     failed = [r for r in results if r.failed]
     if args.junit_xml:
-        path = report_junit.write(args.junit_xml, results, profile=profile, seed=seed)
+        try:  # the option's type checked the path's kind; permissions show only now
+            path = report_junit.write(args.junit_xml, results, profile=profile, seed=seed)
+        except OSError as e:
+            raise KVABIError(f"junit_xml: cannot write {args.junit_xml!r}: "
+                             f"{e.strerror or e}") from None
         print(f"kvabi conformance: JUnit XML written to {path}", file=sys.stderr)
     if args.json:
         print(report_json.dumps(results, profile=profile, seed=seed))

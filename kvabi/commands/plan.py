@@ -8,7 +8,7 @@ from ..hf_config import (hf_max_model_len, load_hf_config, model_from_hf_config,
                          resolve_kv_dtype, text_config)
 from ..plan import SCHEMES, MemoryPlan, parse_bytes, plan_memory
 from ..presets import PRESETS
-from .argtypes import from_kvabi, positive_int
+from ..argtypes import from_kvabi, positive_int
 
 EPILOG = """\
 With --json, one config prints one JSON object and several print a JSON array of

@@ -5,7 +5,10 @@ agent's name and listen address (and optionally the agent's metadata), the memor
 the layout descriptor, and the address and size of every registered plane.  The receiver
 treats the message as untrusted: :func:`parse_handshake` reads it with the strict JSON
 reader, checks every field's type and range, validates the layout descriptor in full, and
-checks that each plane holds at least the bytes the layout addresses.
+checks that each plane holds at least the bytes the layout addresses.  It accepts exactly what
+``specs/transfer.schema.json`` accepts, plus the checks the schema cannot express (integers
+written as ``4.0``, sizes against the layout, the text's size and nesting, base64): a test
+validates one corpus of messages with both.  Parsing has no side effect.
 """
 from __future__ import annotations
 
@@ -30,10 +33,15 @@ MAX_DEPTH = 8
 MAX_PLANES = 4096
 #: largest user-space address we accept (x86-64 and arm64 user space is below 2**57)
 MAX_ADDRESS = 2**62
-_NAME = re.compile(r"^[A-Za-z0-9_.:@\-]{1,128}$")
-_HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}$")
+#: the first minor version of the handshake message (ABI 1.0 had none)
+FIRST_MINOR = 1
+# matched whole (fullmatch): ``$`` would also match before a final "\n"
+_NAME = re.compile(r"[A-Za-z0-9_.:@\-]{1,128}")
+_HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")
 _FIELDS = {"kvabi_abi", "message", "agent", "memory", "layout", "planes"}
 _OPTIONAL = {"metadata"}
+_AGENT_FIELDS = ("host", "name", "port")
+_PLANE_FIELDS = ("address", "device", "nbytes")
 
 
 @attrs.frozen(eq=False)
@@ -73,17 +81,24 @@ def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout
     return text
 
 
-def _obj(v, field, keys, optional=()):
+def _obj(v, field, keys, *, closed=False):
+    """``v`` as a JSON object holding ``keys``; with ``closed``, holding no other key (a
+    message of the reader's own or an older minor)."""
     if not isinstance(v, dict):
         raise KVABIError(f"{field}: must be a JSON object, got {type(v).__name__}")
     missing = sorted(set(keys) - set(v))
     if missing:
         raise KVABIError(f"{field}.{missing[0]}: missing")
+    if closed:
+        extra = sorted(set(v) - set(keys))
+        if extra:
+            raise KVABIError(f"{field}.{extra[0]}: unknown field in a message of ABI "
+                             f"{ABI_VERSION[0]}.{ABI_VERSION[1]} or older")
     return v
 
 
 def _str(v, field, pattern, what):
-    if not isinstance(v, str) or not pattern.match(v):
+    if not isinstance(v, str) or not pattern.fullmatch(v):
         raise KVABIError(f"{field}: must be {what}, got {v!r:.80}")
     return v
 
@@ -100,20 +115,26 @@ def parse_handshake(text) -> Handshake:
     if ver[0] != ABI_VERSION[0]:
         raise KVABIError(f"kvabi_abi: the peer speaks ABI {ver[0]}.{ver[1]}; this reader "
                          f"speaks {ABI_VERSION[0]}.x")
+    if ver[1] < FIRST_MINOR:
+        raise KVABIError(f"kvabi_abi: the handshake message exists since ABI "
+                         f"{ABI_VERSION[0]}.{FIRST_MINOR}, the peer says {ver[0]}.{ver[1]}")
+    # A message of our own or an older minor holds only the fields we know, at every level;
+    # a newer minor's unknown fields are ignored.
+    closed = tuple(ver) <= ABI_VERSION
     _obj(d, "handshake", sorted(_FIELDS))
-    if tuple(ver) <= ABI_VERSION:
+    if closed:
         extra = sorted(set(d) - _FIELDS - _OPTIONAL)
         if extra:
             raise KVABIError(f"handshake.{extra[0]}: unknown field in an ABI "
                              f"{ver[0]}.{ver[1]} message")
-    if d["message"] != MESSAGE:
+    if not isinstance(d["message"], str) or d["message"] != MESSAGE:
         raise KVABIError(f"message: must be {MESSAGE!r}, got {d['message']!r:.80}")
-    agent = _obj(d["agent"], "agent", ("name", "host", "port"))
+    agent = _obj(d["agent"], "agent", _AGENT_FIELDS, closed=closed)
     name = _str(agent["name"], "agent.name", _NAME, "1-128 characters of [A-Za-z0-9_.:@-]")
     host = _str(agent["host"], "agent.host", _HOST, "a host name or IP address")
     port = as_int(agent["port"], "agent.port", lo=1, hi=65535)
     memory = d["memory"]
-    if memory not in MEMORY_TYPES:
+    if not isinstance(memory, str) or memory not in MEMORY_TYPES:
         raise KVABIError(f"memory: must be one of {', '.join(MEMORY_TYPES)}, got "
                          f"{memory!r:.80}")
     layout = Layout.from_json(_obj(d["layout"], "layout", ()))
@@ -128,7 +149,7 @@ def parse_handshake(text) -> Handshake:
     rows = []
     for i, p in enumerate(planes):
         f = f"planes[{i}]"
-        _obj(p, f, ("address", "nbytes", "device"))
+        _obj(p, f, _PLANE_FIELDS, closed=closed)
         addr = as_int(p["address"], f"{f}.address", lo=1, hi=MAX_ADDRESS)
         nbytes = as_int(p["nbytes"], f"{f}.nbytes", lo=1, hi=MAX_ADDRESS)
         dev = as_int(p["device"], f"{f}.device", lo=0, hi=1 << 16)
@@ -138,14 +159,18 @@ def parse_handshake(text) -> Handshake:
         if addr + nbytes > MAX_ADDRESS:
             raise KVABIError(f"{f}: address + nbytes passes {MAX_ADDRESS}")
         rows.append((addr, nbytes, dev))
-    meta = d.get("metadata")
-    if meta is not None:
+    meta = None
+    if "metadata" in d:  # optional, but when present a string (null is not "absent")
+        meta = d["metadata"]
         if not isinstance(meta, str):
             raise KVABIError(f"metadata: must be a base64 string, got {type(meta).__name__}")
         try:
             meta = base64.b64decode(meta.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError):
             raise KVABIError("metadata: not valid base64") from None
+    # Checked here and trusted by whoever holds the handshake: a read-only view of a
+    # read-only array, so that not even its writeable flag can be turned back on.
+    own = np.array(rows, np.int64).reshape(-1, 3).copy()  # owns its memory
+    own.flags.writeable = False
     return Handshake(abi=(ver[0], ver[1]), agent_name=name, host=host, port=port,
-                     memory=memory, layout=layout,
-                     planes=np.array(rows, np.int64).reshape(-1, 3), metadata=meta)
+                     memory=memory, layout=layout, planes=own.view(), metadata=meta)

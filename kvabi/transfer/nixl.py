@@ -72,6 +72,24 @@ def _memory_of(plane) -> tuple[int, str, int]:
                      "convert)")
 
 
+#: NIXL's serialized agent metadata opens with its serializer's tag, then the agent's name
+#: as a field: ``|Agent``, an 8-byte little-endian length, the name bytes
+_MD_HEADER = b"nixlSerDes|Agent"
+
+
+def metadata_agent_name(metadata: bytes) -> str:
+    """The agent name NIXL metadata describes, read from its header without loading it;
+    KVABIError when ``metadata`` does not open as NIXL agent metadata."""
+    n0 = len(_MD_HEADER)
+    n = int.from_bytes(metadata[n0:n0 + 8], "little") if len(metadata) >= n0 + 8 else -1
+    if not metadata.startswith(_MD_HEADER) or not 0 < n <= len(metadata) - n0 - 8:
+        raise KVABIError("metadata: not NIXL agent metadata")
+    try:
+        return metadata[n0 + 8:n0 + 8 + n].decode()
+    except UnicodeDecodeError:
+        raise KVABIError("metadata: not NIXL agent metadata") from None
+
+
 class Peer:
     """A connected peer: its validated handshake and NIXL agent name."""
 
@@ -154,31 +172,43 @@ class NixlAgent:
     def connect(self, message, *, timeout: float = 10.0) -> Peer:
         """Validate a peer's handshake (untrusted) and fetch its NIXL metadata from its
         listen address; KVABIError when the message is malformed or the peer does not
-        answer within ``timeout`` seconds."""
+        answer within ``timeout`` seconds.
+
+        A refused message changes nothing: the metadata of an agent connected earlier is
+        replaced only by metadata of that agent that NIXL loaded (NIXL updates a known
+        agent's metadata in place, and keeps it when a fetch or a load fails), never
+        removed first."""
         timeout = as_float(timeout, "timeout", positive=True)
         h = parse_handshake(message)
         if h.agent_name == self.name:
             raise KVABIError(f"agent.name: the peer has this agent's own name {self.name!r}")
+        ag = self._agent
         try:
-            # Metadata fetched earlier lacks memory the peer registered since: fetch it
-            # afresh (peers of that agent connected earlier stay valid).
-            if h.agent_name in self._peers or self._agent.check_remote_metadata(h.agent_name):
-                self._agent.remove_remote_agent(h.agent_name)
+            known = h.agent_name in self._peers or ag.check_remote_metadata(h.agent_name)
             if h.metadata is not None:
-                got = self._agent.add_remote_agent(h.metadata)
+                named = metadata_agent_name(h.metadata)
+                if named != h.agent_name:  # refused before NIXL loads (or replaces) anything
+                    raise KVABIError(f"metadata: describes agent {named!r}, the message "
+                                     f"names {h.agent_name!r}")
+                got = ag.add_remote_agent(h.metadata)
                 got = got.decode() if isinstance(got, bytes) else got
-                if got != h.agent_name:
-                    if got not in self._peers:  # never drop a peer connected earlier
-                        self._agent.remove_remote_agent(got)
+                if got != h.agent_name:  # NIXL read the name otherwise: undo what it loaded
+                    if got not in self._peers:
+                        ag.remove_remote_agent(got)
                     raise KVABIError(f"metadata: describes agent {got!r}, the message names "
                                      f"{h.agent_name!r}")
             else:
-                self._agent.fetch_remote_metadata(h.agent_name, h.host, h.port)
+                ag.fetch_remote_metadata(h.agent_name, h.host, h.port)
+                # A known agent already has metadata: wait for metadata holding the planes
+                # this message names (the fresh answer, where they are new).
+                descs = (ag.get_xfer_descs(h.planes.astype(np.uint64), h.memory),) \
+                    if known else ()
                 deadline = time.monotonic() + timeout
-                while not self._agent.check_remote_metadata(h.agent_name):
+                while not ag.check_remote_metadata(h.agent_name, *descs):
                     if time.monotonic() > deadline:
                         raise KVABIError(f"peer: agent {h.agent_name!r} at {h.host}:{h.port} "
-                                         f"did not answer within {timeout:g} s (unreachable?)")
+                                         f"did not answer within {timeout:g} s with metadata "
+                                         "of the planes in its message (unreachable?)")
                     time.sleep(0.005)
         except KVABIError:
             raise

@@ -311,9 +311,13 @@ def plan_block_transfer(src_layout: Layout, dst_layout: Layout, src_blocks, dst_
     if sb.size * bs_s != db.size * bs_t:
         raise KVABIError(f"dst_blocks: {db.size} blocks of {bs_t} tokens do not hold the "
                          f"{sb.size} source blocks of {bs_s} tokens")
-    if (not sb.size or np.unique(sb).size != sb.size or np.unique(db).size != db.size):
-        # nothing to move, repeated sources (merging and order depend on the repeats) or
-        # repeated destinations (refused there, naming the slot): the general path
+    ud, cd = np.unique(db, return_counts=True)
+    if ud.size != db.size:
+        raise KVABIError(f"dst_blocks: block {int(ud[cd > 1][0])} appears twice (a "
+                         "destination byte would be written twice)")
+    if not sb.size or np.unique(sb).size != sb.size:
+        # nothing to move, or repeated sources (merging and order depend on the repeats):
+        # the general path
         s = (sb[:, None] * bs_s + np.arange(bs_s)).ravel()
         t = (db[:, None] * bs_t + np.arange(bs_t)).ravel()
         return plan_transfer(src_layout, dst_layout, s, t, layers=layers)

@@ -24,7 +24,7 @@ import numpy as np
 
 
 def _parser():
-    from kvabi.commands.argtypes import int_arg
+    from kvabi.argtypes import int_arg
 
     pos = int_arg(lo=1, hi=1 << 24, name="positive integer")
     p = argparse.ArgumentParser(prog="kvabi bench cuda",

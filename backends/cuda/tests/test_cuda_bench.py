@@ -53,3 +53,16 @@ def test_bad_options_are_usage_errors(bad, capsys):
     with pytest.raises(SystemExit) as e:
         bench.run(bad)
     assert e.value.code == 2
+
+
+def test_bench_does_not_depend_on_the_command_line():
+    """A backend's bench parses its options with the public kvabi.argtypes, without
+    importing kvabi.commands (a fresh interpreter, so other tests' imports do not count)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvabi_cuda import bench; bench._parser().parse_args([]); "
+            "print(sorted(m for m in sys.modules if m.startswith('kvabi.commands')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    assert out.strip() == "[]"

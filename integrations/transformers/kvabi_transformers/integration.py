@@ -6,7 +6,7 @@ import sys
 
 import kvabi
 from kvabi import KVABIError
-from kvabi.coerce import as_bool
+from kvabi.coerce import as_bool, as_int
 from kvabi.plan import layout_page_bytes, parse_bytes, plan_memory
 
 from .model_kv import model_kv
@@ -43,6 +43,8 @@ class Integration:
         dtype = kv_dtype if kv_dtype is not None else kvabi.tensors.dtype_name(model.dtype)
         self.model_kv, self.slots, modules = model_kv(model, self.block_size, dtype)
         self.num_q_heads = int(config.num_attention_heads)
+        self.memory_here, self.where = memory_here(model)
+        _check_block_bytes(self.model_kv, self.block_size, self.memory_here, self.where)
         self.sinks = {i: m.sinks for i, m in modules.items()
                       if getattr(m, "sinks", None) is not None}
         softcap = getattr(config, "attn_logit_softcapping", None)
@@ -70,6 +72,10 @@ class Integration:
             budget = blocks * self.bytes_per_block
         if budget is None:
             budget = parse_bytes(DEFAULT_MEMORY)
+        if self.memory_here is not None and budget > self.memory_here:
+            # refused before anything is allocated or the model's attention is switched
+            raise KVABIError(f"memory: the KV cache would take {budget} bytes, more than the "
+                             f"{self.memory_here} bytes of {self.where}")
         uniform = self.layout_names[0] if len(set(self.layout_names)) == 1 else None
         self.memory_plan = plan_memory(self.model_kv, budget, layout=uniform)
         blocks = min(g.num_blocks for g in self.memory_plan.groups)
@@ -100,10 +106,19 @@ def _check_model(model) -> None:
                          f"(generate_batch), got {type(model).__name__}")
 
 
+#: what a backend must implement to serve a model (the base class raises NotImplementedError)
+REQUIRED_METHODS = ("capabilities", "preferred_layouts", "plan", "write_kv", "attention")
+
+
 def _backend(backend):
     b = kvabi.get_backend(backend) if isinstance(backend, str) else backend
     if not isinstance(b, kvabi.Backend):
         raise KVABIError(f"backend: must be a kvabi backend or its name, got {backend!r}")
+    missing = [m for m in REQUIRED_METHODS
+               if getattr(type(b), m, None) is getattr(kvabi.Backend, m)]
+    if missing:
+        raise KVABIError(f"backend: {b.name or type(b).__name__} does not implement "
+                         f"{', '.join(missing)}")
     ok, why = b.available()
     if not ok:
         raise KVABIError(f"backend: {b.name} is not available here: {why}")
@@ -131,10 +146,33 @@ def _block_size(block_size, backend) -> int:
         sizes = caps.block_sizes or (16,)
         size = sizes[0]
         return -(-size // caps.block_size_multiple) * caps.block_size_multiple
-    ok = isinstance(block_size, int) and not isinstance(block_size, bool) and block_size >= 4
-    if not ok:  # transformers' pages hold at least 4 tokens
-        raise KVABIError(f"block_size: must be an int >= 4, got {block_size!r}")
-    return block_size
+    # Python, numpy and torch integers (security.md); transformers' pages hold >= 4 tokens
+    return as_int(block_size, "block_size", lo=4)
+
+
+def memory_here(model) -> tuple[int | None, str]:
+    """(bytes, what) of the memory the model's caches go to: the CUDA device's, or this
+    machine's RAM for CPU models; (None, ...) where torch cannot tell."""
+    import torch
+
+    dev = model.device
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).total_memory), f"device {dev}"
+    if dev.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+        except (ValueError, OSError, AttributeError):
+            pass
+    return None, f"device {dev}"
+
+
+def _check_block_bytes(mkv, block_size: int, here: int | None, where: str) -> None:
+    """Refuse, naming ``block_size``, a block size whose one block of every layer does not
+    fit in the memory there is (before any layout is sized or any byte allocated)."""
+    one = sum(g.spec.page_bytes * len(g.layers) for g in mkv.groups)
+    if here is not None and one > here:
+        raise KVABIError(f"block_size: {block_size} tokens per block: one block of every "
+                         f"layer takes {one} bytes, more than the {here} bytes of {where}")
 
 
 def _layout(layout, backend, group, softcap, sinks, model_type) -> str:
@@ -178,7 +216,8 @@ def use(model, backend="reference", layout=None, *, block_size=None, kv_dtype=No
     suffix of layers only on the tokens whose logits are needed.
 
     Raises :class:`kvabi.KVABIError` (UnsupportedError for what the backend refuses) here,
-    not mid-generation, for any model, layout or option that cannot be served.
+    not mid-generation, for any model, layout or option that cannot be served, and then
+    leaves ``model`` as it was.  A run that fails gives the model its own attention back.
     """
     from .hooks import install
 

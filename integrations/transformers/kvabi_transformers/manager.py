@@ -78,7 +78,27 @@ class KvabiManager(ContinuousBatchingManager):
         # Prefix sharing where transformers itself would share (full attention only).
         if not integration.all_full:
             cb.allow_block_sharing = False
-        super().__init__(model, generation_config, cb, workload_hints)
+        try:
+            super().__init__(model, generation_config, cb, workload_hints)
+        except BaseException:
+            self.restore_attention(model)
+            raise
+
+    def warmup(self) -> None:
+        """transformers' warmup (it allocates the caches and runs dummy steps); when it
+        fails the model's attention is switched back, since no ``stop()`` follows."""
+        try:
+            super().warmup()
+        except BaseException:
+            self.restore_attention(self.model)
+            raise
+
+    def restore_attention(self, model) -> None:
+        """Give ``model`` back the attention implementation it had before this manager."""
+        original = getattr(self, "_original_attn_impl", None)
+        if original is not None:
+            model.set_attn_implementation(original)
+            self._original_attn_impl = None
 
     def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
         current = model.config._attn_implementation

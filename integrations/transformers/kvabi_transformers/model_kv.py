@@ -71,6 +71,8 @@ def model_kv(model, block_size: int, kv_dtype: str | None):
         if head_dim is not None and head_dim != spec.head_dim:
             raise KVABIError(f"model: layer {idx} computes head_dim {head_dim} but its config "
                              f"reads as {spec.head_dim} ({config.model_type!r})")
+        _check_heads(idx, attn, head_dim or spec.head_dim, spec.num_kv_heads,
+                     config.num_attention_heads)
         hf_window = getattr(attn, "sliding_window", None)
         want = spec.window if spec.kind == "sliding_window" else None
         if hasattr(attn, "sliding_window") and hf_window != want:
@@ -83,3 +85,27 @@ def model_kv(model, block_size: int, kv_dtype: str | None):
         g, i = where[mkv.owner(layer.name)]
         slots[idx] = LayerSlot(idx, g, i, layer.shares is not None)
     return mkv, slots, modules
+
+
+def _heads(proj, head_dim: int) -> int | None:
+    """Heads a projection computes (its output features over ``head_dim``); None where the
+    module does not say (not a Linear-like module); -1 where they do not divide."""
+    out = getattr(proj, "out_features", None)
+    if not isinstance(out, int) or isinstance(out, bool):
+        return None
+    return out // head_dim if out % head_dim == 0 else -1
+
+
+def _check_heads(idx: int, attn, head_dim: int, kv_heads: int, q_heads) -> None:
+    """The config's head counts against what the layer's projections compute, so that a
+    config edited after the model was built fails here, not in ``generate_batch``."""
+    q = _heads(getattr(attn, "q_proj", None), head_dim)
+    if q is not None and q != q_heads:
+        raise KVABIError(f"num_attention_heads: the config says {q_heads!r}, but layer {idx}'s "
+                         f"q_proj computes {attn.q_proj.out_features} features "
+                         f"(head_dim {head_dim})")
+    k = _heads(getattr(attn, "k_proj", None), head_dim)
+    if k is not None and k != kv_heads:
+        raise KVABIError(f"num_key_value_heads: the config reads as {kv_heads} KV heads at "
+                         f"layer {idx}, but its k_proj computes {attn.k_proj.out_features} "
+                         f"features (head_dim {head_dim})")

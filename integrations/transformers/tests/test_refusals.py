@@ -56,10 +56,70 @@ def test_model_kvabi_cannot_read():
         kvabi_transformers.use(model)
 
 
-@pytest.mark.parametrize("bad", [0, 3, 2.5, True, "16"])
-def test_bad_block_size(bad):
-    with pytest.raises(kvabi.KVABIError, match="block_size: must be an int >= 4"):
+@pytest.mark.parametrize("bad, match", [
+    (0, "must be >= 4, got 0"), (3, "must be >= 4, got 3"), (2.5, "must be an integer"),
+    (8.0, "must be an integer"), (True, "must be an integer"), ("16", "must be an integer"),
+    ([8], "must be an integer")])
+def test_bad_block_size(bad, match):
+    with pytest.raises(kvabi.KVABIError, match=f"^block_size: {match}"):
         kvabi_transformers.use(model_of("llama"), block_size=bad)
+
+
+def test_numpy_and_torch_integer_block_sizes():
+    """security.md: Python, numpy and torch integers are welcome wherever kvabi takes one."""
+    import numpy as np
+    import torch
+
+    for size in (np.int64(8), np.int32(8), torch.tensor(8)):
+        model = kvabi_transformers.use(model_of("llama"), block_size=size)
+        bs = model._kvabi_integration.block_size
+        assert bs == 8 and type(bs) is int
+
+
+@pytest.mark.parametrize("size", [2**40, 2**62, 2**63 - 1])
+def test_block_size_beyond_memory_is_refused_at_use_by_name(size):
+    """One block of every layer must fit in the memory there is; named block_size (not the
+    layout it would have failed in, nor a MemoryError in generate_batch)."""
+    from kvabi_transformers.integration import memory_here
+
+    model = model_of("llama")
+    here, _ = memory_here(model)
+    assert here is not None and here < 2**50  # this machine's RAM, as the OS states it
+    with pytest.raises(kvabi.KVABIError, match=f"^block_size: {size} tokens per block: one "
+                       f"block of every layer takes .* more than the {here} bytes"):
+        kvabi_transformers.use(model, block_size=size)
+    with pytest.raises(kvabi.KVABIError, match="^block_size: must be <= "):
+        kvabi_transformers.use(model, block_size=2**63)
+
+
+@pytest.mark.parametrize("field, factor", [("num_key_value_heads", 2),
+                                           ("num_key_value_heads", 0.5),
+                                           ("num_attention_heads", 2)])
+def test_config_heads_against_the_modules(field, factor):
+    """A config that disagrees with the modules it built fails at use(), naming the field."""
+    model = model_of("llama")
+    setattr(model.config, field, int(getattr(model.config, field) * factor))
+    with pytest.raises(kvabi.KVABIError, match=f"^(model: kvabi cannot read .*)?{field}: "):
+        kvabi_transformers.use(model)
+
+
+def test_a_backend_that_implements_nothing():
+    with pytest.raises(kvabi.KVABIError, match="^backend: Backend does not implement "
+                       "capabilities, preferred_layouts, plan, write_kv, attention$"):
+        kvabi_transformers.use(model_of("llama"), kvabi.Backend())
+
+    class Half(kvabi.Backend):
+        name = "vendor.half"
+
+        def capabilities(self, spec=None):
+            return ReferenceBackend().capabilities(spec)
+
+        def preferred_layouts(self, spec):
+            return ("flash_attn",)
+
+    with pytest.raises(kvabi.KVABIError, match="^backend: vendor.half does not implement "
+                       "plan, write_kv, attention$"):
+        kvabi_transformers.use(model_of("llama"), Half())
 
 
 def test_bad_backend_and_kv_dtype():
