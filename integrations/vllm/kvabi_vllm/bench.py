@@ -32,6 +32,9 @@ PATHS = (("vllm", None), ("kvabi cpu.vllm", "cpu.vllm"), ("kvabi reference", "re
 
 
 def parser() -> argparse.ArgumentParser:
+    from kvabi.argtypes import int_arg
+
+    pos = int_arg(1, 1 << 16)
     p = argparse.ArgumentParser(
         prog="kvabi bench vllm",
         description="vLLM on kvabi, side by side in one run: tokens/s of vLLM's own CPU "
@@ -40,23 +43,23 @@ def parser() -> argparse.ArgumentParser:
                     "with half of its layers KV-shared. Tiny random float32 checkpoints; "
                     "a few minutes on 2 CPU cores.")
     a = p.add_argument
-    a("--prompts", type=int, default=DEFAULTS["prompts"], help="throughput batch size")
-    a("--prompt-len", type=int, default=DEFAULTS["prompt_len"], help="throughput prompt tokens")
-    a("--new-tokens", type=int, default=DEFAULTS["new_tokens"],
+    a("--prompts", type=pos, default=DEFAULTS["prompts"], help="throughput batch size")
+    a("--prompt-len", type=pos, default=DEFAULTS["prompt_len"], help="throughput prompt tokens")
+    a("--new-tokens", type=pos, default=DEFAULTS["new_tokens"],
       help="tokens generated per prompt (throughput)")
-    a("--layers", type=int, default=DEFAULTS["layers"], help="layers of the Llama-like model")
-    a("--hidden", type=int, default=DEFAULTS["hidden"], help="model width (both models)")
-    a("--head-dim", type=int, default=DEFAULTS["head_dim"], help="head size (both models)")
-    a("--prefill-prompts", type=int, default=DEFAULTS["prefill_prompts"],
+    a("--layers", type=pos, default=DEFAULTS["layers"], help="layers of the Llama-like model")
+    a("--hidden", type=pos, default=DEFAULTS["hidden"], help="model width (both models)")
+    a("--head-dim", type=pos, default=DEFAULTS["head_dim"], help="head size (both models)")
+    a("--prefill-prompts", type=pos, default=DEFAULTS["prefill_prompts"],
       help="prompts of the prefill-skip batch")
-    a("--prefill-len", type=int, default=DEFAULTS["prefill_len"],
+    a("--prefill-len", type=pos, default=DEFAULTS["prefill_len"],
       help="tokens per prompt of the prefill-skip batch")
-    a("--prefill-layers", type=int, default=DEFAULTS["prefill_layers"],
+    a("--prefill-layers", type=pos, default=DEFAULTS["prefill_layers"],
       help="layers of the Gemma-3n-like model (the second half KV-shared)")
     a("--prefill-backend", default=DEFAULTS["prefill_backend"],
       help="kvabi backend of the prefill-skip runs (falls back to example.torch if absent)")
-    a("--block-size", type=int, default=DEFAULTS["block_size"], help="vLLM block size")
-    a("--repeat", type=int, default=DEFAULTS["repeat"], help="timed runs (median reported)")
+    a("--block-size", type=pos, default=DEFAULTS["block_size"], help="vLLM block size")
+    a("--repeat", type=pos, default=DEFAULTS["repeat"], help="timed runs (median reported)")
     a("--skip-pd", action="store_true", help="leave out the P/D section")
     a("--json", action="store_true", help="print JSON instead of a report")
     return p
@@ -65,11 +68,6 @@ def parser() -> argparse.ArgumentParser:
 def _check(args) -> None:
     from kvabi.errors import KVABIError
 
-    for name in ("prompts", "prompt_len", "new_tokens", "layers", "hidden", "head_dim",
-                 "prefill_prompts", "prefill_len", "repeat", "block_size"):
-        if getattr(args, name) < 1:
-            raise KVABIError(f"--{name.replace('_', '-')}: must be >= 1, got "
-                             f"{getattr(args, name)}")
     if args.prefill_layers < 4 or args.prefill_layers % 2:
         raise KVABIError(f"--prefill-layers: must be an even number >= 4, got "
                          f"{args.prefill_layers}")

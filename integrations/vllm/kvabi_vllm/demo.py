@@ -18,6 +18,9 @@ DEFAULT_BACKENDS = ("cpu.vllm", "reference")
 
 
 def parser() -> argparse.ArgumentParser:
+    from kvabi.argtypes import int_arg
+
+    pos = int_arg(1, 1 << 12)
     p = argparse.ArgumentParser(
         prog="kvabi-vllm demo",
         description="vLLM (in this process, CPU) generating through kvabi backends on a tiny "
@@ -26,9 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS),
                    help="kvabi backends (one not registered here is replaced by "
                         "example.torch)")
-    p.add_argument("--prompts", type=int, default=4, help="prompts in the batch")
-    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per prompt")
-    p.add_argument("--block-size", type=int, default=32, help="vLLM block size")
+    p.add_argument("--prompts", type=pos, default=4, help="prompts in the batch")
+    p.add_argument("--new-tokens", type=pos, default=16, help="tokens generated per prompt")
+    p.add_argument("--block-size", type=pos, default=32, help="vLLM block size")
     return p
 
 
@@ -73,10 +76,6 @@ def main(argv=None) -> int:
     from .engine import setup_env
 
     setup_env(quiet=True)  # before vLLM is first imported
-    if min(args.prompts, args.new_tokens, args.block_size) < 1:
-        print("kvabi-vllm demo: error: --prompts, --new-tokens and --block-size must be >= 1",
-              file=sys.stderr)
-        return 2
     try:
         with tqdm(total=len(set(args.backends)) + 2, desc="kvabi-vllm demo", unit="engine",
                   file=sys.stderr) as bar:

@@ -64,8 +64,9 @@ def test_greedy_tokens_equal_vllms_own(models, family, block_size, backend):
     assert out == native(models, family)
 
 
-@pytest.mark.parametrize("backend", ("reference", "example.torch"))
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_gemma3n_fast_prefill_is_kvabi_prefill_skip(models, backend):
+    needs(backend)
     dropped = STATS["prefill_skip_tokens_dropped"]
     out, _ = E.generate(models["gemma3n"], PROMPTS, max_tokens=MAX_TOKENS, backend=backend,
                         fast_prefill=True)
