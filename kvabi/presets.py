@@ -32,12 +32,15 @@ _OTHER = {
     "tpu.combined": (("B", "N", "H", "KV", "D"), ("L",), (("H", "KV"),)),
     # TPU hidden states: K and V planes, [B, N, H*D].
     "tpu.hidden": (("B", "N", "H", "D"), ("L", "KV"), (("H", "D"),)),
+    # Per block and head, keys then values, each [D, N] (token fastest): the key tiles of
+    # vLLM's CPU_ATTN kernels, which cpu.vllm reads in place ([L, B, H, 2, D, N]).
+    "vllm.cpu_kt": (("L", "B", "H", "KV", "D", "N"), (), ()),
     # Dynamo KVBM FullyContiguous: [B, L, outer=KV, page, inner=H*D].
     "kvbm.fully_contiguous": (("B", "L", "KV", "N", "H", "D"), (), (("H", "D"),)),
     # Dynamo KVBM LayerSeparate (block-contiguous): per layer [B, outer=KV, page, H*D].
     "kvbm.layer_separate": (("B", "KV", "N", "H", "D"), ("L",), (("H", "D"),)),
 }
-_NO_MLA = {"flash_attn", "flashinfer.NHD", "flashinfer.HND", "tpu.combined", "tpu.hidden"}
+_NO_MLA = {"vllm.cpu_kt", "flash_attn", "flashinfer.NHD", "flashinfer.HND", "tpu.combined", "tpu.hidden"}
 
 PRESETS = tuple(_VLLM) + tuple(_OTHER)
 

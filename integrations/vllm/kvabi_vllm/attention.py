@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -166,7 +166,6 @@ class KvabiMetadata:
     num_actual_tokens: int
     logits_indices_padded: torch.Tensor | None = None
     num_logits_indices: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):

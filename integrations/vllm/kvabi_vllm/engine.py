@@ -24,10 +24,13 @@ ENV_LAYOUT = "KVABI_VLLM_LAYOUT"
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def setup_env() -> None:
-    """Set :data:`ENGINE_ENV` where the caller has not."""
+def setup_env(quiet: bool = False) -> None:
+    """Set :data:`ENGINE_ENV` where the caller has not; ``quiet``: vLLM logs errors only
+    (its log goes to stdout, where a report or JSON is printed)."""
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
+    if quiet:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def use_backend(backend: str | None, layout: str | None = None) -> None:

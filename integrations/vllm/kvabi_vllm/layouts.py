@@ -77,6 +77,13 @@ def _template(backend, name: str, spec: kvabi.KVSpec):
         return None
 
 
+def _by_affinity(tpl) -> list[str]:
+    """vLLM's names, those ordering H and N as ``tpl`` does first (inside a block any order
+    fits; the name then also says which of H and N is outer)."""
+    h_first = tpl.order.index("H") < tpl.order.index("N")
+    return sorted(VLLM_LAYOUTS, key=lambda v: (v.index("H") < v.index("N")) != h_first)
+
+
 @attrs.frozen
 class Choice:
     """vLLM's ``KVCacheLayout`` name and the kvabi preset whose byte order fills it."""
@@ -102,7 +109,7 @@ def choose(backend, spec: kvabi.KVSpec, *, vllm_name: str | None = None) -> Choi
         if tpl is None:
             tried.append(f"{name} (not a kvabi preset for this spec)")
             continue
-        for v in ([vllm_name] if vllm_name else VLLM_LAYOUTS):
+        for v in ([vllm_name] if vllm_name else _by_affinity(tpl)):
             # One of vLLM's six presets fits only its own name (it *is* that byte order).
             if name in _SIX and name != "vllm." + v:
                 continue

@@ -90,7 +90,7 @@ def test_choose_takes_the_first_preferred_layout_that_fits():
         vl.Choice("LBNHC", "vllm.LBNHC")
     # A FlashInfer HND block [2, H, N, D] is the bytes of an LBHNC block in another order
     # (vLLM's own FlashInfer backend reads LBHNC as HND).
-    assert vl.choose(_Fake(("flashinfer.HND",)), spec) == vl.Choice("LBNHC", "flashinfer.HND")
+    assert vl.choose(_Fake(("flashinfer.HND",)), spec) == vl.Choice("LBHNC", "flashinfer.HND")
     # K and V planes, or head dims padded to 128: no vLLM allocation holds them.
     with pytest.raises(UnsupportedError, match="fake.backend.*flash_attn.*tpu.combined"):
         vl.choose(_Fake(("flash_attn", "tpu.combined")), spec)
