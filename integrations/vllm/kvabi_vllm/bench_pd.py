@@ -53,9 +53,13 @@ def _per_request(result: dict) -> dict:
             "tokens_equal": result["pd"] == result["single"]}
 
 
-def run(*, requests: int = 6, prompt_len: int = 256, layers: int = 32, workdir=None,
-        progress=print) -> dict:
-    """Run the four pairs; returns {label: per-request figures} and the goal lines."""
+def run(args=None, *, requests: int = 6, prompt_len: int = 256, layers: int = 32,
+        workdir=None, progress=print) -> dict:
+    """Run the pairs; returns {label: per-request figures}, the goal lines and the printed
+    ``report``.  ``args`` (``kvabi bench vllm``'s options) only chooses quiet output with
+    ``--json``: this section keeps its own model (``layers`` deep) and prompts."""
+    if args is not None and getattr(args, "json", False):
+        progress = lambda *_: None  # noqa: E731
     from .checkpoints import prompts, write_checkpoint
     from .pd import run_pair
 
@@ -77,6 +81,7 @@ def run(*, requests: int = 6, prompt_len: int = 256, layers: int = 32, workdir=N
         ("cross-layer >= 32x fewer regions than per-layer",
          same["regions"] / cross["regions"], 32.0),
     ]
+    out["report"] = report(out)
     return out
 
 
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = run(requests=a.requests, prompt_len=a.prompt_len, layers=a.layers,
               progress=(lambda *_: None) if a.json else print)
-    print(json.dumps(out, indent=1) if a.json else report(out))
+    print(json.dumps(out, indent=1) if a.json else out["report"])
     return 0
 
 
