@@ -16,3 +16,9 @@ def main(argv=None) -> int:
     from .pd import demo_pair
 
     return 0 if demo_pair() else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
