@@ -40,7 +40,7 @@ _OTHER = {
     # Dynamo KVBM LayerSeparate (block-contiguous): per layer [B, outer=KV, page, H*D].
     "kvbm.layer_separate": (("B", "KV", "N", "H", "D"), ("L",), (("H", "D"),)),
 }
-_NO_MLA = {"vllm.cpu_kt", "flash_attn", "flashinfer.NHD", "flashinfer.HND", "tpu.combined", "tpu.hidden"}
+_NO_MLA = {"flash_attn", "flashinfer.NHD", "flashinfer.HND", "tpu.combined", "tpu.hidden"}
 
 PRESETS = tuple(_VLLM) + tuple(_OTHER)
 

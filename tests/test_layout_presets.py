@@ -98,8 +98,7 @@ def test_preset_byte_exact(name, dtype, H, D):
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if not n.startswith("tpu.") and
-                                  n not in ("flash_attn", "flashinfer.NHD", "flashinfer.HND",
-                                  "vllm.cpu_kt")])
+                                  n not in ("flash_attn", "flashinfer.NHD", "flashinfer.HND")])
 def test_mla_presets_have_one_latent_plane(name):
     spec = KVSpec(kind="mla", block_size=4, num_kv_heads=1, head_dim=12, head_dim_v=8,
                   dtype="float32")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import threading
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from kvabi.tensors import to_torch
 
 from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, key_tiles,
                          keys_in_kernel_order, to_kernel_blocks, value_scratch,
-                         values_to_kernel_order)
+                         value_scratch_numel, values_to_kernel_order)
 
 KINDS = ("full", "sliding_window")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -60,9 +61,10 @@ class CpuVllmPlan:
     request's ``seq_len``, ``table`` [R, max blocks] int32 each request's entries (the
     kernels' block table over the copied blocks), ``hidden`` [E, N] the rows no query of
     the entry's request sees. ``hidden`` holds those rows as row indices of the value
-    scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is. ``write_*``: the
-    tokens written (slot != -1) and their block and offset. ``sched``: scheduler metadata
-    per number of query heads (filled in ``plan`` when it is given, else on first use).
+    scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is.
+    ``write_*``: the tokens written (slot != -1) and their block and offset. ``sched``:
+    scheduler metadata per number of query heads (filled in ``plan`` when it is given,
+    else on first use).
     """
 
     meta: kvabi.CommonAttentionMetadata
@@ -84,7 +86,6 @@ class CpuVllmPlan:
     sinks: np.ndarray | None
     num_q_heads: int | None
     sched: dict = dataclasses.field(default_factory=dict)
-    scratch: dict = dataclasses.field(default_factory=dict)  # reused by the group's layers
 
 
 class CpuVllmBackend(kvabi.Backend):
@@ -98,6 +99,18 @@ class CpuVllmBackend(kvabi.Backend):
 
     def __init__(self):
         self._available = None
+        # Scratch memory per thread and dtype, grown as needed and reused by every layer
+        # and step: a fresh buffer per step would pay its page faults again every time.
+        self._scratch = threading.local()
+
+    def _buffer(self, numel: int, dtype):
+        """A 1-D scratch tensor of at least ``numel`` elements of ``dtype`` (this thread's;
+        its contents are overwritten by the next attention call of the thread)."""
+        bufs = self._scratch.__dict__.setdefault("bufs", {})
+        buf = bufs.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
+        return buf
 
     def available(self):
         if self._available is None:
@@ -118,13 +131,15 @@ class CpuVllmBackend(kvabi.Backend):
             return False, f"vLLM's CPU kernels are not importable: {type(e).__name__}: {e}"
         if not ok:
             return False, f"vLLM {vllm.__version__} has no CPU attention kernels (not a CPU build)"
-        return True, f"vLLM {vllm.__version__} CPU_ATTN kernels (vec/vec16), torch {torch.__version__}"
+        return True, (f"vLLM {vllm.__version__} CPU_ATTN kernels (vec/vec16), "
+                      f"torch {torch.__version__}")
 
     def capabilities(self, spec=None):
         return kvabi.Capabilities(
             kinds=KINDS, dtypes=DTYPES, head_dims=HEAD_SIZES, block_size_multiple=BLOCK_MULTIPLE,
             softcap=True, sinks=True, layouts=PREFERRED if spec is not None else (),
-            notes="vLLM CPU_ATTN kernels; blocks copied per layer into the kernels' order")
+            notes="vLLM CPU_ATTN kernels; in vllm.cpu_kt keys read in place and the values "
+                  "of the step's blocks copied per layer (both, in other layouts)")
 
     def preferred_layouts(self, spec):
         return PREFERRED
@@ -164,7 +179,7 @@ class CpuVllmBackend(kvabi.Backend):
             e, n = np.nonzero(~hidden)
             seen[inv.reshape(-1)[e], n] = True  # repeated (block, row) pairs: same value
             hidden = ~seen
-            table = np.ascontiguousarray(meta.block_table, np.int32)
+            table = np.array(meta.block_table, np.int32)  # metadata arrays are read-only
             if table.shape[1] == 0:
                 table = np.zeros((meta.num_reqs, 1), np.int32)
         else:
@@ -218,7 +233,7 @@ class CpuVllmBackend(kvabi.Backend):
 
     # -- write ----------------------------------------------------------------------------
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = kvabi.as_cache(cache, layout)
+        cache = kvabi.as_cache(cache, layout, self.framework)
         self._check_plan(plan, layout)
         spec = plan.spec
         key, value = to_torch(key), to_torch(value)
@@ -232,7 +247,7 @@ class CpuVllmBackend(kvabi.Backend):
     # -- attention ------------------------------------------------------------------------
     def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, out=None,
                   return_lse=False):
-        cache = kvabi.as_cache(cache, layout)
+        cache = kvabi.as_cache(cache, layout, self.framework)
         self._check_plan(plan, layout)
         spec = plan.spec
         query = to_torch(query)
@@ -254,19 +269,14 @@ class CpuVllmBackend(kvabi.Backend):
         e = len(plan.entries)
         if plan.native:
             kc = key_tiles(torch, kview)
-            key = ("v", tuple(kc.shape), kc.stride())
-            vc = plan.scratch.get(key)
-            if vc is None:
-                vc = plan.scratch[key] = value_scratch(torch, kc, cdt)
-            vc, rows = vc
+            vc, rows = value_scratch(torch, kc, cdt,
+                                     self._buffer(value_scratch_numel(kc), cdt))
             if e:
                 values_to_kernel_order(vview, plan.entries, vc, rows, plan.hidden)
         else:
-            bufs = plan.scratch.get("kv")
-            if bufs is None:
-                bufs = plan.scratch["kv"] = kernel_scratch(
-                    torch, e, spec.num_kv_heads, spec.block_size, d, cdt)
-            scratch, kc, vc = bufs
+            h, bs = spec.num_kv_heads, spec.block_size
+            scratch, kc, vc = kernel_scratch(torch, e, h, bs, d, cdt,
+                                             self._buffer(e * h * 2 * bs * d, cdt))
             if e:
                 to_kernel_blocks(kview, vview, plan.entries, scratch, plan.hidden)
         direct = out is not None and out.dtype == cdt and out.is_contiguous()

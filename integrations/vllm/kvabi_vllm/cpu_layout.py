@@ -58,16 +58,29 @@ def key_tiles(torch, kview):
     return kview.permute(0, 2, 1, 3)
 
 
-def value_scratch(torch, key_cache, dtype):
+def _flat(torch, numel: int, dtype, buffer):
+    """``numel`` elements: the start of ``buffer`` (1-D, ``dtype``, large enough), or new."""
+    if buffer is None:
+        return torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
+
+
+def value_scratch(torch, key_cache, dtype, buffer=None):
     """An uninitialized ``value_cache`` with ``key_cache``'s block and head strides and
     token-major ``[N, D]`` tiles (the kernels read both with the key cache's strides), and
     its buffer as value rows ``[rows, D]``: row ``(b * sB + h * sH) / D + n`` holds token
-    n of block b, head h (strides in elements, multiples of D)."""
+    n of block b, head h (strides in elements, multiples of D). ``buffer``: reuse the
+    start of this 1-D tensor of ``dtype`` (at least :func:`value_scratch_numel`)."""
     b, h, n, d = key_cache.shape
     sb, sh = key_cache.stride(0), key_cache.stride(1)
-    span = (b - 1) * sb + (h - 1) * sh + n * d
-    buf = torch.empty(span, dtype=dtype)
+    buf = _flat(torch, value_scratch_numel(key_cache), dtype, buffer)
     return torch.as_strided(buf, (b, h, n, d), (sb, sh, d, 1)), buf.view(-1, d)
+
+
+def value_scratch_numel(key_cache) -> int:
+    """Elements :func:`value_scratch` spans for ``key_cache``."""
+    b, h, n, d = key_cache.shape
+    return (b - 1) * key_cache.stride(0) + (h - 1) * key_cache.stride(1) + n * d
 
 
 def values_to_kernel_order(vview, blocks, value_cache, rows, hidden=None) -> None:
@@ -82,10 +95,13 @@ def values_to_kernel_order(vview, blocks, value_cache, rows, hidden=None) -> Non
         rows.index_fill_(0, hidden, 0)
 
 
-def kernel_scratch(torch, entries: int, heads: int, block_size: int, head_dim: int, dtype):
+def kernel_scratch(torch, entries: int, heads: int, block_size: int, head_dim: int, dtype,
+                   buffer=None):
     """An uninitialized ``[entries, heads, 2 * block_size, head_dim]`` cache in kernel
-    order, and its (key, value) halves as the kernels take them (4-D, same strides)."""
-    s = torch.empty((entries, heads, 2 * block_size, head_dim), dtype=dtype)
+    order, and its (key, value) halves as the kernels take them (4-D, same strides);
+    ``buffer``: reuse the start of this 1-D tensor of ``dtype``."""
+    shape = (entries, heads, 2 * block_size, head_dim)
+    s = _flat(torch, entries * heads * 2 * block_size * head_dim, dtype, buffer).view(shape)
     return s, s[:, :, :block_size], s[:, :, block_size:]
 
 
@@ -110,4 +126,4 @@ def to_kernel_blocks(kview, vview, blocks, scratch, hidden=None) -> None:
 
 __all__ = ["BLOCK_MULTIPLE", "HEAD_SIZES", "KERNEL_ISAS", "choose_isa", "kernel_scratch",
            "key_tiles", "keys_in_kernel_order", "to_kernel_blocks", "value_scratch",
-           "values_to_kernel_order"]
+           "value_scratch_numel", "values_to_kernel_order"]

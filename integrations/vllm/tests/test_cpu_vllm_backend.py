@@ -107,13 +107,13 @@ def test_same_bits_as_the_kernels_called_the_way_vllm_calls_them(dtype, bs, hd, 
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(meta.num_tokens, hq, hd, generator=g).to(tdt)
                for hq in (4, 2, 2))
-    slots = torch.from_numpy(meta.slot_mapping)
+    slots = torch.from_numpy(meta.slot_mapping.copy())
     _, kc, vc = kernel_scratch(torch, 6, 2, bs, hd, tdt)
     kc.zero_(), vc.zero_()
     isa = choose_isa(hd, bs)
     ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
-    qsl = torch.from_numpy(meta.query_start_loc)
-    seq = torch.from_numpy(meta.seq_lens)
+    qsl = torch.from_numpy(meta.query_start_loc.copy())
+    seq = torch.from_numpy(meta.seq_lens.copy())
     w = -1 if window is None else window
     md = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=3, num_heads=4, num_kv_heads=2, head_dim=hd, seq_lens=seq, dtype=tdt,
@@ -123,8 +123,8 @@ def test_same_bits_as_the_kernels_called_the_way_vllm_calls_them(dtype, bs, hd, 
     ops.cpu_attention_with_kv_cache(
         query=q, key_cache=kc, value_cache=vc, output=want, query_start_loc=qsl,
         seq_lens=seq, scale=0.3, causal=True, alibi_slopes=None, sliding_window=w,
-        block_table=torch.from_numpy(meta.block_table), softcap=0.0, scheduler_metadata=md,
-        s_aux=None)
+        block_table=torch.from_numpy(meta.block_table.copy()), softcap=0.0,
+        scheduler_metadata=md, s_aux=None)
     b = CpuVllmBackend()
     for name in ("vllm.cpu_kt", "vllm.LBHNC"):
         layout = kvabi.Layout.preset(name, spec, num_blocks=6)
