@@ -19,7 +19,7 @@ import numpy as np
 
 from .abi import Backend, Capabilities
 from .cache import as_cache
-from .coerce import as_int, real_array
+from .coerce import real_array
 from .dtypes import DTYPES, numpy_dtype
 from .errors import KVABIError, require
 from .layout import Layout
@@ -27,7 +27,8 @@ from .metadata import CommonAttentionMetadata
 from .presets import PRESETS
 from .reference_attention import Pieces, attend, step_work
 from .spec import KINDS, KVSpec
-from .step_checks import AttentionOptions, check_kv, check_query, check_sinks, check_step
+from .step_checks import (AttentionOptions, check_kv, check_layer, check_query, check_sinks,
+                          check_step)
 
 
 @attrs.frozen(eq=False)
@@ -161,7 +162,7 @@ class ReferenceBackend(Backend):
         key = real_array(key, "key")
         value = None if value is None else real_array(value, "value")
         check_kv(key, value, plan.meta, spec)
-        _, kview, vview = self._views(cache, layout, plan, _layer(layer, layout))
+        _, kview, vview = self._views(cache, layout, plan, check_layer(layer, layout))
         if not (kview.flags.writeable and vview.flags.writeable):
             raise KVABIError(f"cache: the planes of layer {layer} are read-only")
         tokens, blk, off = plan.write_rows
@@ -193,7 +194,7 @@ class ReferenceBackend(Backend):
             sink = s.reshape(h, hq // h)
         t = meta.num_tokens
         dst = None if out is None else _check_out(out, (t, hq, spec.head_dim_v))
-        _, kview, vview = self._views(cache, layout, plan, _layer(layer, layout))
+        _, kview, vview = self._views(cache, layout, plan, check_layer(layer, layout))
         res = np.zeros((t, hq, spec.head_dim_v), np.float64)
         lse = np.full((t, hq), -np.inf, np.float64)
         attend(query, kview, vview, spec, plan.work(hq), plan.scale, plan.softcap, sink,
@@ -202,13 +203,6 @@ class ReferenceBackend(Backend):
             dst[...] = res
             res = out
         return (res, lse) if return_lse else res
-
-
-def _layer(layer, layout) -> int:
-    # The common case (a Python int in range) costs one comparison.
-    if type(layer) is int and 0 <= layer < layout.num_layers:
-        return layer
-    return as_int(layer, "layer", lo=0, hi=layout.num_layers - 1)
 
 
 def _check_out(out, shape) -> np.ndarray:
