@@ -267,3 +267,13 @@ def test_parser_and_schema_agree_on_mutations(d):
     schema_ok = schema_accepts(d)
     want = schema_ok and not beyond_schema(copy.deepcopy(d))
     assert parser_accepts(d) == want, (schema_ok, d)
+
+
+def test_the_schema_closes_the_readers_own_minor():
+    """Messages of the reader's own minor are closed in the schema as in the parser: the
+    schema's bound moves with ABI_VERSION (a minor bump that forgets it fails here)."""
+    from kvabi import ABI_VERSION
+
+    bound = SCHEMA["if"]["properties"]["kvabi_abi"]["prefixItems"][1]["maximum"]
+    assert bound == ABI_VERSION[1]
+
