@@ -19,9 +19,9 @@ import numpy as np
 
 from .abi import Backend, Capabilities
 from .cache import as_cache
-from .coerce import real_array
+from .coerce import as_int, real_array
 from .dtypes import DTYPES, numpy_dtype
-from .errors import KVABIError, require
+from .errors import KVABIError
 from .layout import Layout
 from .metadata import CommonAttentionMetadata
 from .presets import PRESETS
@@ -92,12 +92,8 @@ class ReferenceBackend(Backend):
     def __init__(self, *, query_piece: int = 64, chunk_elements: int = 1 << 23):
         """``query_piece``: most query tokens of one request batched together;
         ``chunk_elements``: float64 elements one batch of pieces may hold (about 64 MiB)."""
-        require(isinstance(query_piece, int) and query_piece > 0, "query_piece",
-                "must be a positive int", query_piece)
-        require(isinstance(chunk_elements, int) and chunk_elements > 0, "chunk_elements",
-                "must be a positive int", chunk_elements)
-        self.query_piece = query_piece
-        self.chunk_elements = chunk_elements
+        self.query_piece = as_int(query_piece, "query_piece", lo=1)
+        self.chunk_elements = as_int(chunk_elements, "chunk_elements", lo=1)
 
     def available(self) -> tuple[bool, str]:
         return True, "numpy float64"

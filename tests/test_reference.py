@@ -594,3 +594,11 @@ def test_work_built_per_call_equals_work_kept_in_the_plan(b):
     n = r["meta"].num_actual_tokens
     np.testing.assert_allclose(r["out"][:n], r["want_out"][:n], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(r["lse"][:n], r["want_lse"][:n], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw", [dict(query_piece=True), dict(query_piece=0),
+                                dict(chunk_elements=2.0), dict(chunk_elements="8")])
+def test_reference_options_are_integers(kw):
+    with pytest.raises(KVABIError, match=f"^{next(iter(kw))}: must"):
+        ReferenceBackend(**kw)
+    assert ReferenceBackend(query_piece=np.int64(4)).query_piece == 4
