@@ -42,8 +42,9 @@ class TorchPlan:
     Attention runs on a request-major padded batch: request r's query tokens are
     ``q_index[r, :q_r]`` (``q_valid`` marks them) and its keys are the blocks
     ``key_blocks[r]`` of the table: only the blocks some query of r sees are gathered (a
-    sliding window needs the last few).  ``key_invalid`` [R, K]: gathered keys that are not r's (past its
-    end, or before any of its queries' windows), zeroed after the gather;
+    sliding window needs the last few).  ``key_invalid``: the flat indices into the gathered [R * K] keys
+    that are not r's (past its end, or before any of its queries' windows), zeroed after
+    the gather (a few per request, not a pass over all keys);
     ``mask`` [R, Qmax, K]: which keys each query sees (padding query rows see every key, so
     no softmax row is empty).  ``write_blocks`` / ``write_offsets`` / ``write_tokens``: the
     slots of the step's tokens that are written (padding tokens, slot -1, are not).
@@ -130,7 +131,7 @@ class TorchSDPABackend(kvabi.Backend):
         written = np.nonzero(slots >= 0)[0]
         t = torch.from_numpy
         return TorchPlan(meta, spec, layout, t(q_index), t(q_valid), t(q_index[q_valid]),
-                         t(blocks), t(~key_valid), t(mask), t(written),
+                         t(blocks), t(np.flatnonzero(~key_valid)), t(mask), t(written),
                          t(slots[written] // bs), t(slots[written] % bs),
                          opts.scale, opts.softcap, opts.sinks)
 
@@ -179,9 +180,9 @@ class TorchSDPABackend(kvabi.Backend):
         def keys(kv, dim):
             # [R, blocks, N, H, D] -> [R, K, H, D]: one gather per request's blocks
             x = cache.kv_view(layer, kv).index_select(0, plan.key_blocks.reshape(-1))
-            x = x[..., :dim].reshape(r, width * bs, h, dim).float()
+            x = x[..., :dim].reshape(r * width * bs, h, dim).float()
             # Zero, never multiply: rows outside the request can hold anything, NaN too.
-            return x.masked_fill_(plan.key_invalid[:, :, None, None], 0.0)
+            return x.index_fill_(0, plan.key_invalid, 0.0).reshape(r, width * bs, h, dim)
 
         k, v = keys(0, d), keys(1, dv)
         q = query[plan.q_index].float()  # [R, Qmax, Hq, D]
