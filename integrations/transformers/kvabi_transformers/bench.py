@@ -167,6 +167,11 @@ def report(r) -> str:
                      f"paged path {r['transformers_paged']['decode_s'] * 1e3:.1f} ms "
                      f"({extra * 1e3:+.1f} ms per step: per-layer framework conversion and "
                      f"dispatch, plus the metadata and plans above)")
+    x = r["kvabi"]
+    if x.get("handover_per_layer_s") is not None:
+        lines.append(f"per layer call ({r['backend']}, all steps): torch <-> backend arrays "
+                     f"{x['handover_per_layer_s'] * 1e3:.3f} ms (DLPack, no copy, for CPU "
+                     f"jax), write_kv + attention {x['backend_per_layer_s'] * 1e3:.3f} ms")
     ratio = r.get("decode_step_ratio")
     if ratio is not None:
         hf, dec = r["transformers_paged"], r["kvabi_decode_backend"]

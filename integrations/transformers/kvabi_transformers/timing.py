@@ -43,9 +43,10 @@ def timed_runs(model, prompts, new_tokens, config, *, repeat=1, warmup=0, progre
     """Run ``generate_batch`` ``warmup`` + ``repeat`` times; returns a dict with the tokens,
     the median prefill forward (first step), the median decode forward per step (wall and
     process CPU seconds), wall seconds per run, and (kvabi) the per-step metadata+plan
-    seconds."""
+    seconds and, per layer call, the seconds of framework conversions (torch to the
+    backend's arrays and back) and of the backend's write_kv + attention."""
     prefill, decode, decode_cpu, wall, tokens = [], [], [], [], None
-    overhead = []
+    overhead, handover, backend = [], [], []
     integration = getattr(model, "_kvabi_integration", None)
     for i in range(warmup + repeat):
         with ForwardTimer(model) as timer:
@@ -64,9 +65,14 @@ def timed_runs(model, prompts, new_tokens, config, *, repeat=1, warmup=0, progre
         if session is not None:
             steps = max(session.stats["steps"], 1)
             overhead.append((session.timing["metadata"] + session.timing["plan"]) / steps)
+            calls = max(session.stats["layer_calls"], 1)
+            handover.append(session.timing["handover"] / calls)
+            backend.append(session.timing["backend"] / calls)
     med = statistics.median
     return {"tokens": tokens, "prefill_s": med(prefill),
             "decode_s": med(decode) if decode else None,
             "decode_cpu_s": med(decode_cpu) if decode_cpu else None, "wall_s": med(wall),
             "generated": sum(len(t) for t in tokens),
-            "overhead_s": med(overhead) if overhead else None}
+            "overhead_s": med(overhead) if overhead else None,
+            "handover_per_layer_s": med(handover) if handover else None,
+            "backend_per_layer_s": med(backend) if backend else None}

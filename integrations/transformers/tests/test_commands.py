@@ -35,6 +35,7 @@ def test_bench_json(capsys):
     assert ratio["goal"] == 1.2
     assert ratio["wall"] == pytest.approx(dec["decode_s"] / hf["decode_s"])
     assert ratio["cpu"] == pytest.approx(dec["decode_cpu_s"] / hf["decode_cpu_s"])
+    assert 0 < r["kvabi"]["handover_per_layer_s"] and 0 < r["kvabi"]["backend_per_layer_s"]
     text = bench.report(r)
     assert "goal kvabi <= 1.2x" in text and "measured (example.torch)" in text
     assert "FAIL" not in text and "NOT met" not in text
