@@ -54,9 +54,11 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q integrations/vllm/tests
 
 # The long property and fuzz runs (e.g. 10,000 mutated layout descriptors): the `thorough`
-# Hypothesis profile over the hostile-input (descriptor, config, metadata) and transfer-plan tests.
+# Hypothesis profile over the hostile-input (descriptor, config, metadata), transfer-plan,
+# handshake-schema and mutate-after-check (handles, planes, views, layouts, transfer plans
+# changed after their check) tests.
 THOROUGH_TESTS ?= tests/test_hostile_*.py tests/test_metadata_hostile.py tests/test_transfer_plan.py \
-	tests/test_transfer_handshake_schema.py
+	tests/test_transfer_handshake_schema.py tests/test_mutate_after_check.py tests/test_transfer_immutable.py
 thorough: setup
 	KVABI_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q $(THOROUGH_TESTS)
 

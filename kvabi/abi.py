@@ -12,10 +12,11 @@ from typing import Any, Callable, Sequence
 import attrs
 import pluggy
 
+from .cache import KVCache
 from .errors import KVABIError
+from .tensors import convert, to_numpy
+from .version import ABI_VERSION, wire_version  # noqa: F401 - public here since ABI 1.0
 
-#: (major, minor) of the backend ABI and of the layout descriptor format.
-ABI_VERSION = (1, 1)
 PROJECT = "kvabi"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -83,15 +84,6 @@ def abi_at_least(backend, version: tuple[int, int]) -> bool:
     return v[0] == version[0] and v >= tuple(version)
 
 
-def wire_version(ver) -> tuple[int, int]:
-    """The ``kvabi_abi`` field of an untrusted message (descriptor, handshake) as
-    (major, minor); KVABIError unless it is a list of two non-negative ints."""
-    if (not isinstance(ver, list) or len(ver) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ver)):
-        raise KVABIError(f"kvabi_abi: must be [major, minor], got {ver!r:.80}")
-    return ver[0], ver[1]
-
-
 class Backend:
     """Base class of an attention backend.  Subclasses override the methods below.
 
@@ -139,8 +131,6 @@ class Backend:
 
     def allocate(self, layout):
         """A zeroed :class:`kvabi.KVCache` for ``layout`` in this backend's framework."""
-        from .cache import KVCache
-
         return KVCache.allocate(layout, self.framework, device=self.device())
 
     def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
@@ -171,11 +161,7 @@ class Backend:
     def asarray(self, x):
         """``x`` in this backend's framework (ABI 1.0 compatibility; the kit now uses
         :func:`kvabi.tensors.convert` with :attr:`framework`)."""
-        from .tensors import convert
-
         return convert(x, self.framework, device=self.device())
 
     def to_numpy(self, x):
-        from .tensors import to_numpy
-
         return to_numpy(x)

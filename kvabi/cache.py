@@ -12,10 +12,14 @@ list of planes) keeps working when handed one.
 """
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Mapping
 
-from .errors import KVABIError
-from .tensors import dtype_name, framework
+from .coerce import as_int, is_int
+from .errors import FrozenError, KVABIError
+from .layout import Layout
+from .planes import (check_plane, check_planes, check_torch, check_torch_devices,
+                     plane_stamp)
+from .tensors import framework
 
 
 class KVCache(tuple):
@@ -24,66 +28,83 @@ class KVCache(tuple):
     Build with :meth:`wrap` (memory an engine owns: numpy, torch or jax arrays) or get one
     from ``backend.allocate(layout)``.  numpy and torch planes are written in place; jax
     arrays are immutable, so a jax write returns a new handle (:meth:`replace`).
+
+    Its attributes cannot be rebound (``layout``, ``framework``): code that trusts a handle
+    by identity (:func:`as_cache`) trusts what was checked.  What a caller can still change
+    is the planes' own state (a torch ``set_()``, a storage ``resize_()``, a numpy
+    ``shape``/``strides`` assignment): a fingerprint of each plane is kept at wrap and
+    compared where the plane is used (:meth:`check_unchanged`, and every view lookup).
     """
 
-    # (a tuple subclass cannot have __slots__: attributes live in the instance dict)
+    # (a tuple subclass cannot have __slots__: attributes live in the instance dict,
+    # written once in __new__ and refused afterwards by __setattr__)
 
-    def __new__(cls, layout, planes, _checked: bool = False):
+    def __new__(cls, layout, planes, _checked: bool = False, _stamps=None):
         if not _checked:
+            _check_layout(layout)
             fw = check_planes(layout, planes)
         else:
             fw = framework(planes[0]) if planes else "numpy"
         self = super().__new__(cls, planes)
-        self.layout = layout
-        self.framework = fw
-        self._views = {}
+        put = object.__setattr__
+        put(self, "layout", layout)
+        put(self, "framework", fw)
+        put(self, "_views", {})
+        put(self, "_stamps", tuple(plane_stamp(p, fw) for p in planes) if _stamps is None
+            else _stamps)
         return self
+
+    def __setattr__(self, name, value):
+        raise FrozenError(f"KVCache.{name}: a KVCache cannot be changed after its check; "
+                          f"wrap the planes again")
+
+    def __delattr__(self, name):
+        raise FrozenError(f"KVCache.{name}: a KVCache cannot be changed after its check")
 
     @classmethod
     def wrap(cls, layout, planes) -> "KVCache":
         """A handle over ``planes`` after checking them against ``layout`` (KVABIError
         naming the plane and what is wrong).  A KVCache of the same layout is returned
         as it is."""
-        from .layout import Layout
-
-        if not isinstance(layout, Layout):
-            raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
-        if isinstance(planes, KVCache) and (planes.layout is layout or planes.layout == layout):
+        _check_layout(layout)
+        if type(planes) is KVCache and (planes.layout is layout or planes.layout == layout):
             return planes
         return cls(layout, tuple(planes) if isinstance(planes, (list, tuple)) else planes)
 
     @classmethod
     def allocate(cls, layout, framework: str = "numpy", *, device=None,
                  fill: int = 0) -> "KVCache":
-        """Planes for ``layout`` whose every byte (padding included) is ``fill``, in
-        ``framework`` ("numpy", "torch", "jax"); strided over a buffer of
-        ``layout.plane_nbytes`` so byte offsets match the layout (jax: dense layouts only)."""
-        from .dtypes import numpy_dtype
-
-        n = -(-layout.plane_nbytes // layout.itemsize)
+        """Planes for ``layout`` whose every byte (padding included) is ``fill``, a byte
+        value 0..255 (``0xA5`` gives bytes 0xA5, whatever the dtype), in ``framework``
+        ("numpy", "torch", "jax"); strided over a buffer of ``layout.plane_nbytes`` so byte
+        offsets match the layout (jax: dense layouts only)."""
+        _check_layout(layout)
+        fill = as_int(fill, "fill", lo=0, hi=255)
+        if framework not in ("numpy", "torch", "jax"):
+            raise KVABIError(f"framework: must be numpy, torch or jax, got {framework!r:.60}")
         if framework == "numpy":
-            return cls(layout, tuple(layout.allocate_numpy(fill)), _checked=True)
+            return cls(layout, tuple(layout.allocate_numpy(fill, bytewise=True)),
+                       _checked=True)
         if framework == "torch":
             import torch
 
             from .tensors import torch_dtype
 
+            nbytes = -(-layout.plane_nbytes // layout.itemsize) * layout.itemsize
             planes = []
             for _ in range(layout.num_planes):
-                buf = torch.full((n,), fill, dtype=torch_dtype(layout.dtype), device=device) \
-                    if fill else torch.zeros(n, dtype=torch_dtype(layout.dtype), device=device)
-                planes.append(buf.as_strided(layout.plane_shape, layout.plane_strides))
+                buf = torch.full((nbytes,), fill, dtype=torch.uint8, device=device)
+                planes.append(buf.view(torch_dtype(layout.dtype)).as_strided(
+                    layout.plane_shape, layout.plane_strides))
+                check_torch(planes[-1], len(planes) - 1)
             return cls(layout, tuple(planes), _checked=True)
-        if framework == "jax":
-            import jax.numpy as jnp
+        import jax.numpy as jnp
 
-            if not layout.is_c_contiguous:
-                raise KVABIError(f"layout: {layout.name or 'custom'} has padding bytes or "
-                                 f"explicit strides; jax arrays are dense")
-            dt = numpy_dtype(layout.dtype)
-            return cls(layout, tuple(jnp.full(layout.plane_shape, fill, dt)
-                                     for _ in range(layout.num_planes)), _checked=True)
-        raise KVABIError(f"framework: must be numpy, torch or jax, got {framework!r}")
+        if not layout.is_c_contiguous:
+            raise KVABIError(f"layout: {layout.name or 'custom'} has padding bytes or "
+                             f"explicit strides; jax arrays are dense")
+        return cls(layout, tuple(jnp.asarray(p) for p in
+                                 layout.allocate_numpy(fill, bytewise=True)), _checked=True)
 
     @property
     def planes(self) -> tuple:
@@ -93,33 +114,92 @@ class KVCache(tuple):
         """A handle of the same layout over new planes (after a jax write), checked."""
         return KVCache(self.layout, tuple(planes))
 
-    def replace_planes(self, updates: dict) -> "KVCache":
-        """A handle where plane ``i`` is ``updates[i]`` (shape and dtype checked; for jax
-        writes that produce new arrays of the same planes)."""
-        planes = list(self)
+    def replace_planes(self, updates) -> "KVCache":
+        """A handle where plane ``i`` is ``updates[i]`` (for jax writes that produce new
+        arrays of some planes).  Each new plane gets the full check :meth:`wrap` makes
+        (framework, shape, dtype, strides, memory); the others keep theirs."""
+        if not isinstance(updates, Mapping):
+            raise KVABIError(f"updates: must be a mapping plane index -> plane, got "
+                             f"{type(updates).__name__}")
+        planes, stamps = list(self), list(self._stamps)
+        n = len(planes)
         for i, p in updates.items():
-            _check_dense(self.layout, p, i, framework(p))
-            planes[i] = p
-        return KVCache(self.layout, tuple(planes), _checked=True)
+            if not is_int(i) or not 0 <= i < n:
+                raise KVABIError(f"updates: keys must be plane indices in [0, {n}), got "
+                                 f"{i!r:.60}")
+            i = int(i)
+            fw = framework(p)
+            if fw != self.framework:
+                raise KVABIError(f"cache[{i}]: must be a {self.framework} array like the "
+                                 f"other planes, got {type(p).__name__}")
+            check_plane(self.layout, p, i, fw)
+            planes[i], stamps[i] = p, plane_stamp(p, fw)
+        if self.framework == "torch":
+            check_torch_devices(planes)
+        return KVCache(self.layout, tuple(planes), _checked=True, _stamps=tuple(stamps))
+
+    def check_unchanged(self, planes=None) -> None:
+        """KVABIError unless every plane (or the plane indices in ``planes``) is as it was
+        when checked: for torch the storage (data pointer and bytes), offset, shape and
+        strides; for numpy the shape and strides (jax arrays cannot change).  Cheap
+        (a few attribute reads per plane): code that reads or writes the planes
+        themselves, rather than through :meth:`kv_view`/:meth:`layer_view` (which check
+        the plane they view), calls it first."""
+        if self.framework == "jax":
+            return
+        n = len(self)
+        for i in range(n) if planes is None else planes:
+            if type(i) is not int and not is_int(i) or not 0 <= i < n:
+                raise KVABIError(f"planes: must hold plane indices in [0, {n}), got "
+                                 f"{i!r:.60}")
+            if plane_stamp(self[i], self.framework) != self._stamps[i]:
+                _changed(self, i)
 
     def layer_view(self, layer: int) -> tuple:
         """The layout's per-layer tensors (see :meth:`kvabi.Layout.layer_view`), cached."""
-        key = ("layer", layer)
-        v = self._views.get(key)
-        if v is None:
-            v = self._views[key] = self.layout.layer_view(self, layer)
-        return v
+        if type(layer) is not int:
+            layer = as_int(layer, "layer")
+        hit = self._views.get(("layer", layer))
+        if hit is None:
+            kvs = (0, 1) if "KV" in self.layout.planes else (0,)
+            idx = tuple(self.layout.plane_index(layer, kv) for kv in kvs)
+            self.check_unchanged(idx)  # before any view is made from the planes
+            v = self.layout._layer_view(self, layer)
+            hit = self._views[("layer", layer)] = (v, idx, tuple(
+                plane_stamp(t, self.framework) for t in v))
+        if self.framework != "jax":
+            for i, t, st in zip(hit[1], hit[0], hit[2]):
+                self._check_view(i, t, st)
+        return hit[0]
 
     def kv_view(self, layer: int, kv: int):
         """Strided [B, N, H, D] view of the keys (kv=0) or values (kv=1) of ``layer``
         (numpy and torch planes; writes go through), cached."""
-        key = (layer, kv)
-        v = self._views.get(key)
-        if v is None:
+        if type(layer) is not int:
+            layer = as_int(layer, "layer")
+        if type(kv) is not int:
+            kv = as_int(kv, "kv")
+        hit = self._views.get((layer, kv))
+        if hit is None:
             if self.framework == "jax":
                 raise KVABIError("cache: jax planes have no strided views; use layer_view")
-            v = self._views[key] = self.layout.kv_view(self, layer, kv)
-        return v
+            i = self.layout.plane_index(layer, kv)
+            self.check_unchanged((i,))  # before any view is made from the plane
+            v = self.layout._kv_view(self, layer, kv)
+            hit = self._views[(layer, kv)] = (v, i, plane_stamp(v, self.framework))
+        self._check_view(hit[1], hit[0], hit[2])
+        return hit[0]
+
+    def _check_view(self, i, view, stamp):
+        """The plane under a cached view, and the view itself (handed out, so a caller
+        could reshape or re-point it), are as they were checked."""
+        fw = self.framework
+        if plane_stamp(self[i], fw) != self._stamps[i]:
+            _changed(self, i)
+        if plane_stamp(view, fw) != stamp:
+            raise KVABIError(f"cache[{i}]: a view of this plane was changed in place after "
+                             f"kvabi made it (shape, strides or storage); views are read "
+                             f"and written through, never re-pointed")
 
     def __repr__(self) -> str:
         return (f"KVCache({self.layout.name or 'custom'}, {len(self)} {self.framework} "
@@ -138,94 +218,28 @@ class KVCache(tuple):
         return (KVCache, (self.layout, tuple(self)))
 
 
-def as_cache(cache, layout) -> KVCache:
+def as_cache(cache, layout, framework: str | None = None) -> KVCache:
     """The handle for ``cache`` (a KVCache, or an ABI 1.0 list of planes) and ``layout``:
     a lookup for a KVCache of that layout, a full check otherwise.  Every backend calls
-    this before it touches cache memory."""
-    if isinstance(cache, KVCache) and cache.layout is layout:
-        return cache
-    return KVCache.wrap(layout, cache)
+    this before it touches cache memory, passing its own ``framework`` ("numpy", "torch",
+    "jax"): a cache of another framework is refused by name (KVABIError naming both)."""
+    if type(cache) is KVCache and cache.layout is layout:
+        c = cache
+    else:
+        c = KVCache.wrap(layout, cache)
+    if framework is not None and c.framework != framework:
+        raise KVABIError(f"cache: this backend takes {framework} planes, got a cache of "
+                         f"{c.framework} planes (kvabi.tensors.convert copies them)")
+    return c
 
 
-def check_planes(layout, planes) -> str:
-    """Check ``planes`` against ``layout``; returns their framework."""
-    if not isinstance(planes, (list, tuple)):
-        raise KVABIError(f"cache: must be a KVCache or a list of planes, got "
-                         f"{type(planes).__name__}")
-    if len(planes) != layout.num_planes:
-        raise KVABIError(f"cache: layout has {layout.num_planes} planes, got {len(planes)}")
-    fws = {framework(p) for p in planes}
-    if None in fws:
-        bad = next(i for i, p in enumerate(planes) if framework(p) is None)
-        raise KVABIError(f"cache[{bad}]: must be a numpy, torch or jax array, got "
-                         f"{type(planes[bad]).__name__}")
-    if len(fws) != 1:
-        raise KVABIError(f"cache: planes mix frameworks {sorted(fws)}")
-    fw = fws.pop()
-    for i, p in enumerate(planes):
-        if fw == "jax":
-            _check_dense(layout, p, i, fw)
-        else:
-            _check_strided(layout, p, i, fw)
-    return fw
+def _check_layout(layout) -> None:
+    if not isinstance(layout, Layout):
+        hint = " (a preset name? Layout.preset(name, spec, num_blocks) builds one)" \
+            if isinstance(layout, str) else ""
+        raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}{hint}")
 
 
-def _check_meta(layout, p, i):
-    shape = tuple(p.shape)
-    if shape != layout.plane_shape:
-        raise KVABIError(f"cache[{i}].shape: must be {layout.plane_shape}, got {shape}")
-    try:
-        name = dtype_name(p)
-    except KVABIError:
-        name = str(p.dtype)
-    if name != layout.dtype:
-        raise KVABIError(f"cache[{i}].dtype: must be the layout's {layout.dtype}, got {name}")
-
-
-def _check_dense(layout, p, i, fw):
-    _check_meta(layout, p, i)
-    if not layout.is_c_contiguous:
-        raise KVABIError(f"cache[{i}]: {fw} arrays are dense, but layout "
-                         f"{layout.name or 'custom'} has padding bytes or explicit strides "
-                         f"({layout.plane_nbytes} bytes per plane)")
-
-
-def _check_strided(layout, p, i, fw):
-    _check_meta(layout, p, i)
-    isz = layout.itemsize
-    strides = tuple(p.stride()) if fw == "torch" else tuple(s // isz for s in p.strides)
-    if fw == "numpy" and any(s % isz for s in p.strides):
-        raise KVABIError(f"cache[{i}].strides: byte strides {p.strides} are not multiples "
-                         f"of the itemsize {isz}")
-    want = layout.plane_strides
-    for d, (got, exp, n) in enumerate(zip(strides, want, layout.plane_shape)):
-        if n > 1 and got != exp:
-            raise KVABIError(f"cache[{i}].strides: must be {want} elements (the layout's), "
-                             f"got {strides}")
-    need = layout.plane_nbytes
-    have = _bytes_from_start(p, fw)
-    if have < need:
-        raise KVABIError(f"cache[{i}]: the layout addresses {need} bytes from the plane's "
-                         f"start, but its memory holds only {have}")
-
-
-def _bytes_from_start(p, fw) -> int:
-    """Bytes of memory from the first element of ``p`` to the end of its buffer."""
-    if fw == "torch":
-        return p.untyped_storage().nbytes() - p.storage_offset() * p.element_size()
-    root = p
-    while isinstance(getattr(root, "base", None), np.ndarray) or \
-            type(getattr(root, "base", None)).__name__ == "DummyArray":
-        root = root.base
-        if not isinstance(root, np.ndarray):  # as_strided's DummyArray: step through
-            root = root.base
-    lo, hi = _byte_bounds(root)
-    start = p.__array_interface__["data"][0]
-    if not lo <= start <= hi:
-        return 0
-    return hi - start
-
-
-def _byte_bounds(a):
-    bb = getattr(getattr(np.lib, "array_utils", None), "byte_bounds", None)
-    return bb(a) if bb is not None else np.byte_bounds(a)  # numpy < 2
+def _changed(cache, i):
+    raise KVABIError(f"cache[{i}]: the plane changed after KVCache.wrap checked it (its "
+                     f"storage, offset, shape or strides); wrap the planes again")

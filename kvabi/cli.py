@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "plan": "plan KV cache memory for model configs",
     "conformance": "run the conformance kit against a backend",
     "bench": "run a benchmark suite (transforms, tpu, cuda, ...)",
+    "probe": "infer the layout a backend's write_kv really produces; compare to its declared one",
 }
 
 #: exit status of a KVABIError or a usage error

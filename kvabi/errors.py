@@ -12,3 +12,8 @@ def require(cond: bool, field: str, msg: str, value=None) -> None:
     """Raise :class:`KVABIError` naming ``field`` (and ``value``) unless ``cond`` holds."""
     if not cond:
         raise KVABIError(f"{field}: {msg}" + ("" if value is None else f", got {value!r}"))
+
+
+class FrozenError(KVABIError, AttributeError):
+    """An attempt to change an object kvabi checked (a :class:`~kvabi.KVCache` attribute,
+    a read-only mapping of a :class:`~kvabi.Layout`): it stays as it was checked."""

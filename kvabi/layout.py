@@ -18,13 +18,19 @@ from typing import Iterable, Mapping
 import attrs
 import numpy as np
 
-from .abi import ABI_VERSION
 from .coerce import as_int, checked, int_array
 from .dtypes import check_dtype, itemsize, numpy_dtype, tpu_packing
 from .errors import KVABIError, require
+from .frozen import FrozenDict
+from .layout_json import layout_from_json
+from .planes import check_planes
+from .presets import build_preset
+from .version import ABI_VERSION
 
 AXES = ("L", "B", "KV", "N", "H", "D")
 PLANE_AXES = ("L", "KV")
+#: The most pieces :meth:`Layout.block_regions` enumerates for one call (before merging).
+MAX_BLOCK_REGIONS = 2**24
 _ARG = {"L": "layer", "B": "block", "KV": "kv", "N": "token", "H": "head", "D": "dim"}
 
 
@@ -47,8 +53,8 @@ def _axis_map(field):
             return None
         if not isinstance(x, Mapping):
             raise KVABIError(f"{field}: must be an object of axis -> integer, got {x!r:.80}")
-        return dict(sorted(x.items(), key=lambda kv: AXES.index(kv[0])
-                           if kv[0] in AXES else 99))
+        return FrozenDict(sorted(x.items(), key=lambda kv: AXES.index(kv[0])
+                                 if kv[0] in AXES else 99))
 
     return convert
 
@@ -92,6 +98,9 @@ class Layout:
     _natural: int = attrs.field(init=False, eq=False, repr=False)
     _plane_nbytes: int = attrs.field(init=False, eq=False, repr=False)
     _num_planes: int = attrs.field(init=False, eq=False, repr=False)
+    # The tensor a backend sees (shape, element strides), asked for on every plane check.
+    _shape: tuple = attrs.field(init=False, eq=False, repr=False)
+    _elem_strides: tuple = attrs.field(init=False, eq=False, repr=False)
 
     # -- validation --------------------------------------------------------------------
     def __attrs_post_init__(self):
@@ -111,7 +120,8 @@ class Layout:
             require(a in PLANE_AXES, "planes", f"only {PLANE_AXES} may be plane axes", a)
         extra = set(self.sizes) - set(seen)
         require(not extra, "sizes", "names axes not in the layout", sorted(map(str, extra)))
-        sizes = {a: as_int(self.sizes.get(a), f"sizes.{a}", lo=1) for a in self.sizes}
+        sizes = FrozenDict((a, as_int(self.sizes.get(a), f"sizes.{a}", lo=1))
+                           for a in self.sizes)
         for a in seen:
             require(a in sizes, f"sizes.{a}", "must be a positive int (missing)")
         object.__setattr__(self, "sizes", sizes)
@@ -122,7 +132,7 @@ class Layout:
             for a, v in self.extents.items():
                 require(a in self.order, f"extents.{a}", "only memory-order axes have extents")
                 ext[a] = as_int(v, f"extents.{a}", lo=sizes[a])
-            object.__setattr__(self, "extents", ext or None)
+            object.__setattr__(self, "extents", FrozenDict(ext) if ext else None)
         # Strides and spans in exact Python ints, each checked against int64.
         if self.strides is None:
             stride, s = {}, isz
@@ -143,8 +153,9 @@ class Layout:
                 need = self.extent(inner) * stride[inner]
                 require(stride[outer] >= need, f"strides.{outer}",
                         f"overlaps axis {inner} (needs >= {need})", stride[outer])
+            stride = FrozenDict(stride)
             object.__setattr__(self, "strides", stride)
-        object.__setattr__(self, "_stride", stride)
+        object.__setattr__(self, "_stride", FrozenDict(stride))
         natural = _int64(sum((self.extent(a) - 1) * stride[a] for a in self.order) + isz,
                          "strides" if self.strides is not None else "sizes",
                          "the bytes one plane spans")
@@ -168,6 +179,8 @@ class Layout:
             require(e % self.packing == 0, "packing",
                     f"must divide the {'*'.join(hdim)} dimension ({e}); heads are never "
                     f"padded silently", self.packing)
+        object.__setattr__(self, "_shape", self._plane_shape())
+        object.__setattr__(self, "_elem_strides", self._plane_strides())
 
     def _check_folds(self):
         used = set()
@@ -267,6 +280,14 @@ class Layout:
     @property
     def plane_shape(self) -> tuple[int, ...]:
         """Shape of each plane tensor as the backend sees it (extents, folds, packing)."""
+        return self._shape
+
+    @property
+    def plane_strides(self) -> tuple[int, ...]:
+        """Element strides of each plane tensor's dimensions."""
+        return self._elem_strides
+
+    def _plane_shape(self) -> tuple[int, ...]:
         shape = []
         for i, g in enumerate(self._view_groups()):
             e = math.prod(self.extent(a) for a in g)
@@ -276,9 +297,7 @@ class Layout:
                 shape.append(e)
         return tuple(shape)
 
-    @property
-    def plane_strides(self) -> tuple[int, ...]:
-        """Element strides of each plane tensor's dimensions."""
+    def _plane_strides(self) -> tuple[int, ...]:
         out = []
         for i, g in enumerate(self._view_groups()):
             s = self.stride(g[-1]) // self.itemsize
@@ -332,15 +351,28 @@ class Layout:
         return plane, off
 
     # -- arrays --------------------------------------------------------------------------
-    def allocate_numpy(self, fill=0) -> list[np.ndarray]:
+    def allocate_numpy(self, fill=0, *, bytewise: bool = False) -> list[np.ndarray]:
         """Planes as numpy arrays shaped :attr:`plane_shape` (strided over a padded buffer
-        where the layout pads); every byte, padding included, holds ``fill``."""
+        where the layout pads).  Every element of the buffer, padding included, holds the
+        value ``fill`` (e.g. NaN); with ``bytewise`` every byte holds ``fill``, a byte
+        value 0..255."""
         dt = numpy_dtype(self.dtype)
         n = -(-self.plane_nbytes // self.itemsize)
+        if bytewise:
+            fill = as_int(fill, "fill", lo=0, hi=255)
+        elif not isinstance(fill, (int, float, np.integer, np.floating)) or \
+                isinstance(fill, (bool, np.bool_)):
+            raise KVABIError(f"fill: must be a number, got {fill!r:.60}")
         strides = [s * self.itemsize for s in self.plane_strides]
         planes = []
         for _ in range(self.num_planes):
-            buf = np.full(n, fill, dtype=dt)
+            if bytewise:
+                buf = np.full(n * self.itemsize, fill, dtype=np.uint8).view(dt)
+            else:
+                try:
+                    buf = np.full(n, fill, dtype=dt)
+                except (OverflowError, ValueError):
+                    raise KVABIError(f"fill: {fill!r} is not a {self.dtype} value") from None
             planes.append(_as_strided(buf, self.plane_shape, strides))
         return planes
 
@@ -348,8 +380,13 @@ class Layout:
         """Per-layer tensors: ``(t,)`` when K and V share a plane (or MLA), ``(k, v)`` when
         KV is a plane axis.  The L dimension, if in a plane, is indexed away (no copy for
         numpy and torch; jax slices).  ``planes`` (a KVCache or a list) is checked against
-        the layout first: count, shape, dtype, strides and memory."""
-        self._check_planes(planes)
+        the layout first: count, shape, dtype, strides and memory (a KVCache's own
+        :meth:`~kvabi.KVCache.layer_view` caches the view instead)."""
+        check_planes(self, planes)
+        return self._layer_view(planes, layer)
+
+    def _layer_view(self, planes, layer) -> tuple:
+        """:meth:`layer_view` of planes already checked against this layout."""
         layer = as_int(layer, "layer")
         require(0 <= layer < self.num_layers, "layer", f"out of range [0, {self.num_layers})",
                 layer)
@@ -369,7 +406,11 @@ class Layout:
         """Strided view [B, N, H, D] (logical sizes, no copy) of the keys (kv=0) or values
         (kv=1) of one layer; numpy arrays and torch tensors; writes go through.  ``planes``
         is checked first (see :meth:`layer_view`): a view never reaches past the memory."""
-        self._check_planes(planes)
+        check_planes(self, planes)
+        return self._kv_view(planes, layer, kv)
+
+    def _kv_view(self, planes, layer, kv):
+        """:meth:`kv_view` of planes already checked against this layout."""
         plane_no, base = self.byte_offset(layer=layer, kv=kv)
         plane = planes[plane_no]
         shape = tuple(self.size(a) for a in ("B", "N", "H", "D"))
@@ -382,15 +423,6 @@ class Layout:
             return plane.as_strided(shape, tuple(s // self.itemsize for s in strides),
                                     plane.storage_offset() + base // self.itemsize)
         raise KVABIError(f"planes: kv_view needs numpy or torch arrays, got {type(plane)}")
-
-    def _check_planes(self, planes):
-        """Plane memory against this layout, in the one core check (kvabi.cache); a
-        KVCache of this layout was checked when it was made."""
-        from .cache import KVCache, check_planes
-
-        if isinstance(planes, KVCache) and (planes.layout is self or planes.layout == self):
-            return
-        check_planes(self, planes)
 
     # -- block regions -------------------------------------------------------------------
     @property
@@ -429,11 +461,24 @@ class Layout:
         cut = self.order.index("B")
         if lay is not None and "L" in self.order and len(lay) < self.num_layers:
             cut = max(cut, self.order.index("L"))
-        outer = self.order[:cut + 1]
+        outer = list(self.order[:cut + 1])
         inner = self.order[cut + 1:]
         span = sum((self.extent(a) - 1) * self.stride(a) for a in inner) + self.itemsize
-        step = self.stride(self.order[cut])
-        dims = list(self.planes) + list(outer)
+        # Regions merge across at most the padding between two consecutive cut-axis entries.
+        gap = self.stride(self.order[cut]) - span
+
+        def whole(a):  # every index of axis a is asked for
+            if a == "B":
+                return blocks.size == self.num_blocks
+            return a != "L" or lay is None or lay.size == self.num_layers
+
+        # Fold the innermost enumerated axes into the region while the merge below would
+        # join all their entries anyway (every index asked, consecutive entries at most
+        # `gap` apart): the work then follows the regions returned, not an axis's size.
+        while outer and whole(outer[-1]) and self.stride(outer[-1]) - span <= gap:
+            a = outer.pop()
+            span += (self.size(a) - 1) * self.stride(a)
+        dims = list(self.planes) + outer
 
         def values(a):  # only the axes enumerated are materialized
             if a == "B":
@@ -442,9 +487,17 @@ class Layout:
                 return lay
             return np.arange(self.size(a), dtype=np.int64)
 
-        grids = np.meshgrid(*[values(a) for a in dims], indexing="ij")
-        g = {a: x.ravel() for a, x in zip(dims, grids)}
-        n = g["B"].size
+        n = math.prod(blocks.size if a == "B" else lay.size if a == "L" and lay is not None
+                      else self.size(a) for a in dims)
+        if n > MAX_BLOCK_REGIONS:
+            raise KVABIError(f"block_ids: {len(blocks)} blocks of this layout lie in {n} "
+                             f"separate pieces (blocks asked times the planes and the axes "
+                             f"outside B), more than MAX_BLOCK_REGIONS = {MAX_BLOCK_REGIONS}")
+        if dims:
+            grids = np.meshgrid(*[values(a) for a in dims], indexing="ij")
+            g = {a: x.ravel() for a, x in zip(dims, grids)}
+        else:
+            g = {}
         plane = np.broadcast_to(np.asarray(self._plane_of(g.get("L", 0), g.get("KV", 0)),
                                            dtype=np.int64), (n,))
         off = sum((g[a] * self.stride(a) for a in outer), np.zeros(n, np.int64))
@@ -453,7 +506,7 @@ class Layout:
         end = off + span
         # A new region starts where the plane changes or the gap is more than block padding.
         new = np.ones(len(off), bool)
-        new[1:] = (plane[1:] != plane[:-1]) | (off[1:] - end[:-1] > step - span)
+        new[1:] = (plane[1:] != plane[:-1]) | (off[1:] - end[:-1] > gap)
         starts = np.nonzero(new)[0]
         last = np.r_[starts[1:], len(off)] - 1
         return [(int(p), int(o), int(e - o)) for p, o, e in
@@ -485,17 +538,13 @@ class Layout:
         (ignoring unknown fields); any malformed field raises KVABIError naming it.
         ``max_bytes`` bounds the bytes of the whole descriptor (all planes together, e.g.
         the receiver's buffers); the text goes through :func:`kvabi.safe_json.loads`."""
-        from .layout_json import layout_from_json
-
         return layout_from_json(cls, text, max_bytes=max_bytes)
 
     # -- presets -------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, spec, num_blocks: int, num_layers: int = 1) -> "Layout":
         """A named layout of the anchors for ``spec`` (see :data:`kvabi.presets.PRESETS`)."""
-        from .presets import make_preset
-
-        return make_preset(name, spec, num_blocks, num_layers)
+        return build_preset(cls, name, spec, num_blocks, num_layers)
 
 
 def _c_strides(shape) -> tuple[int, ...]:

@@ -8,10 +8,10 @@ stride, span and total).
 """
 from __future__ import annotations
 
-from .abi import ABI_VERSION, wire_version
 from .coerce import as_int
 from .errors import KVABIError
 from .safe_json import loads
+from .version import ABI_VERSION, wire_version
 
 #: Size limit of a descriptor's text (a real one is well under 1 KiB).
 MAX_DESCRIPTOR_BYTES = 64 * 2**10
@@ -47,7 +47,7 @@ def layout_from_json(cls, text, *, max_bytes=None):
         max_bytes = as_int(max_bytes, "max_bytes", lo=0)
     if isinstance(text, (str, bytes, bytearray, memoryview)):
         d = loads(text, what="descriptor", max_bytes=MAX_DESCRIPTOR_BYTES,
-                  max_depth=MAX_DESCRIPTOR_DEPTH)
+                  max_depth=MAX_DESCRIPTOR_DEPTH, name_fields=True)
     else:
         d = text
     if not isinstance(d, dict):

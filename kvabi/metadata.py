@@ -15,6 +15,8 @@ in int64.
 from __future__ import annotations
 
 import attrs
+from itertools import chain
+
 import numpy as np
 
 from .coerce import INT32_MAX, INT64_MAX, as_int, index_array, int_array
@@ -29,9 +31,18 @@ MAX_STEP_REQS = 1 << 24
 
 def _array(dtype, field: str, ndim: int = 1):
     def conv(x):
-        return index_array(x, field, dtype, ndim=ndim)
+        a = index_array(x, field, dtype, ndim=ndim)
+        if not a.flags.owndata:
+            a = a.copy()  # maybe the caller's memory (numpy, torch): it could change later
+        return _frozen(a)
 
     return conv
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """``a`` made read-only (kvabi's own array: validated once, never changed)."""
+    a.flags.writeable = False
+    return a
 
 
 def _block_size(v) -> int:
@@ -77,7 +88,7 @@ class CommonAttentionMetadata:
                         ("context_lens", context_lens), ("positions", positions),
                         ("slot_mapping", slot_mapping), ("block_table", block_table),
                         ("block_size", block_size), ("num_blocks", num_blocks)):
-            object.__setattr__(self, name, v)
+            object.__setattr__(self, name, _frozen(v) if isinstance(v, np.ndarray) else v)
         return self
 
     # -- derived sizes -----------------------------------------------------------------
@@ -137,7 +148,7 @@ class CommonAttentionMetadata:
                              f"{int(c[r])} + {int(q[r])} = {int(seq[r])}, beyond int32 "
                              f"({INT32_MAX})")
         r = len(q)
-        bt = index_array(block_table, "block_table", np.int32, ndim=2)
+        bt = index_array(_rows(block_table), "block_table", np.int32, ndim=2)
         require(bt.shape[0] == r, "block_table",
                 f"must be 2-D with one row per request ({r}), shape", bt.shape)
         qsl = np.empty(r + 1, np.int64)
@@ -256,3 +267,29 @@ def check_blocks(bt: np.ndarray, seq: np.ndarray, block_size: int, num_blocks) -
         if (top + 1) * block_size - 1 > INT64_MAX:
             raise KVABIError(f"block_size: block id {top} * block_size {block_size} is a "
                              f"slot that cannot be represented in int64")
+
+
+def _rows(table):
+    """A block table given as Python rows, as a numpy array: rows of different lengths
+    named, bool entries refused, both checked with the iteration in C (no Python step per
+    entry); anything else is returned as it is for :func:`index_array` to check."""
+    if not (isinstance(table, (list, tuple)) and table
+            and set(map(type, table)) <= {list, tuple}):
+        return table
+    lens = np.fromiter(map(len, table), np.int64, len(table))
+    if np.any(lens != lens[0]):
+        r = int(np.argmax(lens != lens[0]))
+        raise KVABIError(f"block_table: row {r} has {int(lens[r])} entries, row 0 has "
+                         f"{int(lens[0])} (rows must have equal length)")
+    types = set(map(type, chain.from_iterable(table)))
+    if bool in types or np.bool_ in types:
+        raise KVABIError("block_table: must hold integers, got a bool entry")
+    if types & {list, tuple}:
+        return table  # nested deeper than rows: index_array refuses it by shape
+    try:
+        if types == {int}:  # the common case: no dtype discovery needed
+            return np.fromiter(chain.from_iterable(table), np.int64,
+                               len(table) * int(lens[0])).reshape(len(table), int(lens[0]))
+        return np.asarray(table)
+    except (ValueError, TypeError, OverflowError):
+        return table  # index_array names what is wrong

@@ -11,7 +11,6 @@ import attrs
 from .coerce import as_int
 from .dtypes import tpu_packing
 from .errors import KVABIError
-from .layout import Layout
 from .spec import KVSpec
 
 # name -> (memory order, plane axes, folds); "C" in vLLM's names is (KV, D) folded.
@@ -33,6 +32,9 @@ _OTHER = {
     "tpu.combined": (("B", "N", "H", "KV", "D"), ("L",), (("H", "KV"),)),
     # TPU hidden states: K and V planes, [B, N, H*D].
     "tpu.hidden": (("B", "N", "H", "D"), ("L", "KV"), (("H", "D"),)),
+    # Per block and head, keys then values, each [D, N] (token fastest): the key tiles of
+    # vLLM's CPU_ATTN kernels, which cpu.vllm reads in place ([L, B, H, 2, D, N]).
+    "vllm.cpu_kt": (("L", "B", "H", "KV", "D", "N"), (), ()),
     # Dynamo KVBM FullyContiguous: [B, L, outer=KV, page, inner=H*D].
     "kvbm.fully_contiguous": (("B", "L", "KV", "N", "H", "D"), (), (("H", "D"),)),
     # Dynamo KVBM LayerSeparate (block-contiguous): per layer [B, outer=KV, page, H*D].
@@ -48,7 +50,9 @@ def preset_names(spec: KVSpec) -> tuple[str, ...]:
     return tuple(n for n in PRESETS if not (spec.is_mla and n in _NO_MLA))
 
 
-def make_preset(name: str, spec: KVSpec, num_blocks: int, num_layers: int = 1) -> Layout:
+def build_preset(cls, name: str, spec: KVSpec, num_blocks: int, num_layers: int = 1):
+    """The preset ``name`` for ``spec``, built as ``cls`` (:class:`kvabi.Layout`, which
+    imports this module and calls this from :meth:`kvabi.Layout.preset`)."""
     if not isinstance(name, str) or name not in PRESETS:
         raise KVABIError(f"name: unknown layout preset {name!r}; presets are {', '.join(PRESETS)}")
     if not isinstance(spec, KVSpec):
@@ -79,12 +83,12 @@ def make_preset(name: str, spec: KVSpec, num_blocks: int, num_layers: int = 1) -
             raise KVABIError(f"spec.num_kv_heads: tpu.combined packs {packing} {spec.dtype} "
                              f"values per word; 2 * num_kv_heads = {2 * spec.num_kv_heads} is "
                              f"not a multiple (no hidden head padding)")
-    base = Layout(order=order, sizes=sizes, dtype=spec.dtype, planes=planes, extents=extents,
-                  folds=folds, packing=packing, name=name)
+    base = cls(order=order, sizes=sizes, dtype=spec.dtype, planes=planes, extents=extents,
+               folds=folds, packing=packing, name=name)
     return _pad_pages(base, spec)
 
 
-def _pad_pages(layout: Layout, spec: KVSpec) -> Layout:
+def _pad_pages(layout, spec: KVSpec):
     """Apply ``spec.page_align``: round the bytes of one layer's block (as this layout holds
     it, head-dim padding included) up to the alignment by widening the B stride."""
     block = layout.stride("B")

@@ -142,7 +142,7 @@ class ReferenceBackend(Backend):
         call's layout (a lookup for a KVCache of it)."""
         if layout is not plan.layout:
             check_step(plan.meta, plan.spec, layout)
-        handle = as_cache(cache, layout)
+        handle = as_cache(cache, layout, "numpy")
         spec = plan.spec
         if spec.is_mla:
             lat = handle.kv_view(layer, 0)
@@ -163,6 +163,8 @@ class ReferenceBackend(Backend):
         value = None if value is None else real_array(value, "value")
         check_kv(key, value, plan.meta, spec)
         _, kview, vview = self._views(cache, layout, plan, _layer(layer, layout))
+        if not (kview.flags.writeable and vview.flags.writeable):
+            raise KVABIError(f"cache: the planes of layer {layer} are read-only")
         tokens, blk, off = plan.write_rows
         dt = numpy_dtype(spec.dtype)
         kview[blk, off] = to_cache_dtype(key if tokens is None else key[tokens], dt)

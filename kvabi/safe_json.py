@@ -69,13 +69,39 @@ def nesting_depth(text: str) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
+class _Refused:
+    """A value the parser met but refuses (NaN, an integer beyond ``max_int``), kept in
+    place until parsing ends so that the error can name where it sits."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _find_refused(x, path: str):
+    """(path, why) of the first refused value in parsed data, or None (iterative)."""
+    todo = [(x, path)]
+    while todo:
+        v, p = todo.pop()
+        if isinstance(v, _Refused):
+            return p, v.why
+        if isinstance(v, dict):
+            todo.extend((w, f"{p}.{k}" if p else str(k)) for k, w in reversed(v.items()))
+        elif isinstance(v, list):
+            todo.extend((w, f"{p}[{i}]") for i, w in reversed(list(enumerate(v))))
+    return None
+
+
 def loads(data, *, what: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
-          max_int: int | None = MAX_INT):
+          max_int: int | None = MAX_INT, name_fields: bool = False):
     """Parse ``data`` (``str``, ``bytes`` or ``bytearray``) as one strict JSON document.
 
     ``what`` names the document in every error (e.g. ``"descriptor"``, ``"config
     'x.json'"``).  ``max_int`` bounds the magnitude of integers (None: no bound beyond the
-    size limit).  Returns dicts, lists, str, int, float, bool and None.
+    size limit).  With ``name_fields``, a refused value (``NaN``, ``Infinity``, an integer
+    beyond ``max_int``) is reported by its place in the document (``sizes.L: ...``)
+    instead of by ``what``.  Returns dicts, lists, str, int, float, bool and None.
     """
     if isinstance(data, (bytes, bytearray, memoryview)):
         raw = bytes(data)
@@ -109,27 +135,32 @@ def loads(data, *, what: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_D
 
     limit_digits = None if max_int is None else len(str(max_int)) + 1
 
+    def refuse(why: str):
+        if name_fields:
+            return _Refused(why)
+        raise KVABIError(f"{what}: {why}")
+
     def integer(s: str) -> int:
         # The length first: converting thousands of digits costs quadratic time.
         if limit_digits is not None and len(s) > limit_digits:
-            raise KVABIError(f"{what}: integer {_short(s)} is beyond +-{max_int}")
+            return refuse(f"integer {_short(s)} is beyond +-{max_int}")
         v = int(s)
         if max_int is not None and not -max_int <= v <= max_int:
-            raise KVABIError(f"{what}: integer {v} is beyond +-{max_int}")
+            return refuse(f"integer {v} is beyond +-{max_int}")
         return v
 
     def real(s: str) -> float:
         v = float(s)
         if not math.isfinite(v):
-            raise KVABIError(f"{what}: number {_short(s)} overflows a double")
+            return refuse(f"number {_short(s)} overflows a double")
         return v
 
     def constant(s: str):
-        raise KVABIError(f"{what}: {s} is not a JSON value")
+        return refuse(f"{s} is not a JSON value")
 
     try:
-        return json.loads(text, object_pairs_hook=pairs, parse_int=integer, parse_float=real,
-                          parse_constant=constant)
+        out = json.loads(text, object_pairs_hook=pairs, parse_int=integer, parse_float=real,
+                         parse_constant=constant)
     except KVABIError:
         raise
     except json.JSONDecodeError as e:
@@ -139,6 +170,11 @@ def loads(data, *, what: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_D
         raise KVABIError(f"{what}: nested too deep for the parser") from None
     except ValueError as e:  # defence in depth; the hooks above raise KVABIError
         raise KVABIError(f"{what}: not valid JSON ({e})") from None
+    if name_fields:
+        bad = _find_refused(out, "")
+        if bad is not None:
+            raise KVABIError(f"{bad[0] or what}: {bad[1]}")
+    return out
 
 
 def _short(s: str, limit: int = 40) -> str:

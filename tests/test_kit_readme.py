@@ -83,7 +83,7 @@ def test_skeleton_follows_the_worked_example():
     plugin = (EXAMPLE / "kvabi_example_torch" / "plugin.py").read_text()
     for call in ("self.check_supported(spec, softcap=softcap, sinks=sinks)",
                  "kvabi.check_step(meta, spec, layout)", "kvabi.AttentionOptions.resolve(",
-                 "cache = kvabi.as_cache(cache, layout)"):
+                 "cache = kvabi.as_cache(cache, layout, self.framework)"):
         assert call in SECTION and call in source, call
     assert "@kvabi.hookimpl\ndef kvabi_backends():" in plugin
     assert "[project.entry-points.kvabi]" in (EXAMPLE / "pyproject.toml").read_text()

@@ -14,6 +14,8 @@ from kvabi.presets import PRESETS, preset_names
 def anchor(name, L, B, N, H, D, dtype):
     """(plane shapes, index map) for a preset, written from the anchors' definitions:
     logical (l, b, kv, n, h, d) -> (plane, index tuple).  Independent of kvabi.layout."""
+    if name == "vllm.cpu_kt":  # keys and values as [D, N] tiles per block and head
+        return [(L, B, H, 2, D, N)], lambda l, b, kv, n, h, d: (0, (l, b, h, kv, d, n))
     if name.startswith("vllm."):
         order = name.split(".")[1]  # over [L, B, H, N, C], C = (kv, d) as 2 x head_dim
         dims = {"L": L, "B": B, "H": H, "N": N, "C": 2 * D}

@@ -111,7 +111,10 @@ def test_sinks_and_num_q_heads_checks():
 def test_check_step_refuses_slots_outside_the_layout_even_if_changed_after_validation():
     layout = Layout.preset("flash_attn", SPEC, 3)
     meta = CommonAttentionMetadata.from_lengths([2, 1], [3, 0], [[0, 1], [2, 0]], 4)
-    meta.slot_mapping[1] = 12  # a caller changed the array after validation
+    with pytest.raises(ValueError, match="read-only"):
+        meta.slot_mapping[1] = 12  # kvabi's own validated arrays are read-only
+    meta.slot_mapping.flags.writeable = True  # a caller who insists, after validation
+    meta.slot_mapping[1] = 12
     with pytest.raises(KVABIError, match="slot_mapping: token 1 has slot 12"):
         check_step(meta, SPEC, layout)
     meta.slot_mapping[1] = -2

@@ -15,7 +15,15 @@ def test_quick_json_shape(capsys):
     assert main(["bench", "transfer", "--quick", "--json", "--presets",
                  f"{bench.CROSS},{bench.PER_LAYER}"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result) == {"memcpy_gbps", "nixl_single_gbps", "rows"}
+    assert set(result) == {"memcpy_gbps", "nixl_single_gbps", "rows", "figures"}
+    fig = result["figures"]
+    t_lists, t_conv = fig["from_lengths"]
+    assert t_lists > 0 and t_conv > 0
+    assert all(a > 0 and b > 0 for a, b in fig.get("torch_vs_numpy", {}).values())
+    if available()[0]:
+        x = fig["nixl_relayout"]
+        assert x["relayout_s"] > 0 and x["same_layout_s"] > 0 and x["regions"] > 1
+        assert fig["post_check"]["regions"] > 1
     assert result["memcpy_gbps"] > 0
     executors = {"local", "offload", "onload"} | ({"nixl"} if available()[0] else set())
     seen = set()

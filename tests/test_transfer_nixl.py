@@ -16,7 +16,7 @@ import pytest
 
 from kvabi import KVABIError, KVCache, KVSpec
 from kvabi.layout import Layout
-from kvabi.transfer import TransferPlan, plan_transfer
+from kvabi.transfer import TransferPlan, plan_block_transfer, plan_transfer
 from kvabi.transfer import nixl as kv_nixl
 
 ok, why = kv_nixl.available()
@@ -54,8 +54,10 @@ def _view(cache, layer, kv):
     return v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
-def test_pull_relayout_in_one_process(agents, framework):
+@pytest.mark.parametrize("framework, staged", [("numpy", None), ("numpy", True),
+                                               ("numpy", False), ("torch", True),
+                                               ("torch", False)])
+def test_pull_relayout_in_one_process(agents, framework, staged):
     if framework == "torch":
         pytest.importorskip("torch")
     a_agent, b_agent = agents
@@ -66,7 +68,7 @@ def test_pull_relayout_in_one_process(agents, framework):
     peer = b_agent.connect(a_agent.handshake(src))
     s = np.array([4, 5, 6, 7, 0, 1, 22])
     t = np.array([8, 9, 10, 11, 12, 13, 31])
-    assert b_agent.pull(peer, dst, s, t, notify=b"kvabi.pull 1") is dst
+    assert b_agent.pull(peer, dst, s, t, notify=b"kvabi.pull 1", staged=staged) is dst
     assert a_agent.wait_notification(b"kvabi.pull 1", timeout=10) == ("dst-agent",
                                                                         b"kvabi.pull 1")
     for layer in range(2):
@@ -110,8 +112,8 @@ def test_regions_checked_against_peer_planes_before_posting(agents):
     other = Layout.preset("flashinfer.NHD", SPEC, 4, 1)
     with pytest.raises(KVABIError, match="plan.src_layout: is not the peer's layout"):
         b_agent.pull_plan(peer, plan_transfer(other, lay, [0], [0]), dst)
-    with pytest.raises(KVABIError, match="not registered"):
-        b_agent.pull(peer, KVCache.allocate(lay, "numpy"), [0], [0])
+    with pytest.raises(KVABIError, match="staged: an unstaged pull READs into dst"):
+        b_agent.pull(peer, KVCache.allocate(lay, "numpy"), [0], [0], staged=False)
     with pytest.raises(KVABIError, match="plan: must be a TransferPlan"):
         b_agent.pull_plan(peer, plan.regions, dst)
 
@@ -235,10 +237,37 @@ def test_refusals(agents):
                           b_agent.register(KVCache.allocate(lay, "numpy")))
     with pytest.raises(KVABIError, match="timeout: must be > 0"):
         b_agent.connect(a_agent.handshake(src), timeout=0)
-    jax = pytest.importorskip("jax")  # noqa: F841
-    with pytest.raises(KVABIError, match="jax arrays"):
-        a_agent.register(KVCache.allocate(lay, "jax"))
     assert isinstance(plan_transfer(lay, lay, [0], [0]), TransferPlan)
+
+
+@pytest.mark.parametrize("staged", [None, False])
+def test_jax_caches(agents, staged):
+    """A jax CPU cache registers without a copy (a peer READs its buffer); a jax
+    destination is pulled through the staging buffer and comes back as a new handle."""
+    jnp = pytest.importorskip("jax.numpy")
+    a_agent, b_agent = agents
+    src_l = Layout.preset("flashinfer.HND", SPEC, 6, 2)
+    dst_l = Layout.preset("kvbm.fully_contiguous", attrs.evolve(SPEC, block_size=8), 4, 2)
+    host = _random(src_l, 3)
+    src = a_agent.register(host.replace([jnp.asarray(p) for p in host]))
+    rows = a_agent._registration(src)[2]
+    assert rows[0, 0] == src[0].unsafe_buffer_pointer()  # the array's own buffer
+    peer = b_agent.connect(a_agent.handshake(src))
+    s, t = np.array([4, 5, 6, 7, 0, 1, 22]), np.array([8, 9, 10, 11, 12, 13, 31])
+    if staged is False:
+        with pytest.raises(KVABIError, match="staged: an unstaged pull"):
+            b_agent.pull(peer, KVCache.allocate(dst_l, "jax"), s, t, staged=False)
+        return
+    dst = KVCache.allocate(dst_l, "jax")
+    out = b_agent.pull(peer, dst, s, t)
+    assert out is not dst and out.framework == "jax"
+    got = KVCache.wrap(dst_l, [np.asarray(p) for p in out])
+    for layer in range(2):
+        for kv in range(2):
+            g, w = got.kv_view(layer, kv), host.kv_view(layer, kv)
+            np.testing.assert_array_equal(g[t // 8, t % 8], w[s // 4, s % 4])
+            rest = np.setdiff1d(np.arange(32), t)
+            assert not np.asarray(g[rest // 8, rest % 8]).any()
 
 
 def test_two_processes_end_to_end(tmp_path):
@@ -299,3 +328,27 @@ def test_vram_planes(agents):
         got = dst.kv_view(0, kv).cpu().numpy()
         np.testing.assert_array_equal(got[[1, 1, 1], [1, 2, 3]],
                                       src.kv_view(0, kv)[[0, 0, 0], [0, 1, 2]])
+
+
+@pytest.mark.parametrize("staged", [None, False])
+def test_pull_block_plan_staged(agents, staged):
+    """A whole-block relayout plan pulled staged (the source blocks in their own byte order,
+    then strided copies) or direct: the same tokens arrive, nothing else is written."""
+    a_agent, b_agent = agents
+    src_l = Layout.preset("flashinfer.HND", SPEC, 8, 2)
+    dst_l = Layout.preset("tpu.combined", attrs.evolve(SPEC, block_size=8), 4, 2)
+    src = a_agent.register(_random(src_l, 5))
+    dst = b_agent.register(KVCache.allocate(dst_l, "numpy"))
+    peer = b_agent.connect(a_agent.handshake(src))
+    sb, db = [6, 1, 3, 2], [3, 0]
+    plan = plan_block_transfer(src_l, dst_l, sb, db)
+    assert plan.pattern is not None
+    assert b_agent.pull_plan(peer, plan, dst, staged=staged) is dst
+    s = (np.array(sb)[:, None] * 4 + np.arange(4)).ravel()
+    t = (np.array(db)[:, None] * 8 + np.arange(8)).ravel()
+    for layer in range(2):
+        for kv in range(2):
+            got, want = _view(dst, layer, kv), _view(src, layer, kv)
+            np.testing.assert_array_equal(got[t // 8, t % 8], want[s // 4, s % 4])
+            rest = np.setdiff1d(np.arange(32), t)
+            assert not got[rest // 8, rest % 8].any()

@@ -43,10 +43,16 @@ def _builtin_transfer(argv):
     return transfer.run(argv)
 
 
+def _builtin_probe(argv):
+    from ..bench import probe
+
+    return probe.run(argv)
+
+
 def suites() -> dict:
     """{name: callable(argv) -> int}: the built-in suites plus those of plugins."""
     found = {"transforms": _builtin_transforms, "layout": _builtin_layout,
-             "overhead": _builtin_overhead, "transfer": _builtin_transfer}
+             "overhead": _builtin_overhead, "transfer": _builtin_transfer, "probe": _builtin_probe}
     try:
         from .. import registry
     except ImportError:  # registry not available: built-in suites only

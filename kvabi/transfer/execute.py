@@ -13,7 +13,13 @@ cut into rows of the largest size dividing every offset and length and moved wit
 fancy-indexing copy per batch of :data:`BATCH` bytes.
 
 numpy arrays and torch tensors (CPU or CUDA) are written in place; jax arrays are immutable,
-so a jax destination comes back as a new handle.
+so a jax destination comes back as a new handle.  torch planes in host memory are copied by
+numpy over the same bytes (``Tensor.numpy()`` views share memory), so they take the same
+strided copies as numpy planes; CUDA planes use torch copies on the device.
+
+Before any byte moves, what can change under a checked handle is checked again
+(:func:`check_in_use`) and the plan's regions are checked against the planes; a plan itself
+is immutable (``specs/security.md``).
 """
 from __future__ import annotations
 
@@ -63,17 +69,23 @@ def _torch():
 
 def execute(plan: TransferPlan, src, dst):
     """Copy the plan's regions from ``src`` to ``dst`` (KVCache handles or lists of planes
-    of the plan's source and destination layouts; their memory must not overlap).
+    of the plan's source and destination layouts).
 
     Both sides are checked against the layouts (plane count, shape, dtype, strides, memory
-    reach) and the regions against the planes before any byte moves.  Returns ``dst`` (the
-    same object for numpy/torch, written in place; a new KVCache for jax).
+    reach), and again at this call where memory can change under a handle: a read-only
+    destination, a torch plane on the meta device (no memory), a plane changed since the
+    handle was made (``KVCache.check_unchanged``: e.g. ``Tensor.set_``), source and
+    destination memory that overlap (``execute(plan, c, c)``): each a KVABIError naming
+    the plane.  The
+    regions are checked against the planes at every call before any byte moves.  Returns
+    ``dst`` (the same object for numpy/torch, written in place; a new KVCache for jax).
     """
     if not isinstance(plan, TransferPlan):
         raise KVABIError(f"plan: must be a TransferPlan, got {type(plan).__name__}")
     s = _handle(src, plan.src_layout, "src")
     d = _handle(dst, plan.dst_layout, "dst")
-    plan.check()  # the planes hold plane_nbytes each: KVCache.wrap checked their memory
+    check_in_use(s, d)
+    plan.check()  # the planes hold plane_nbytes each: checked by wrap and check_in_use
     if not len(plan):
         return dst
     if plan.pattern is not None:  # whole blocks: strided views, no per-region work
@@ -84,10 +96,11 @@ def execute(plan: TransferPlan, src, dst):
 def execute_pattern(pattern, src_layout, dst_layout, src, dst):
     """:func:`execute` of a whole-block move given as a
     :class:`~kvabi.transfer.pattern.BlockPattern` (no regions built: the host pool's path).
-    The same checks: both sides against the layouts, and the pattern's bounds proven from
-    its template and bases before any byte moves."""
+    The same checks: both sides against the layouts and at use, and the pattern's bounds
+    proven from its template and bases before any byte moves."""
     s = _handle(src, src_layout, "src")
     d = _handle(dst, dst_layout, "dst")
+    check_in_use(s, d)
     sizes = (np.full(src_layout.num_planes, src_layout.plane_nbytes, np.int64),
              np.full(dst_layout.num_planes, dst_layout.plane_nbytes, np.int64))
     if not pattern.within(*sizes):
@@ -95,10 +108,71 @@ def execute_pattern(pattern, src_layout, dst_layout, src, dst):
     return _run(pattern, None, s, d, dst)
 
 
-def _run(pattern, regions, s: KVCache, d: KVCache, dst):
-    """Copy (a pattern's sub-blocks, or regions) from ``s`` to ``d``; ``dst`` back, or a
-    new handle for jax."""
-    src_layout, dst_layout = s.layout, d.layout
+def check_in_use(s: KVCache | None, d: KVCache | None) -> None:
+    """What can change under a checked handle, checked again at use: the memory of every
+    torch plane (meta device, storage replaced by ``set_``), a writable destination, and
+    source memory disjoint from destination memory."""
+    for c, side in ((s, "src"), (d, "dst")):
+        if c is not None:
+            check_memory(c, side, write=side == "dst")
+    if s is None or d is None or "jax" in (s.framework, d.framework):
+        return  # a jax destination is written through a copy; a jax source is read-only
+    a, b = _spans(s), _spans(d)
+    hit = ((a[:, None, 0] == b[None, :, 0]) & (a[:, None, 1] < b[None, :, 2])
+           & (b[None, :, 1] < a[:, None, 2]))
+    if hit.any():
+        i, j = (int(x) for x in np.argwhere(hit)[0])
+        raise KVABIError(f"dst[{j}]: shares memory with src[{i}]; execute copies between "
+                         "disjoint memory (copy through a third cache, e.g. a HostPool)")
+
+
+def check_memory(c: KVCache, side: str, *, write: bool) -> None:
+    """KVABIError naming the plane unless every plane of ``c`` is memory kvabi may read
+    (and write, with ``write``) over the layout's ``plane_nbytes``, now: each plane as
+    ``KVCache.wrap`` checked it (:meth:`KVCache.check_unchanged`: a torch ``set_()`` or
+    storage ``resize_()`` since is refused), on a device with memory, writable."""
+    try:
+        c.check_unchanged()
+    except KVABIError as e:
+        raise KVABIError(f"{side}: {e}") from None
+    for i, p in enumerate(c):
+        if isinstance(p, np.ndarray):
+            if write and not p.flags.writeable:
+                raise KVABIError(f"{side}[{i}]: the numpy plane is read-only")
+        elif c.framework == "torch" and p.device.type == "meta":
+            raise KVABIError(f"{side}[{i}]: a torch plane on the meta device holds no memory")
+
+
+def _spans(c: KVCache) -> np.ndarray:
+    """[planes, 3] of (device key, first byte address, end address) of each plane's reach."""
+    n = c.layout.plane_nbytes
+    rows = []
+    for p in c:
+        if isinstance(p, np.ndarray):
+            rows.append((-1, p.__array_interface__["data"][0]))
+        else:
+            dev = p.device
+            rows.append((-1 if dev.type == "cpu" else hash(str(dev)) & 0xFFFF, p.data_ptr()))
+    out = np.array(rows, np.int64).reshape(-1, 2)
+    return np.concatenate([out, out[:, 1:] + n], axis=1)
+
+
+def copy_from_staging(planes, regions, pattern, layout, d: KVCache, dst):
+    """The local half of a staged pull (:mod:`kvabi.transfer.staging`): copy checked
+    ``regions`` (or a checked ``pattern`` of ``layout``) whose source planes are the flat
+    byte buffers ``planes`` (numpy uint8, or torch uint8 tensors on the destination's
+    device) into ``d``.  ``dst`` back, or a new handle for jax."""
+    planes = [p.numpy() if framework(p) == "torch" and p.device.type == "cpu" else p
+              for p in planes]
+    return _run(pattern, regions, None, d, dst, sbytes=planes, src_layout=layout)
+
+
+def _run(pattern, regions, s: KVCache | None, d: KVCache, dst, sbytes=None,
+         src_layout=None):
+    """Copy (a pattern's sub-blocks, or regions) from ``s`` (or the flat ``sbytes`` of
+    ``src_layout``) to ``d``; ``dst`` back, or a new handle for jax."""
+    src_layout = s.layout if s is not None else src_layout
+    dst_layout = d.layout
     jax = d.framework == "jax"
     if jax:  # immutable: copy the planes written into writable buffers
         touched = np.unique((pattern.template if pattern is not None else regions)[:, 2])
@@ -107,12 +181,17 @@ def _run(pattern, regions, s: KVCache, d: KVCache, dst):
                   for i in range(len(d))]
     else:
         dbytes = [byte_view(p, dst_layout) for p in d]
-    sbytes = [_source_bytes(p, src_layout, d) for p in s]
-    torch_side = d.framework == "torch"
+    # torch planes in host memory are copied by numpy over the same bytes (strided copies,
+    # no index tensors): as fast as numpy planes
+    torch_side = d.framework == "torch" and d[0].device.type != "cpu"
+    if d.framework == "torch" and not torch_side:
+        dbytes = [b.numpy() for b in dbytes]
+    if sbytes is None:
+        sbytes = [_source_bytes(p, src_layout, d[0] if torch_side else None) for p in s]
     if pattern is not None:
         copy_pattern(pattern, src_layout, dst_layout, sbytes, dbytes, torch_side=torch_side)
     else:
-        _copy_all(regions, sbytes, dbytes, torch_side=torch_side)
+        copy_regions(regions, sbytes, dbytes, torch_side=torch_side)
     if jax:
         import jax.numpy as jnp
 
@@ -120,25 +199,28 @@ def _run(pattern, regions, s: KVCache, d: KVCache, dst):
     return dst
 
 
-def _source_bytes(plane, layout, d: KVCache):
-    """Source bytes in the destination's framework and device."""
-    fw = d.framework
+def _source_bytes(plane, layout, device_plane):
+    """Source bytes as a flat uint8 numpy array, or (``device_plane`` given: a torch
+    tensor on a device) as a torch tensor on that device."""
     if isinstance(plane, np.ndarray):
         b = byte_view(plane, layout)
-        if fw == "torch":
-            return _torch().from_numpy(b).to(d[0].device)
+        if device_plane is not None:
+            return _torch().from_numpy(b).to(device_plane.device)
         return b
     if framework(plane) == "torch":
         b = byte_view(plane, layout)
-        if fw == "torch":
-            return b.to(d[0].device)
-        return b.cpu().numpy()
+        if device_plane is not None:
+            return b.to(device_plane.device)
+        return b.numpy() if b.device.type == "cpu" else b.cpu().numpy()
     # jax: dense planes, read through numpy
     b = np.ascontiguousarray(np.asarray(plane)).reshape(-1).view(np.uint8)
-    return _torch().from_numpy(b.copy()).to(d[0].device) if fw == "torch" else b
+    return _torch().from_numpy(b.copy()).to(device_plane.device) \
+        if device_plane is not None else b
 
 
-def _copy_all(regions, sbytes, dbytes, *, torch_side: bool):
+def copy_regions(regions, sbytes, dbytes, *, torch_side: bool):
+    """Copy ``regions`` (checked) between flat byte planes (numpy arrays, or torch tensors
+    on one device when ``torch_side``)."""
     r = regions
     # Group by (src plane, dst plane): one vectorized copy per pair.
     if r[0, 0] == r[-1, 0] and np.all(r[:, 0] == r[0, 0]) and np.all(r[:, 2] == r[0, 2]):

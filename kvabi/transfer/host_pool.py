@@ -10,6 +10,8 @@ per-layer device layout has about a million of them per request).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..cache import KVCache
@@ -87,6 +89,11 @@ class HostPool:
             raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
         if isinstance(source, Layout):
             check_compatible(source, layout)
+        need, have = layout.num_planes * layout.plane_nbytes, host_memory()
+        if need > have:
+            field = "num_blocks" if layout.num_blocks == num_blocks else "layout.sizes.B"
+            raise KVABIError(f"{field}: {layout.num_blocks} host blocks need {need} bytes, "
+                             f"more than this machine's {have} bytes of memory")
         self.layout = layout
         self.cache = KVCache.allocate(layout, framework)
         self._free = np.ones(layout.num_blocks, bool)
@@ -148,6 +155,14 @@ class HostPool:
             raise KVABIError(f"host_ids: block {int(ids[self._free[ids]][0])} holds no "
                              "offloaded data")
         return ids
+
+
+def host_memory() -> int:
+    """Bytes of physical memory of this machine (a bound no host pool can exceed)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no bound known
+        return 2**62
 
 
 def _layout_of(cache) -> Layout:

@@ -5,11 +5,13 @@ One :class:`NixlAgent` per process.  The serving side registers its cache and ha
 cache, :meth:`~NixlAgent.connect`\\ s with the peer's message (validated as untrusted input),
 and :meth:`~NixlAgent.pull`\\ s tokens with one NIXL READ whose regions come from a copy
 plan between the two layouts, bounds-checked against the peer's registered planes before
-anything is posted.  The READ carries a notification, so the serving side learns when its
-blocks may be reused (:meth:`~NixlAgent.wait_notification`).
+anything is posted.  A relayout is pulled *staged* (:mod:`kvabi.transfer.staging`): the
+peer's bytes in its own byte order, as a few large descriptors, into a staging buffer the
+agent registers once, then relayouted locally.  The READ carries a notification, so the
+serving side learns when its blocks may be reused (:meth:`~NixlAgent.wait_notification`).
 
 Planes in host memory register as DRAM; CUDA tensors as VRAM (same code, other memory
-type).  nixl is imported when an agent is made, never at ``import kvabi``.
+type); jax CPU arrays register their own buffer, without a copy.  nixl is imported when an agent is made, never at ``import kvabi``.
 """
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ import time
 import numpy as np
 
 from ..cache import KVCache
-from ..coerce import as_float
+from ..coerce import as_bool, as_float
 from ..errors import KVABIError
 from ..layout import Layout
 from ..tensors import framework
+from .execute import check_in_use, copy_from_staging
 from .handshake import Handshake, make_handshake, parse_handshake
 from .plan import TransferPlan, plan_transfer
+from .staging import stage, stage_blocks, worth_staging
 
 INSTALL_HINT = "nixl is not installed: pip install 'kvabi[nixl]'"
 
@@ -59,17 +63,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _memory_of(plane) -> tuple[int, str, int]:
-    """(address, memory type, device id) of a numpy array or torch tensor."""
+    """(address, memory type, device id) of a numpy array, torch tensor or jax CPU array
+    (its buffer, no copy: jax exposes it through ``unsafe_buffer_pointer``)."""
     if isinstance(plane, np.ndarray):
         return plane.__array_interface__["data"][0], "DRAM", 0
-    if framework(plane) == "torch":
+    fw = framework(plane)
+    if fw == "torch":
         if plane.device.type == "cuda":
             return plane.data_ptr(), "VRAM", plane.device.index or 0
         if plane.device.type == "cpu":
             return plane.data_ptr(), "DRAM", 0
-    raise KVABIError(f"cache: NIXL registers numpy arrays and torch CPU/CUDA tensors, got "
-                     f"{type(plane).__name__} (jax arrays: pull into numpy planes, then "
-                     "convert)")
+    if fw == "jax":
+        devs = plane.devices()
+        if plane.is_deleted():
+            raise KVABIError("cache: a jax plane has been deleted (donated?)")
+        if len(devs) == 1 and next(iter(devs)).platform == "cpu":
+            return plane.unsafe_buffer_pointer(), "DRAM", 0
+        raise KVABIError(f"cache: NIXL registers jax arrays on one CPU device, got one on "
+                         f"{sorted(str(d) for d in devs)} (copy it to host planes first)")
+    raise KVABIError(f"cache: NIXL registers numpy arrays, torch CPU/CUDA tensors and jax "
+                     f"CPU arrays, got {type(plane).__name__}")
 
 
 #: NIXL's serialized agent metadata opens with its serializer's tag, then the agent's name
@@ -120,12 +133,21 @@ class NixlAgent:
         except Exception as e:  # noqa: BLE001 - nixl raises plain exceptions
             raise KVABIError(f"nixl: could not create agent {name!r}: {e}") from None
         self._regs = []  # (cache, descs, rows [n, 3] address/nbytes/device, memory)
+        # staging buffers of staged pulls, per (memory type, device): (buffer, descs)
+        self._staging: dict = {}
+        # templates of staged whole-block pulls (see staging.stage_blocks)
+        self._templates: list = []
         # agent name -> the peers (one per handshake, i.e. per served cache) it stands for
         self._peers: dict[str, list[Peer]] = {}
 
     # -- local memory ------------------------------------------------------------------
     def register(self, cache: KVCache) -> KVCache:
-        """Register every plane of ``cache`` (its ``plane_nbytes`` bytes) with NIXL."""
+        """Register every plane of ``cache`` (its ``plane_nbytes`` bytes) with NIXL.
+
+        jax CPU caches register without a copy (a peer may READ them); keep the arrays
+        alive and undonated while registered.  jax arrays are immutable, so a pull into
+        a jax cache goes through the staging buffer and returns a new handle (a jax
+        destination need not be registered)."""
         if not isinstance(cache, KVCache):
             raise KVABIError(f"cache: must be a KVCache, got {type(cache).__name__}")
         mems = [_memory_of(p) for p in cache]
@@ -153,10 +175,17 @@ class NixlAgent:
             raise KVABIError(f"nixl: deregistering failed: {e}") from None
 
     def _registration(self, cache: KVCache):
+        reg = self._find(cache)
+        if reg is None:
+            raise KVABIError("cache: not registered with this agent (call register(cache) "
+                             "first)")
+        return reg
+
+    def _find(self, cache: KVCache):
         for reg in self._regs:
             if reg[0] is cache:
                 return reg
-        raise KVABIError("cache: not registered with this agent (call register(cache) first)")
+        return None
 
     def handshake(self, cache: KVCache, *, include_metadata: bool = False) -> str:
         """The JSON handshake message describing registered ``cache`` to a peer; with
@@ -221,19 +250,29 @@ class NixlAgent:
 
     # -- transfers -------------------------------------------------------------------------
     def pull(self, peer: Peer, dst: KVCache, src_slots, dst_slots, *, layers=None,
-             timeout: float = 30.0, notify: bytes = b"kvabi.pull") -> KVCache:
-        """READ the peer's tokens ``src_slots`` into ``dst_slots`` of registered ``dst``
-        (layouts may differ: the plan relayouts).  Returns ``dst`` once every byte has
-        arrived; KVABIError if the transfer fails or times out (the destination slots then
-        hold undefined data and must not be used)."""
+             timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None) -> KVCache:
+        """READ the peer's tokens ``src_slots`` into ``dst_slots`` of ``dst`` (layouts may
+        differ: the plan relayouts).  Returns ``dst`` once every byte has arrived (a new
+        handle for jax); KVABIError if the transfer fails or times out (the destination
+        slots then hold undefined data and must not be used).  ``staged``: see
+        :meth:`pull_plan`."""
         if not isinstance(dst, KVCache):
             raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
         plan = plan_transfer(peer.layout, dst.layout, src_slots, dst_slots, layers=layers)
-        return self.pull_plan(peer, plan, dst, timeout=timeout, notify=notify)
+        return self.pull_plan(peer, plan, dst, timeout=timeout, notify=notify, staged=staged)
 
     def pull_plan(self, peer: Peer, plan: TransferPlan, dst: KVCache, *,
-                  timeout: float = 30.0, notify: bytes = b"kvabi.pull") -> KVCache:
-        """Run ``plan`` (source: the peer's layout) as one NIXL READ into ``dst``."""
+                  timeout: float = 30.0, notify: bytes = b"kvabi.pull",
+                  staged=None) -> KVCache:
+        """Run ``plan`` (source: the peer's layout) as one NIXL READ into ``dst``.
+
+        ``staged`` (default: when the plan's regions average under 64 KiB, as in a
+        relayout): READ the source bytes in the peer's own byte order, as few large
+        descriptors, into a staging buffer this agent registers once and reuses, then
+        relayout locally (:mod:`kvabi.transfer.staging`).  Unstaged, the READ lands in
+        ``dst`` directly, which must then be registered.  Every region is checked
+        against the peer's registered planes and ``dst``'s (registered) planes at each
+        call, before anything is posted."""
         timeout = as_float(timeout, "timeout", positive=True)
         if not isinstance(peer, Peer) or not any(p is peer for p in self._peers.get(
                 peer.name, ())):
@@ -242,15 +281,38 @@ class NixlAgent:
             raise KVABIError(f"plan: must be a TransferPlan, got {type(plan).__name__}")
         if plan.src_layout != peer.layout:
             raise KVABIError("plan.src_layout: is not the peer's layout")
-        _, _, rows, mem = self._registration(dst)
+        if not isinstance(dst, KVCache):
+            raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
         if plan.dst_layout != dst.layout:
             raise KVABIError("plan.dst_layout: is not the destination cache's layout")
+        reg = self._find(dst)
+        if staged is None:
+            staged = reg is None or dst.framework == "jax" or worth_staging(plan.regions)
+        elif as_bool(staged, "staged") is False and (reg is None or dst.framework == "jax"):
+            raise KVABIError("staged: an unstaged pull READs into dst, which must be a "
+                             "registered numpy or torch cache")
+        check_in_use(None, dst)
         h = peer.handshake
         # Every region inside the peer's registered planes and ours, before posting.
-        plan.check(src_nbytes=h.plane_nbytes, dst_nbytes=rows[:, 1])
+        plan.check(src_nbytes=h.plane_nbytes, dst_nbytes=None if reg is None else reg[2][:, 1])
         if not len(plan):
             return dst
         r = plan.regions
+        if staged and plan.pattern is not None:
+            out = self._pull_blocks(peer, plan, dst, timeout, notify)
+            if out is not None:
+                return out
+        if staged:
+            st = stage(r)
+            buf, addr, dev, mem = self._staging_buffer(st.nbytes, dst)
+            local = np.stack([addr + st.at, st.spans[:, 2], np.full(len(st.at), dev)], axis=1)
+            sp = st.spans
+            remote = np.stack([h.planes[sp[:, 0], 0] + sp[:, 1], sp[:, 2],
+                               h.planes[sp[:, 0], 2]], axis=1)
+            self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64),
+                       h.memory, timeout, notify)
+            return copy_from_staging([buf], st.local, None, None, dst, dst)
+        _, _, rows, mem = reg
         local = np.stack([rows[r[:, 2], 0] + r[:, 3], r[:, 4], rows[r[:, 2], 2]], axis=1)
         remote = np.stack([h.planes[r[:, 0], 0] + r[:, 1], r[:, 4], h.planes[r[:, 0], 2]],
                           axis=1)
@@ -258,20 +320,105 @@ class NixlAgent:
                    timeout, notify)
         return dst
 
+    def _staging_buffer(self, nbytes: int, dst: KVCache):
+        """This agent's registered staging buffer for ``dst``'s memory, at least ``nbytes``
+        long (grown by doubling, registered once per size): (buffer, address, device id,
+        memory type)."""
+        cuda = dst.framework == "torch" and dst[0].device.type == "cuda"
+        key = ("VRAM", dst[0].device.index or 0) if cuda else ("DRAM", 0)
+        held = self._staging.get(key)
+        if held is None or held[0].shape[0] < nbytes:
+            size = max(nbytes, 2 * held[0].shape[0] if held is not None else 0)
+            if cuda:
+                import torch
+
+                buf = torch.empty(size, dtype=torch.uint8, device=dst[0].device)
+                addr = buf.data_ptr()
+            else:
+                buf = np.empty(size, np.uint8)
+                addr = buf.__array_interface__["data"][0]
+            try:
+                descs = self._agent.register_memory([(addr, size, key[1], "")], key[0])
+            except Exception as e:  # noqa: BLE001
+                raise KVABIError(f"nixl: registering a {size}-byte staging buffer failed: "
+                                 f"{e}") from None
+            if held is not None:
+                self._staging.pop(key)
+                try:
+                    self._agent.deregister_memory(held[1])
+                except Exception:  # noqa: BLE001
+                    pass
+            held = self._staging[key] = (buf, descs)
+        buf = held[0]
+        addr = buf.data_ptr() if cuda else buf.__array_interface__["data"][0]
+        return buf, addr, key[1], key[0]
+
+    def _pull_blocks(self, peer: Peer, plan: TransferPlan, dst: KVCache, timeout, notify):
+        """A staged pull of a whole-block plan (:func:`~kvabi.transfer.staging.stage_blocks`):
+        one READ of the source blocks touched into the staging buffer, then strided copies
+        into ``dst``.  None when the source layout cannot be cut down (the caller stages
+        regions).  (Cutting it into chunks whose relayout overlaps the next chunk's READ was
+        measured slower on a loaded 2-core machine: loopback transports copy inside the
+        post.)"""
+        h = peer.handshake
+        piece = stage_blocks(plan.pattern, plan.src_layout, plan.dst_layout, self._templates)
+        if piece is None:
+            return None
+        lay, n = piece.layout, piece.layout.plane_nbytes
+        ds = np.full(lay.num_planes, n, np.int64)
+        pr = piece.pull.check(src_nbytes=h.plane_nbytes, dst_nbytes=ds).regions
+        if not piece.local.within(ds, np.full(dst.layout.num_planes, dst.layout.plane_nbytes,
+                                              np.int64)):
+            raise KVABIError("plan.pattern: a staged sub-block reaches outside its planes")
+        buf, addr, dev, mem = self._staging_buffer(piece.nbytes, dst)
+        local = np.stack([addr + pr[:, 2] * n + pr[:, 3], pr[:, 4], np.full(len(pr), dev)],
+                         axis=1)
+        remote = np.stack([h.planes[pr[:, 0], 0] + pr[:, 1], pr[:, 4], h.planes[pr[:, 0], 2]],
+                          axis=1)
+        self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64), h.memory,
+                   timeout, notify)
+        planes = [buf[i * n:(i + 1) * n] for i in range(lay.num_planes)]
+        return copy_from_staging(planes, None, piece.local, lay, dst, dst)
+
     def _read(self, peer, local, local_mem, remote, remote_mem, timeout, notify):
+        handle = self._post(peer, local, local_mem, remote, remote_mem, notify)
+        try:
+            self._wait(peer, handle, int(local[:, 1].sum()), time.monotonic() + timeout,
+                       timeout)
+        finally:
+            self._release([handle])
+
+    def _post(self, peer, local, local_mem, remote, remote_mem, notify):
+        """Post one READ; its handle (release with :meth:`_release`)."""
         ag = self._agent
         handle = None
         try:
             ldescs = ag.get_xfer_descs(local, local_mem)
             rdescs = ag.get_xfer_descs(remote, remote_mem)
             handle = ag.initialize_xfer("READ", ldescs, rdescs, peer.name, notify)
-            state = ag.transfer(handle)
-            deadline = time.monotonic() + timeout
+            if ag.transfer(handle) == "ERR":
+                raise KVABIError(f"transfer: NIXL reported ERR reading from {peer.name!r}; "
+                                 "the destination slots hold undefined data")
+            return handle
+        except Exception as e:  # noqa: BLE001
+            if handle is not None:
+                self._release([handle])
+            if isinstance(e, KVABIError):
+                raise
+            raise KVABIError(f"transfer: READ from {peer.name!r} failed: {e}; the destination "
+                             "slots hold undefined data") from None
+
+    def _wait(self, peer, handle, nbytes: int, deadline: float, timeout: float) -> None:
+        """Until the READ of ``handle`` is done; KVABIError when it fails or runs past
+        ``deadline``."""
+        ag = self._agent
+        try:
+            state = ag.check_xfer_state(handle)
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise KVABIError(f"transfer: READ of {int(local[:, 1].sum())} bytes from "
-                                     f"{peer.name!r} did not finish within {timeout:g} s; the "
-                                     "destination slots hold undefined data")
+                    raise KVABIError(f"transfer: READ of {nbytes} bytes from {peer.name!r} did "
+                                     f"not finish within {timeout:g} s; the destination slots "
+                                     "hold undefined data")
                 time.sleep(0.0002)
                 state = ag.check_xfer_state(handle)
             if state != "DONE":
@@ -282,12 +429,13 @@ class NixlAgent:
         except Exception as e:  # noqa: BLE001
             raise KVABIError(f"transfer: READ from {peer.name!r} failed: {e}; the destination "
                              "slots hold undefined data") from None
-        finally:
-            if handle is not None:
-                try:
-                    ag.release_xfer_handle(handle)
-                except Exception:  # noqa: BLE001 - an active transfer may refuse release
-                    pass
+
+    def _release(self, handles) -> None:
+        for handle in handles:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - an active transfer may refuse release
+                pass
 
     def wait_notification(self, prefix: bytes = b"kvabi.pull", *, timeout: float = 30.0,
                           peer: str | None = None) -> tuple[str, bytes]:
@@ -322,6 +470,12 @@ class NixlAgent:
             except Exception:  # noqa: BLE001
                 pass
         self._regs.clear()
+        for _, descs in self._staging.values():
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception:  # noqa: BLE001
+                pass
+        self._staging.clear()
 
     def __enter__(self):
         return self

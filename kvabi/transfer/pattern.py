@@ -13,6 +13,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from ..frozen import frozen_array, is_frozen
 from ..layout import Layout
 
 
@@ -23,6 +24,14 @@ def base_offsets(layout: Layout, slots: np.ndarray) -> np.ndarray:
     return (slots // bs) * layout.stride("B") + (slots % bs) * layout.stride("N")
 
 
+def _int64(a) -> np.ndarray:
+    """The pattern's own read-only int64 copy (a pattern is immutable: what a check proved
+    about it stays true)."""
+    if isinstance(a, np.ndarray) and a.dtype == np.int64 and is_frozen(a):
+        return a
+    return frozen_array(a, np.int64)
+
+
 @attrs.frozen(eq=False)
 class BlockPattern:
     """Sub-block ``i`` moves tokens ``src_slots[i] + [0, u)`` to ``dst_slots[i] + [0, u)``
@@ -30,12 +39,18 @@ class BlockPattern:
     its regions relative to ``src_base[i]`` / ``dst_base[i]``."""
 
     u: int
-    src_slots: np.ndarray
-    dst_slots: np.ndarray
-    layers: np.ndarray
-    template: np.ndarray
-    src_base: np.ndarray
-    dst_base: np.ndarray
+    src_slots: np.ndarray = attrs.field(converter=_int64)
+    dst_slots: np.ndarray = attrs.field(converter=_int64)
+    layers: np.ndarray = attrs.field(converter=_int64)
+    template: np.ndarray = attrs.field(converter=_int64)
+    src_base: np.ndarray = attrs.field(converter=_int64)
+    dst_base: np.ndarray = attrs.field(converter=_int64)
+    # destination sub-blocks distinct: a property of the (immutable) slots, found once
+    _distinct: bool = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self):
+        object.__setattr__(self, "_distinct",
+                           bool(np.unique(self.dst_slots).size == self.dst_slots.size))
 
     def within(self, src_sizes: np.ndarray, dst_sizes: np.ndarray) -> bool:
         """True when every region (template row + any base) lies inside its planes, from
@@ -50,4 +65,4 @@ class BlockPattern:
                 return False
             if np.any((rel + base.min() < 0) | (rel + t[:, 4] + base.max() > sizes[p])):
                 return False
-        return np.unique(self.dst_slots).size == self.dst_slots.size
+        return self._distinct

@@ -32,11 +32,24 @@ import numpy as np
 
 from ..coerce import int_array
 from ..errors import KVABIError
+from ..frozen import frozen_array, is_frozen
 from ..layout import Layout
 from .pattern import BlockPattern, base_offsets
 
 #: the logical axes one token of one layer holds, besides the token itself
 _ELEMENT_AXES = ("KV", "H", "D")
+
+
+def _own_regions(r) -> np.ndarray:
+    """The plan's own read-only copy of ``r``, after checking what it holds alone (shape,
+    type, signs); bounds against planes are checked at each use (:meth:`TransferPlan.check`)."""
+    if not (isinstance(r, np.ndarray) and r.dtype == np.int64 and r.ndim == 2
+            and r.shape[1] == 5):
+        raise KVABIError(f"regions: must be an int64 array [n, 5], got "
+                         f"{getattr(r, 'dtype', type(r).__name__)} {getattr(r, 'shape', '')}")
+    if is_frozen(r):
+        return r  # already immutable (a slice or copy of another plan's regions)
+    return frozen_array(r)
 
 
 @attrs.frozen(eq=False)
@@ -49,15 +62,27 @@ class TransferPlan:
     :class:`~kvabi.transfer.pattern.BlockPattern` the regions were broadcast from (their
     bounds proven from it, executed as strided views); ``None`` otherwise, and after
     ``attrs.evolve``.
+
+    A plan is immutable: its attributes cannot be rebound and ``regions`` is a read-only
+    copy the plan owns (``specs/security.md``), so what :meth:`check` proves about it
+    stays true; the bounds are still checked against the planes at every use.
     """
 
-    regions: np.ndarray
-    src_layout: Layout
-    dst_layout: Layout
-    # plane sizes a check() already passed for (a plan is immutable: checked once per size)
-    _verified: set = attrs.field(factory=set, init=False, repr=False)
+    regions: np.ndarray = attrs.field(converter=_own_regions)
+    src_layout: Layout = attrs.field()
+    dst_layout: Layout = attrs.field()
     # whole-block plans: the sub-blocks they move (see BlockPattern); dropped by evolve
     pattern: "BlockPattern | None" = attrs.field(default=None, init=False, repr=False)
+    # whether destination ranges are disjoint: a property of the (immutable) regions alone,
+    # found once (None: not yet)
+    _dst_disjoint: "bool | None" = attrs.field(default=None, init=False, repr=False)
+
+    @src_layout.validator
+    @dst_layout.validator
+    def _is_layout(self, attribute, value):
+        if not isinstance(value, Layout):
+            raise KVABIError(f"{attribute.name}: must be a kvabi.Layout, got "
+                             f"{type(value).__name__}")
 
     @property
     def nbytes(self) -> int:
@@ -77,34 +102,42 @@ class TransferPlan:
         ``src_nbytes``/``dst_nbytes``: the bytes of each plane actually there (one int for
         all planes, or one per plane; default: the layouts' ``plane_nbytes`` and plane
         counts).  Also refuses empty or negative regions and overlapping destination ranges.
-        KVABIError names the first bad region.
+        KVABIError names the first bad region.  Nothing is cached by plane sizes: every
+        call checks (cost proportional to the regions, or to a whole-block plan's template
+        and sub-blocks).
         """
         ss = _sizes(src_nbytes, self.src_layout, "src")
         ds = _sizes(dst_nbytes, self.dst_layout, "dst")
-        key = (ss.tobytes(), ds.tobytes())
-        if key in self._verified:
-            return self
         if self.pattern is not None and self.pattern.within(ss, ds):
-            self._verified.add(key)  # proven from the template and bases' extremes
-            return self
+            return self  # proven from the template and bases' extremes
         r = self.regions
-        if not (isinstance(r, np.ndarray) and r.dtype == np.int64 and r.ndim == 2
-                and r.shape[1] == 5):
-            raise KVABIError(f"regions: must be an int64 array [n, 5], got "
-                             f"{getattr(r, 'dtype', type(r).__name__)} "
-                             f"{getattr(r, 'shape', '')}")
         _check_side(r[:, 0], r[:, 1], r[:, 4], ss, "src")
         _check_side(r[:, 2], r[:, 3], r[:, 4], ds, "dst")
-        if len(r) > 1:
-            o = np.lexsort((r[:, 3], r[:, 2]))
-            p, off, n = r[o, 2], r[o, 3], r[o, 4]
-            bad = np.flatnonzero((p[1:] == p[:-1]) & (off[1:] < off[:-1] + n[:-1]))
-            if bad.size:
-                i = int(o[bad[0] + 1])
-                raise KVABIError(f"regions[{i}]: destination bytes overlap another region "
-                                 f"(plane {int(r[i, 2])}, offset {int(r[i, 3])})")
-        self._verified.add(key)
+        if self._dst_disjoint is None:
+            _check_disjoint(r)
+            object.__setattr__(self, "_dst_disjoint", True)
         return self
+
+
+def _check_disjoint(r: np.ndarray) -> None:
+    if len(r) > 1:
+        o = np.lexsort((r[:, 3], r[:, 2]))
+        p, off, n = r[o, 2], r[o, 3], r[o, 4]
+        bad = np.flatnonzero((p[1:] == p[:-1]) & (off[1:] < off[:-1] + n[:-1]))
+        if bad.size:
+            i = int(o[bad[0] + 1])
+            raise KVABIError(f"regions[{i}]: destination bytes overlap another region "
+                             f"(plane {int(r[i, 2])}, offset {int(r[i, 3])})")
+
+
+def _made(regions, src, dst, pattern=None) -> TransferPlan:
+    """A plan built here: its destination ranges are disjoint by construction (distinct
+    destination slots)."""
+    plan = TransferPlan(regions, src, dst)
+    object.__setattr__(plan, "_dst_disjoint", True)
+    if pattern is not None:
+        object.__setattr__(plan, "pattern", pattern)
+    return plan
 
 
 def _sizes(nbytes, layout: Layout, side: str) -> np.ndarray:
@@ -129,8 +162,10 @@ def _check_side(plane, off, n, sizes, side):
         i = int(bad[0])
         raise KVABIError(f"regions[{i}]: nbytes must be > 0, got {int(n[i])}")
     # off + n cannot overflow: off <= size and n <= size, both below 2**62 in practice;
-    # compare without adding to stay exact anyway.
-    bad = np.flatnonzero((off < 0) | (off > sizes[plane]) | (n > sizes[plane] - off))
+    # compare without adding to stay exact anyway.  Planes of one size (the common case):
+    # a scalar, no gather per region.
+    size = sizes[0] if (sizes == sizes[0]).all() else sizes[plane]
+    bad = np.flatnonzero((off < 0) | (off > size) | (n > size - off))
     if bad.size:
         i = int(bad[0])
         raise KVABIError(f"regions[{i}]: {side} bytes [{int(off[i])}, {int(off[i]) + int(n[i])})"
@@ -235,7 +270,7 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, src_slots, dst_slots, 
     lay = _layers(layers, src, dst)
     empty = np.zeros((0, 5), np.int64)
     if not s.size or not lay.size:
-        return TransferPlan(empty, src, dst)
+        return _made(empty, src, dst)
 
     bs_s, bs_t = src.size("N"), dst.size("N")
     r_s, r_t, r_n = _runs(s, t, bs_s, bs_t)
@@ -271,7 +306,7 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, src_slots, dst_slots, 
 
     sp, so = address(src, r_s)
     dp, do = address(dst, r_t)
-    return TransferPlan(merge_regions(sp, so, dp, do, nb, src.plane_nbytes), src, dst)
+    return _made(merge_regions(sp, so, dp, do, nb, src.plane_nbytes), src, dst)
 
 
 def merge_regions(sp, so, dp, do, nb, src_plane_nbytes: int) -> np.ndarray:
@@ -323,15 +358,21 @@ def plan_block_transfer(src_layout: Layout, dst_layout: Layout, src_blocks, dst_
         return plan_transfer(src_layout, dst_layout, s, t, layers=layers)
     lay = _layers(layers, src_layout, dst_layout)
     if not lay.size:
-        return TransferPlan(np.zeros((0, 5), np.int64), src_layout, dst_layout)
-    pattern = block_pattern(src_layout, dst_layout, sb, db,
-                            block_template(src_layout, dst_layout, lay), lay)
-    t, base_s, base_t = pattern.template, pattern.src_base, pattern.dst_base
-    regions = _broadcast(t, base_s, base_t, src_layout.plane_nbytes)
-    regions.flags.writeable = False  # the pattern proves bounds for these rows only
-    plan = TransferPlan(regions, src_layout, dst_layout)
-    object.__setattr__(plan, "pattern", pattern)
-    return plan
+        return _made(np.zeros((0, 5), np.int64), src_layout, dst_layout)
+    return plan_from_template(src_layout, dst_layout, sb, db,
+                              block_template(src_layout, dst_layout, lay), lay)
+
+
+def plan_from_template(src: Layout, dst: Layout, src_blocks: np.ndarray,
+                       dst_blocks: np.ndarray, template: np.ndarray,
+                       layers: np.ndarray) -> TransferPlan:
+    """:func:`plan_block_transfer` of validated blocks given the ``template`` of
+    :func:`block_template` for ``layers`` (callers moving blocks between the same two
+    layouts again keep it)."""
+    pattern = block_pattern(src, dst, src_blocks, dst_blocks, template, layers)
+    regions = _broadcast(pattern.template, pattern.src_base, pattern.dst_base,
+                         src.plane_nbytes)
+    return _made(regions, src, dst, pattern)
 
 
 def block_template(src: Layout, dst: Layout, layers: np.ndarray) -> np.ndarray:

@@ -33,9 +33,7 @@ def torch_cache(backend, cache, layout, on_cuda: bool):
     """The :class:`kvabi.KVCache` of ``cache`` (a handle or a 1.0 list of planes) for
     ``layout``: torch planes on the backend's kind of device, checked against the layout
     (another layout's cache, too little memory or another dtype is refused)."""
-    c = as_cache(cache, layout)
-    if c.framework != "torch":
-        raise KVABIError(f"cache: {backend.name} needs torch planes, got {c.framework}")
+    c = as_cache(cache, layout, "torch")
     if c[0].is_cuda != on_cuda:
         raise KVABIError(f"cache: planes are on {c[0].device}, {backend.name} runs on "
                          f"{'cuda' if on_cuda else 'cpu'}")

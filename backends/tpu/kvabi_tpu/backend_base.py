@@ -122,11 +122,7 @@ class TPUBackendBase(kvabi.Backend):
         """The checked handle of ``cache`` (a KVCache or an ABI 1.0 list) for ``layout``;
         its planes must be jax arrays (numpy or torch planes would be copied by every step,
         and never updated)."""
-        handle = kvabi.as_cache(cache, layout)
-        if handle.framework != "jax":
-            raise KVABIError(f"cache: {self.name} holds jax arrays, got {handle.framework} "
-                             f"planes (convert them with kvabi.tensors.to_jax)")
-        return handle
+        return kvabi.as_cache(cache, layout, "jax")
 
     def _layer_planes(self, cache, plan, layer) -> tuple[int, ...]:
         """Indices of ``layer``'s planes in ``cache`` (a checked handle of the plan's
@@ -266,7 +262,7 @@ def _jax(x, field: str):
     anything that is not an array refused: a cast would drop or invent data)."""
     import jax.numpy as jnp
 
-    if framework(x) is None:
+    if framework(x) in (None, "numpy"):  # numpy: string and object arrays refused by name
         if x is None or isinstance(x, (str, bytes, dict)):
             raise KVABIError(f"{field}: must be an array, got {type(x).__name__}")
         x = real_array(x, field)

@@ -145,7 +145,7 @@ class TorchSDPABackend(kvabi.Backend):
 
     # -- write ------------------------------------------------------------------------
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = kvabi.as_cache(cache, layout)
+        cache = kvabi.as_cache(cache, layout, self.framework)
         self._check_plan(plan, layout)
         spec = plan.spec
         key, value = to_torch(key), to_torch(value)
@@ -160,7 +160,7 @@ class TorchSDPABackend(kvabi.Backend):
     # -- attention --------------------------------------------------------------------
     def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, out=None,
                   return_lse=False):
-        cache = kvabi.as_cache(cache, layout)
+        cache = kvabi.as_cache(cache, layout, self.framework)
         self._check_plan(plan, layout)
         spec = plan.spec
         query = to_torch(query)

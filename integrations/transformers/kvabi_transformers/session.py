@@ -11,6 +11,7 @@ import numpy as np
 import kvabi
 from kvabi import KVABIError
 from kvabi import tensors as kt
+from kvabi.probe import backend_writer, verify_layout
 
 from .step import step_metadata
 
@@ -84,6 +85,10 @@ class Session:
         self.layouts = [kvabi.Layout.preset(name, g.spec, num_blocks, len(g.layers))
                         for name, g in zip(integration.layout_names, integration.model_kv.groups)]
         self.caches = [kvabi.as_cache(self.backend.allocate(lay), lay) for lay in self.layouts]
+        # Once per cache: the backend's write_kv must put elements where the layout says
+        # (the first and last slot; the cache's bytes are restored).
+        for spec, lay, cache in zip(self.specs, self.layouts, self.caches):
+            verify_layout(lay, *backend_writer(self.backend, lay, spec, cache), samples=2)
         self.new_abi = kvabi.abi_at_least(self.backend, (1, 1))
         self.call_sinks = self.new_abi and accepts(self.backend.attention, "sinks")
         self.step: Step | None = None

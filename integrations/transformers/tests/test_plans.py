@@ -61,5 +61,7 @@ def test_plans_per_step(cls, plans_per_step, sessions):
     assert tokens == want_tokens
     assert worst_step_error(logits, want_logits) <= 1e-5
     steps = sessions[-1].stats["steps"]
-    assert backend.plans == plans_per_step * steps
+    # plus verify_layout's when the caches are made: per KV group (2), one write and so one
+    # plan for each of its 2 samples (layer 0's first slot, layer 1's last)
+    assert backend.plans == plans_per_step * steps + 2 * 2
     assert backend.call_sinks == (4 * steps if cls is Counting else 0)

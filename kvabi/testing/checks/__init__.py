@@ -12,6 +12,7 @@ from .attention import attention_strategy, check_attention
 from .base import Check, KitOptions, NotApplicable, Refused, attention_cases, spec_strategy
 from .layouts import (check_foreign_layouts, check_layouts, foreign_layouts_strategy,
                       layouts_strategy)
+from .frameworks import check_foreign_framework, foreign_framework_strategy
 from .hostile import (check_hostile_cache, check_huge_lengths, hostile_cache_strategy,
                       huge_lengths_strategy)
 from .poison import check_poisoned_rows, poison_strategy
@@ -55,6 +56,8 @@ CHECKS: tuple[Check, ...] = (
           check_poisoned_rows, poison_strategy),
     Check("hostile_cache", "caches that do not fit refused before any write",
           check_hostile_cache, hostile_cache_strategy),
+    Check("foreign_framework", "a cache of another framework refused by name or converted",
+          check_foreign_framework, foreign_framework_strategy),
     Check("huge_lengths", "lengths and block ids past the layout refused, never written",
           check_huge_lengths, huge_lengths_strategy),
 )

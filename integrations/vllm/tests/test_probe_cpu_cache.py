@@ -1,0 +1,64 @@
+"""vLLM's CPU cache write, probed: ``vllm._custom_ops.cpu_attn_reshape_and_cache`` (the
+compiled kernel CPU_ATTN calls) on the cache CPU_ATTN allocates.
+
+vLLM declares the CPU cache LBHNC: [blocks, kv_heads, block_size, 2 * head_dim], key and
+value side by side per token.  Its backend views each block-head as [2 * block_size,
+head_dim] and splits K and V on that axis, so the kernel writes all keys of a block-head,
+then all values.  The probe finds more: with the ``vec`` kernels (this machine) the keys of
+a block-head are stored dim-major ([head_dim, block_size]) and the values token-major
+([block_size, head_dim]), which no single layout expresses.  verify_layout refuses the
+declared name on the first element it checks.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+ops = pytest.importorskip("vllm._custom_ops")
+cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+
+import kvabi  # noqa: E402
+from kvabi.probe import infer_layout, verify_layout  # noqa: E402
+
+BLOCKS, HEADS, BLOCK, HEAD_DIM = 4, 2, 32, 32  # CPU_ATTN: block a multiple of 32
+
+
+def vllm_cpu_cache(dtype):
+    """The tensor CPU_ATTN allocates for one layer, a write exactly as its
+    ``do_kv_cache_update`` makes it, and the kernel ISA vLLM picks here."""
+    kv_cache = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, dtype=dtype)
+    isa = cpu_attn._get_attn_isa(dtype, BLOCK, HEAD_DIM)
+
+    def write(layer, slots, key, value):
+        assert layer == 0
+        view = kv_cache.view(BLOCKS, HEADS, BLOCK * 2, -1)
+        key_cache, value_cache = view.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(
+            kvabi.tensors.to_torch(key), kvabi.tensors.to_torch(value), key_cache,
+            value_cache, torch.as_tensor(slots, dtype=torch.int64), isa)
+    return kv_cache, write, isa
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_cpu_kernel_is_not_the_declared_lbhnc(dtype):
+    kv_cache, write, isa = vllm_cpu_cache(getattr(torch, dtype))
+    item = kv_cache.element_size()
+    spec = kvabi.KVSpec("full", block_size=BLOCK, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                        dtype=dtype)
+    declared = kvabi.Layout.preset("vllm.LBHNC", spec, BLOCKS)
+    if isa != "vec":  # other kernels (amx, neon, ...) may tile otherwise: LBHNC still fails
+        with pytest.raises(kvabi.KVABIError, match="from where vllm.LBHNC puts it"):
+            verify_layout(declared, [kv_cache], write)
+        return
+    # B: 2 heads x 2 x 32 x 32; H: 2 x 32 x 32; keys dim-major (N 1, D 32 elements), values
+    # token-major (N 32, D 1) after the 32 x 32 keys
+    b, h, e = 2 * HEADS * BLOCK * HEAD_DIM * item, 2 * BLOCK * HEAD_DIM * item, item
+    with pytest.raises(kvabi.KVABIError, match=(
+            rf"keys and values are placed with different strides \(bytes per index step\): "
+            rf"keys \{{'B': {b}, 'N': {e}, 'H': {h}, 'D': {BLOCK * e}\}}, values \{{'B': {b}, "
+            rf"'N': {HEAD_DIM * e}, 'H': {h}, 'D': {e}\}}")):
+        infer_layout(spec, [kv_cache], write, num_blocks=BLOCKS)
+    # The first element checked, key dim 1: LBHNC puts it one element on; the kernel one
+    # block of tokens on.
+    with pytest.raises(kvabi.KVABIError, match=(
+            rf"^key of layer 0, block 0, token 0, head 0, dim 1 found {(BLOCK - 1) * e} bytes "
+            rf"from where vllm.LBHNC puts it \(plane 0, byte {e}\)")):
+        verify_layout(declared, [kv_cache], write)

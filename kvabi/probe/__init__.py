@@ -1,0 +1,16 @@
+"""Layouts proven, not declared: infer and verify the byte layout an engine's own cache
+write produces (``specs/layout.md``, "Inference and verification").
+
+- :func:`infer_layout` writes marked tokens through the engine's ``write`` into its
+  poisoned planes, reads the bytes back and fits the :class:`~kvabi.Layout` (a preset when
+  one matches) that places every element there;
+- :func:`verify_layout` checks a declared layout with a few writes;
+- :func:`placement_difference` says whether two layouts place every element alike;
+- :func:`backend_writer` makes a kvabi backend's ``write_kv`` the probe's ``write``.
+"""
+from .backend import backend_writer
+from .compare import placement_difference, same_placement
+from .infer import infer_layout
+from .verify import verify_layout
+
+__all__ = ["backend_writer", "infer_layout", "placement_difference", "same_placement", "verify_layout"]

@@ -1,0 +1,136 @@
+"""Staged pulls: a relayout over a transfer engine at the engine's speed.
+
+A relayout plan has many small regions (down to one head of one token), and a transfer
+engine pays per descriptor: posting them as they are moves a few percent of what one large
+READ moves.  A staged pull instead READs the source bytes *in the source's own byte order*
+into a registered staging buffer, as a few large *spans* (the plan's source regions, sorted,
+joined where they touch or lie less than :data:`GAP` bytes apart), then relayouts locally
+from the staging buffer into the destination (:func:`~kvabi.transfer.execute` machinery:
+strided boxes and vectorized gathers).
+
+Every span is the union of plan regions and the gaps between two of them on one plane, so
+it lies inside the source planes whenever the regions do (checked before anything is
+posted); the staging offsets are laid out here and lie inside the buffer by construction.
+"""
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from ..errors import KVABIError
+from ..layout import Layout
+from .pattern import BlockPattern, base_offsets
+from .plan import TransferPlan, block_template, plan_from_template
+
+#: regions of one source plane less than this many bytes apart are read as one span (the
+#: bytes between are read and never used): below a descriptor's cost at loopback speed
+GAP = 4 << 10
+#: staging offsets of spans are aligned to this many bytes (copies from aligned rows)
+ALIGN = 64
+#: templates an agent keeps for staged whole-block pulls (one per layout pair)
+TEMPLATES = 8
+#: a plan whose regions average fewer bytes than this is pulled staged by default
+STAGE_BELOW = 64 << 10
+
+
+@attrs.frozen(eq=False)
+class Staging:
+    """How a plan is pulled staged (transient, never handed out): ``spans`` [k, 3] of
+    (source plane, source offset, nbytes) READ to staging offsets ``at`` [k]; then
+    ``local`` [n, 5] regions copy from the staging buffer (plane 0) to the destination;
+    ``nbytes``: staging bytes needed."""
+
+    spans: np.ndarray
+    at: np.ndarray
+    local: np.ndarray
+    nbytes: int
+
+
+@attrs.frozen(eq=False)
+class BlockStaging:
+    """A whole-block plan pulled staged: the source blocks it touches READ, in the source
+    layout's byte order, into ``layout`` (the source layout holding just those blocks, planes
+    one after another in the staging buffer) by the regions of ``pull``; then ``local``,
+    the plan's pattern re-based on the staging blocks, copies them as strided views."""
+
+    layout: Layout
+    pull: TransferPlan
+    local: BlockPattern
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.num_planes * self.layout.plane_nbytes
+
+
+def _template(templates: list, src: Layout, dst: Layout, layers: np.ndarray) -> np.ndarray:
+    """The block template of ``src`` -> ``dst`` for ``layers``, kept in ``templates`` (a
+    list, newest first; layouts compare by identity first, then by value)."""
+    key = layers.tobytes()
+    for same in (lambda x, y: x is y, lambda x, y: x == y):
+        for s_, d_, k_, t in templates:
+            if same(s_, src) and same(d_, dst) and k_ == key:
+                return t
+    t = block_template(src, dst, layers)
+    templates.insert(0, (src, dst, key, t))
+    del templates[TEMPLATES:]
+    return t
+
+
+def stage_blocks(pat: BlockPattern, src: Layout, dst: Layout,
+                 templates: list) -> BlockStaging | None:
+    """The staged pull of the whole-block move ``pat`` from ``src`` to ``dst``; None when
+    the source layout cannot be cut down to the blocks touched (then stage its regions).
+    ``templates``: the caller's list of templates kept (see :func:`_template`)."""
+    bs = src.size("N")
+    blocks, inv = np.unique(pat.src_slots // bs, return_inverse=True)
+    try:
+        lay = attrs.evolve(src, sizes={**src.sizes, "B": int(blocks.size)}, name=None)
+    except KVABIError:
+        return None
+    if lay.num_planes != src.num_planes:
+        return None
+    slots = inv.reshape(-1) * bs + pat.src_slots % bs
+    same = all(lay.stride(a) == src.stride(a) for a in lay.order if a != "B")
+    template = pat.template if same else _template(templates, lay, dst, pat.layers)
+    pull = plan_from_template(src, lay, blocks, np.arange(blocks.size),
+                              _template(templates, src, lay, pat.layers), pat.layers)
+    local = BlockPattern(pat.u, slots, pat.dst_slots, pat.layers, template,
+                         base_offsets(lay, slots), pat.dst_base)
+    return BlockStaging(lay, pull, local)
+
+
+def worth_staging(regions: np.ndarray) -> bool:
+    """Whether the default is a staged pull: many regions of a few KiB or less each."""
+    n = len(regions)
+    return n > 1 and int(regions[:, 4].sum()) < STAGE_BELOW * n
+
+
+def stage(regions: np.ndarray) -> Staging:
+    """The spans and local regions of a staged pull of ``regions`` (a checked plan's)."""
+    r = regions
+    if len(r) > 1 and np.any((r[1:, 0] < r[:-1, 0])
+                             | ((r[1:, 0] == r[:-1, 0]) & (r[1:, 1] < r[:-1, 1]))):
+        r = r[np.lexsort((r[:, 1], r[:, 0]))]
+    sp, so, n = r[:, 0], r[:, 1], r[:, 4]
+    end = so + n
+    new = np.ones(len(r), bool)
+    if len(r) > 1:
+        # the furthest byte reached so far on this plane (repeated source slots overlap)
+        plane_start = np.r_[True, sp[1:] != sp[:-1]]
+        reach = end.copy()
+        starts = np.flatnonzero(plane_start)
+        for a, b in zip(starts.tolist(), np.r_[starts[1:], len(r)].tolist()):
+            np.maximum.accumulate(reach[a:b], out=reach[a:b])
+        new[1:] = plane_start[1:] | (so[1:] - reach[:-1] > GAP)
+    else:
+        reach = end
+    first = np.flatnonzero(new)
+    last = np.r_[first[1:], len(r)] - 1
+    s_off, s_len = so[first], reach[last] - so[first]
+    padded = (s_len + ALIGN - 1) // ALIGN * ALIGN
+    at = np.cumsum(padded) - padded
+    sid = np.cumsum(new) - 1
+    local = np.stack([np.zeros(len(r), np.int64), at[sid] + so - s_off[sid], r[:, 2],
+                      r[:, 3], n], axis=1)
+    spans = np.stack([sp[first], s_off, s_len], axis=1)
+    return Staging(spans, at, local, int(padded.sum()))
