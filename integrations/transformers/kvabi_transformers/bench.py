@@ -165,13 +165,13 @@ def report(r) -> str:
     if extra is not None:
         lines.append(f"decode step: kvabi {r['kvabi']['decode_s'] * 1e3:.1f} ms vs transformers' "
                      f"paged path {r['transformers_paged']['decode_s'] * 1e3:.1f} ms "
-                     f"({extra * 1e3:+.1f} ms per step: per-layer framework conversion and "
-                     f"dispatch, plus the metadata and plans above)")
+                     f"({extra * 1e3:+.1f} ms per step; the split per layer call below)")
     x = r["kvabi"]
     if x.get("handover_per_layer_s") is not None:
-        lines.append(f"per layer call ({r['backend']}, all steps): torch <-> backend arrays "
-                     f"{x['handover_per_layer_s'] * 1e3:.3f} ms (DLPack, no copy, for CPU "
-                     f"jax), write_kv + attention {x['backend_per_layer_s'] * 1e3:.3f} ms")
+        lines.append(f"per layer call ({r['backend']}, mean over all steps): torch <-> "
+                     f"backend arrays {x['handover_per_layer_s'] * 1e3:.3f} ms (CPU jax: "
+                     f"DLPack, no copy), the backend's write_kv + attention "
+                     f"{x['backend_per_layer_s'] * 1e3:.3f} ms")
     ratio = r.get("decode_step_ratio")
     if ratio is not None:
         hf, dec = r["transformers_paged"], r["kvabi_decode_backend"]

@@ -179,6 +179,8 @@ class Session:
         if per_call:
             kw["sinks"] = sinks
         out = self.backend.attention(q, self.caches[g], layout, plan, **kw)
+        if hasattr(out, "block_until_ready"):  # jax dispatches asynchronously: the
+            out.block_until_ready()  # conversion below would wait for the kernel anyway
         t2 = clock()
         out = kt.to_torch(out, device=query.device).to(query.dtype)
         t3 = clock()
