@@ -10,7 +10,7 @@ The ABI 1.1 methods of a backend, in the order an engine calls them:
 - ``write_kv(cache, layout, key, value, plan, layer=)`` scatters the step's new keys and
   values to their slots, in place.
 - ``attention(query, cache, layout, plan, layer=, sinks=, out=, return_lse=)`` gathers each
-  query token's visible keys through the block table and computes a masked softmax.
+  request's visible blocks through the block table and computes a masked softmax.
 
 Every method first turns ``cache`` into a checked :class:`kvabi.KVCache`
 (``kvabi.as_cache``): the planes then match the layout, and ``cache.kv_view(layer, kv)``
