@@ -43,6 +43,7 @@ run: setup
 	$(BIN)/kvabi plan examples/configs/*.json
 	$(BIN)/kvabi conformance --all --quick
 	$(BIN)/kvabi-transformers demo  # generate_batch of a Gemma-4-like model on kvabi backends
+	$(VLLM_BIN)/kvabi-vllm demo  # vLLM's engine on kvabi backends, tokens vs vLLM's own
 
 test: test-core test-vllm
 

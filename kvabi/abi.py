@@ -79,7 +79,8 @@ class Capabilities:
 def abi_at_least(backend, version: tuple[int, int]) -> bool:
     """Whether ``backend`` was built for ABI ``version`` or a later minor of its major:
     callers pass the keywords a minor added (1.1: ``num_q_heads``, per-call ``sinks``,
-    ``out``) only to backends that declare it."""
+    ``out``) and call the methods it added (1.2: ``warmup``) only on backends that declare
+    it."""
     v = tuple(getattr(backend, "abi_version", (1, 0)))
     return v[0] == version[0] and v >= tuple(version)
 
@@ -141,6 +142,19 @@ class Backend:
         GQA group size; ``sinks`` is the default of every layer (1.1 ``attention`` may
         override it per layer)."""
         raise NotImplementedError
+
+    def warmup(self, spec, layout, limits, *, num_q_heads=None, progress=None) -> None:
+        """Prepare every step within ``limits`` (a :class:`kvabi.StepLimits`) for ``spec``
+        over ``layout`` ahead of time (1.2), so that no step within them pays a compile.
+
+        A backend that compiles per shape builds all its buckets here and states what a
+        step outside the limits does (refused or compiled once); ``progress``, when given,
+        is called as ``progress(done, total, what)`` after each piece.  The base class has
+        nothing to prepare: it checks its arguments and returns."""
+        from .step_limits import StepLimits
+
+        if not isinstance(limits, StepLimits):
+            raise KVABIError(f"limits: must be a kvabi.StepLimits, got {type(limits).__name__}")
 
     def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
         """Write new K/V at ``plan``'s slot mapping (slot -1 skipped); returns the cache.

@@ -330,7 +330,7 @@ class Layout:
             hi = self.size(a)
             if v.size and (v.min() < 0 or v.max() >= hi):
                 bad = v[(v < 0) | (v >= hi)].ravel()[0]
-                raise KVABIError(f"{_ARG[a]}: index {int(bad)} out of range [0, {hi})")
+                raise KVABIError(f"{_ARG[a]}: {int(bad)} out of range [0, {hi})")
             vals[a] = v
         return vals
 
@@ -387,9 +387,9 @@ class Layout:
 
     def _layer_view(self, planes, layer) -> tuple:
         """:meth:`layer_view` of planes already checked against this layout."""
-        layer = as_int(layer, "layer")
-        require(0 <= layer < self.num_layers, "layer", f"out of range [0, {self.num_layers})",
-                layer)
+        from .step_checks import check_layer
+
+        layer = check_layer(layer, self)
         kvs = range(2) if "KV" in self.planes else range(1)
         out = []
         for kv in kvs:

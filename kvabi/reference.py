@@ -206,12 +206,9 @@ class ReferenceBackend(Backend):
 
 
 def _layer(layer, layout) -> int:
-    # The common case (a Python int in range) costs one comparison.
-    if type(layer) is int and 0 <= layer < layout.num_layers:
-        return layer
-    from .coerce import as_int
+    from .step_checks import check_layer
 
-    return as_int(layer, "layer", lo=0, hi=layout.num_layers - 1)
+    return check_layer(layer, layout)
 
 
 def _check_out(out, shape) -> np.ndarray:

@@ -207,14 +207,26 @@ class ModelKV:
                 if l.shares is not None}
 
     @property
-    def owners(self) -> tuple[LayerKV, ...]:
+    def owners(self) -> tuple[str, ...]:
+        """Names of the layers that own a cache, in order: the layers a layout's L axis
+        holds (owner i is index i on it), like :attr:`shared_layers` and
+        :attr:`prefill_skip_layers` give names.
+
+        Until 1.2 this returned the :class:`LayerKV` objects; each name still answers
+        ``.name``, ``.spec`` and ``.shares`` with a DeprecationWarning for the rest of 1.x.
+        Use :attr:`owner_layers` for the objects."""
+        return tuple(_OwnerName(l) for l in self.owner_layers)
+
+    @property
+    def owner_layers(self) -> tuple[LayerKV, ...]:
+        """The :class:`LayerKV` of each layer that owns a cache, in order (1.2)."""
         return tuple(l for l in self.layers if l.shares is None)
 
     @property
     def groups(self) -> tuple[KVGroup, ...]:
         """Owner layers grouped by identical spec, in order of first appearance."""
         by_spec: dict[KVSpec, list[str]] = {}
-        for l in self.owners:
+        for l in self.owner_layers:
             by_spec.setdefault(l.spec, []).append(l.name)
         return tuple(KVGroup(spec, tuple(names)) for spec, names in by_spec.items())
 
@@ -235,7 +247,7 @@ class ModelKV:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one token of context costs across all layers that own a cache."""
-        return sum(l.spec.bytes_per_token for l in self.owners)
+        return sum(l.spec.bytes_per_token for l in self.owner_layers)
 
     @classmethod
     def from_hf_config(cls, config: Mapping | str, block_size: int = 16,
@@ -244,3 +256,26 @@ class ModelKV:
         from .hf_config import model_from_hf_config
 
         return model_from_hf_config(config, block_size=block_size, kv_dtype=kv_dtype)
+
+
+class _OwnerName(str):
+    """A layer name from :attr:`ModelKV.owners` that still answers the attributes of the
+    LayerKV the property returned until ABI 1.2 (deprecated; removed in 2.0)."""
+
+    def __new__(cls, layer: LayerKV):
+        self = super().__new__(cls, layer.name)
+        self._layer = layer
+        return self
+
+    def __getattr__(self, attr):
+        if attr in ("name", "spec", "shares"):
+            import warnings
+
+            warnings.warn(f"ModelKV.owners returns layer names since ABI 1.2; "
+                          f"owners[i].{attr} is deprecated: use ModelKV.owner_layers",
+                          DeprecationWarning, stacklevel=2)
+            return getattr(self._layer, attr)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+
+    def __reduce__(self):  # pickles (and copies) as the plain name
+        return (str, (str(self),))

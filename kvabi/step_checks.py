@@ -82,6 +82,18 @@ def index_dtype(layout, spec: KVSpec | None = None) -> np.dtype:
         np.dtype(np.int64)
 
 
+def check_layer(layer, layout) -> int:
+    """``layer`` as an index on ``layout``'s L axis (the layers that hold a cache; a
+    KV-sharing layer passes its target's index), or KVABIError ``"layer: 2 out of range [0,
+    2)"``: the one wording of every backend and of the layout's own views."""
+    if type(layer) is int and 0 <= layer < layout.num_layers:  # the common case: one compare
+        return layer
+    v = as_int(layer, "layer")
+    if not 0 <= v < layout.num_layers:
+        raise KVABIError(f"layer: {v} out of range [0, {layout.num_layers})")
+    return v
+
+
 def check_step(meta, spec, layout) -> None:
     """Metadata, spec and layout belong together: types, block size, dtype, heads, head dim,
     and block ids inside the layout's blocks.

@@ -80,7 +80,6 @@ def to_jax(x, dtype: str | None = None):
     """A jax array of ``x`` (DLPack from CPU torch tensors, no copy), optionally converted
     to the kvabi dtype ``dtype``."""
     import jax
-    import jax.numpy as jnp
 
     fw = framework(x)
     if fw == "jax":
@@ -89,9 +88,15 @@ def to_jax(x, dtype: str | None = None):
         try:
             a = jax.dlpack.from_dlpack(x.detach())
         except Exception:  # noqa: BLE001
-            a = jnp.asarray(to_numpy(x))
+            a = jax.device_put(np.array(to_numpy(x)))
     else:
-        a = jnp.asarray(to_numpy(x))
+        # on the host, then one device_put: jnp.asarray and astype would each compile a
+        # small XLA computation per new shape (a cliff for steps of many sizes).  The
+        # device_put of a host array may read it after returning (CPU: it aliases), so it
+        # gets an array nobody else holds: the caller may reuse its buffer at once.
+        h = to_numpy(x)
+        convert = dtype is not None and str(h.dtype) != dtype
+        return jax.device_put(h.astype(numpy_dtype(dtype)) if convert else np.array(h))
     if dtype is not None and str(a.dtype) != dtype:
         a = a.astype(numpy_dtype(dtype))
     return a

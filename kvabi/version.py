@@ -6,7 +6,7 @@ from __future__ import annotations
 from .errors import KVABIError
 
 #: (major, minor) of the backend ABI and of the layout descriptor format.
-ABI_VERSION = (1, 1)
+ABI_VERSION = (1, 2)
 
 
 def wire_version(ver) -> tuple[int, int]:

@@ -245,7 +245,7 @@ def test_backends_command_table_and_json(install, monkeypatch, capsys):
     out = run_cmd([], capsys)
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["NAME", "AVAILABLE", "ABI"]
-    assert lines[1].split() == ["reference", "yes", "1.1", "all", "all", "any", "any", "yes",
+    assert lines[1].split() == ["reference", "yes", "1.2", "all", "all", "any", "any", "yes",
                                 "yes"]
     fake = next(l for l in lines if l.startswith("fake.one"))
     assert fake.split() == ["fake.one", "no", "1.0", "full", "float16", "64,128", "16",

@@ -266,17 +266,16 @@ def _table(doc) -> None:
     g = doc["goals"]
     ref = next((r for r in doc["results"] if r.get("backend") == "reference"
                 and "layer_us" in r), None)
+    # goal and measured side by side, no verdict words: on a loaded machine a figure past
+    # its goal says "slow here", not "broken"
     if ref is not None:
-        ok = "met" if ref["layer_us"] <= g["reference_layer_us"] else "NOT met"
-        print(f"goal: reference write_kv + attention per layer <= "
-              f"{g['reference_layer_us']:.0f} us: median {ref['layer_us']:.1f} us ({ok}), "
+        print(f"reference write_kv + attention per layer: goal <= "
+              f"{g['reference_layer_us']:.0f} us; measured median {ref['layer_us']:.1f} us, "
               f"min {ref['layer_us_min']:.1f} us, process CPU {ref['layer_cpu_us']:.1f} us")
     for r in doc["results"]:
         if "checks_pct" in r:
-            ok = "met" if r["checks_pct"] <= g["checks_pct"] else "NOT met"
-            vk = "met" if r["view_lookup_us"] <= g["view_lookup_us"] else "NOT met"
-            print(f"goal: {r['backend']}: boundary checks <= {g['checks_pct']:.0f}% of "
-                  f"write_kv + attention: {r['checks_pct']:.2f}% ({ok}); view lookup <= "
-                  f"{g['view_lookup_us']:.0f} us: {r['view_lookup_us']:.2f} us ({vk})")
+            print(f"{r['backend']}: boundary checks: goal <= {g['checks_pct']:.0f}% of "
+                  f"write_kv + attention; measured {r['checks_pct']:.2f}%. view lookup: goal "
+                  f"<= {g['view_lookup_us']:.0f} us; measured {r['view_lookup_us']:.2f} us")
         if r.get("layout_note"):
             print(f"note: {r['backend']}: {r['layout_note']}")

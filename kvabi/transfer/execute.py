@@ -84,7 +84,7 @@ def execute(plan: TransferPlan, src, dst):
         raise KVABIError(f"plan: must be a TransferPlan, got {type(plan).__name__}")
     s = _handle(src, plan.src_layout, "src")
     d = _handle(dst, plan.dst_layout, "dst")
-    check_in_use(s, d)
+    check_in_use(s, d, plan.regions)
     plan.check()  # the planes hold plane_nbytes each: checked by wrap and check_in_use
     if not len(plan):
         return dst
@@ -108,10 +108,13 @@ def execute_pattern(pattern, src_layout, dst_layout, src, dst):
     return _run(pattern, None, s, d, dst)
 
 
-def check_in_use(s: KVCache | None, d: KVCache | None) -> None:
+def check_in_use(s: KVCache | None, d: KVCache | None, regions=None) -> None:
     """What can change under a checked handle, checked again at use: the memory of every
     torch plane (meta device, storage replaced by ``set_``), a writable destination, and
-    source memory disjoint from destination memory."""
+    source memory disjoint from destination memory.  Where planes of both sides share
+    memory (a copy between blocks of one cache) and the plan's ``regions`` are given, only
+    bytes read that are also written are refused: disjoint regions copy correctly in any
+    order."""
     for c, side in ((s, "src"), (d, "dst")):
         if c is not None:
             check_memory(c, side, write=side == "dst")
@@ -120,10 +123,38 @@ def check_in_use(s: KVCache | None, d: KVCache | None) -> None:
     a, b = _spans(s), _spans(d)
     hit = ((a[:, None, 0] == b[None, :, 0]) & (a[:, None, 1] < b[None, :, 2])
            & (b[None, :, 1] < a[:, None, 2]))
-    if hit.any():
-        i, j = (int(x) for x in np.argwhere(hit)[0])
-        raise KVABIError(f"dst[{j}]: shares memory with src[{i}]; execute copies between "
-                         "disjoint memory (copy through a third cache, e.g. a HostPool)")
+    if not hit.any():
+        return
+    if regions is not None:
+        k = _read_and_written(regions, a, b)
+        if k is None:
+            return
+        raise KVABIError(f"regions[{k}]: its destination bytes are also read by the plan "
+                         "(source and destination share memory); execute copies between "
+                         "disjoint bytes (copy through a third cache, e.g. a HostPool)")
+    i, j = (int(x) for x in np.argwhere(hit)[0])
+    raise KVABIError(f"dst[{j}]: shares memory with src[{i}]; execute copies between "
+                     "disjoint memory (copy through a third cache, e.g. a HostPool)")
+
+
+def _read_and_written(regions: np.ndarray, a: np.ndarray, b: np.ndarray) -> int | None:
+    """Index of a region whose destination bytes overlap bytes some region reads, given the
+    planes' spans ``a`` (source) and ``b`` (destination) from :func:`_spans`; None if none.
+    Vectorized: source intervals sorted by start with a running maximum of their ends, each
+    destination interval looked up by binary search."""
+    r = regions
+    src_dev, dst_dev = a[r[:, 0], 0], b[r[:, 2], 0]
+    s0 = a[r[:, 0], 1] + r[:, 1]
+    d0 = b[r[:, 2], 1] + r[:, 3]
+    bad = np.zeros(len(r), bool)
+    for dev in np.intersect1d(src_dev, dst_dev):  # a device at a time (a handful)
+        ss, dd = np.flatnonzero(src_dev == dev), np.flatnonzero(dst_dev == dev)
+        order = ss[np.argsort(s0[ss], kind="stable")]
+        starts = s0[order]
+        ends = np.maximum.accumulate(starts + r[order, 4])
+        k = np.searchsorted(starts, d0[dd] + r[dd, 4], side="left")  # sources before d's end
+        bad[dd] = (k > 0) & (ends[np.maximum(k - 1, 0)] > d0[dd])
+    return int(np.argmax(bad)) if bad.any() else None
 
 
 def check_memory(c: KVCache, side: str, *, write: bool) -> None:

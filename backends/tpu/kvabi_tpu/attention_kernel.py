@@ -72,8 +72,11 @@ def _kernel(info_ref, table_ref, q_ref, sinks_ref, *refs, fmt, scale, softcap, k
         for hh in range(h):
             if has_sinks:
                 s0 = jnp.broadcast_to(sinks_ref[:, hh * g:(hh + 1) * g], (bq, g))
-                m0 = s0.reshape(rows, 1).astype(jnp.float32)
-                l0 = jnp.ones((rows, 1), jnp.float32)
+                s0 = s0.reshape(rows, 1).astype(jnp.float32)
+                # a sink of -inf is no sink (a bucketed plan always passes sinks): the
+                # state then starts as in the branch below
+                m0 = jnp.maximum(s0, MASK_VALUE)
+                l0 = jnp.where(s0 > MASK_VALUE, 1.0, 0.0).astype(jnp.float32)
             else:
                 m0 = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
                 l0 = jnp.zeros((rows, 1), jnp.float32)

@@ -15,12 +15,15 @@ import numpy as np
 
 import kvabi
 from kvabi import KVABIError
-from kvabi.coerce import as_int, real_array
+from kvabi.coerce import real_array
+from kvabi.dtypes import numpy_dtype
 from kvabi.tensors import framework, to_jax
 
 from .cache_format import CacheFormat
 from .dtype import SUPPORTED
 from .plan import TPUPlan, build_plan
+from .step_buckets import StepBuckets
+from .token_rows import first_rows, pad_rows
 
 KINDS = ("full", "sliding_window", "chunked_local")
 LAYOUTS = ("tpu.combined", "tpu.hidden")
@@ -53,6 +56,10 @@ class TPUBackendBase(kvabi.Backend):
         #: compile with XLA's cheap options (about half the compile time, slower code):
         #: for tests and short runs where every step has a new shape
         self.fast_compile = bool(fast_compile)
+        #: [(spec, layout, StepBuckets)] declared by warmup
+        self._declared: list = []
+        #: executables compiled by warmup, by :func:`kvabi_tpu.steps.signature`
+        self._compiled: dict = {}
 
     # -- description ---------------------------------------------------------------------
     def _block_size_multiple(self, spec) -> int:
@@ -103,7 +110,70 @@ class TPUBackendBase(kvabi.Backend):
         return build_plan(meta, spec, layout, fmt, scale=scale, softcap=softcap, sinks=sinks,
                           num_q_heads=num_q_heads, tile_size=self.tile_size,
                           write=self.write_form,
-                          num_slices_per_block=self.num_slices_per_block, to_device=to_jax)
+                          num_slices_per_block=self.num_slices_per_block, to_device=to_jax,
+                          buckets=self._buckets_of(spec, layout))
+
+    # -- buckets and warm-up (ABI 1.2) ---------------------------------------------------
+    def step_buckets(self, spec, limits) -> StepBuckets:
+        """The buckets this backend rounds steps within ``limits`` to (see
+        :mod:`kvabi_tpu.step_buckets`)."""
+        if not isinstance(spec, kvabi.KVSpec):
+            raise KVABIError(f"spec: must be a KVSpec, got {type(spec).__name__}")
+        return StepBuckets.build(limits, block_size=spec.block_size, tile_size=self.tile_size,
+                                 prefill_rows=getattr(self, "prefill_rows", self.tile_size),
+                                 slices_per_block=self.num_slices_per_block)
+
+    def _buckets_of(self, spec, layout):
+        for s, l, b in self._declared:
+            if s == spec and (l is layout or l == layout):
+                return b
+        return None
+
+    def warmup(self, spec, layout, limits, *, num_q_heads=None, progress=None) -> None:
+        """Declare ``limits`` for ``spec`` over ``layout`` and compile every bucket of them
+        (both computations; every layer of a cross-layer layout) ahead of time.
+
+        From then on every plan of this spec and layout is rounded to its bucket and a step
+        within the limits never compiles, with queries of ``num_q_heads`` heads (default:
+        the KV head count), the spec's default scale and soft cap, queries and new K/V in
+        the cache's dtype (any sinks, or none).  A step beyond the limits is refused with a
+        KVABIError naming the limit.  ``progress(done, total, what)`` is called after each
+        compile.  Nothing is written: the cache planes enter the compiles as shapes only."""
+        super().warmup(spec, layout, limits, num_q_heads=num_q_heads, progress=progress)
+        buckets = self.step_buckets(spec, limits)
+        self.check_supported(spec)
+        fmt = CacheFormat.from_layout(layout, spec)
+        self._declared = [d for d in self._declared
+                          if not (d[0] == spec and d[1] == layout)] + [(spec, layout, buckets)]
+        import jax
+
+        from .steps import signature
+
+        hq = spec.num_kv_heads if num_q_heads is None else \
+            kvabi.check_num_q_heads(num_q_heads, spec)
+        dt = numpy_dtype(layout.dtype)
+        planes = tuple(jax.ShapeDtypeStruct(layout.plane_shape, dt)
+                       for _ in range(layout.num_planes))
+        layers = range(layout.num_layers) if fmt.layer_dim is not None else (0,)
+        total, done = 2 * len(buckets.ladder) * len(layers), 0
+        for b in buckets.ladder:
+            one = kvabi.CommonAttentionMetadata.from_lengths(
+                [1], [0], [[0]], spec.block_size, num_blocks=layout.num_blocks)
+            plan = self.plan(kvabi.transforms.pad(one, b.tokens, 1), spec, layout,
+                             num_q_heads=num_q_heads)
+            kv = jax.device_put(np.zeros((b.tokens, spec.num_kv_heads, spec.head_dim), dt))
+            q = jax.device_put(np.zeros((b.tokens, hq, spec.head_dim), dt))
+            for layer in layers:
+                idx = fmt.plane_indices(layout, layer)
+                for what, (fn, args, kw) in (
+                        ("write", self._write_call(plan, tuple(planes[i] for i in idx), kv,
+                                                   kv, layer)),
+                        ("attend", self._attend_call(plan, q, tuple(planes[i] for i in idx),
+                                                        None, layer))):
+                    self._compiled[signature(what, args, kw)] = fn.lower(*args, **kw).compile()
+                    done += 1
+                    if progress is not None:
+                        progress(done, total, f"{what}: {b.tokens} tokens, layer {layer}")
 
     def _check_plan(self, layout, plan) -> CacheFormat:
         """The plan's cache format, after checking that ``layout`` is the plan's: block ids,
@@ -129,8 +199,7 @@ class TPUBackendBase(kvabi.Backend):
         layout); refuses planes consumed by an earlier write."""
         idx = plan.planes_of_layer.get(layer) if type(layer) is int else None
         if idx is None:
-            n = plan.layout.num_layers
-            layer = as_int(layer, "layer", lo=0, hi=n - 1)
+            layer = kvabi.check_layer(layer, plan.layout)
             idx = plan.planes_of_layer[layer] = plan.fmt.plane_indices(plan.layout, layer)
         for i in idx:
             if cache[i].is_deleted():
@@ -148,7 +217,7 @@ class TPUBackendBase(kvabi.Backend):
         not the cache size.  Use the returned cache (a :class:`kvabi.KVCache` when given
         one, a list when given an ABI 1.0 list); the argument's planes of this layer are
         deleted.  (``donate_cache=False`` at construction keeps them, copying instead.)"""
-        fmt = self._check_plan(layout, plan)
+        self._check_plan(layout, plan)
         handle = self._handle(cache, layout)
         spec = plan.spec
         if value is None:
@@ -161,13 +230,10 @@ class TPUBackendBase(kvabi.Backend):
         if len({id(handle[i]) for i in idx}) < len(idx):
             raise KVABIError(f"cache: planes {list(idx)} of layer {layer} are one array; "
                              f"each plane needs its own memory")
-        from .steps import compiled  # jax is imported on first use only
+        from .steps import run
 
-        impl, args, static = self._write_impl(plan)
-        new = compiled("write", donate=self.donate_cache, cheap=self._cheap_compile())(
-            tuple(handle[i] for i in idx), key, value, args, fmt=fmt,
-            layer=_static_layer(fmt, layer),
-            padded_tokens=plan.padded_tokens, impl=impl, static=static)
+        fn, args, kw = self._write_call(plan, tuple(handle[i] for i in idx), key, value, layer)
+        new = run(self._compiled, "write", fn, args, kw)
         if isinstance(cache, kvabi.KVCache):
             return handle.replace_planes(dict(zip(idx, new)))
         out = list(cache)
@@ -187,7 +253,7 @@ class TPUBackendBase(kvabi.Backend):
         dtype) and the result is *returned*, never written into it."""
         import jax.numpy as jnp
 
-        fmt = self._check_plan(layout, plan)
+        self._check_plan(layout, plan)
         handle = self._handle(cache, layout)
         spec, t = plan.spec, plan.meta.num_tokens
         query = _jax(query, "query")
@@ -205,18 +271,45 @@ class TPUBackendBase(kvabi.Backend):
             res = jnp.zeros((0, hq, spec.head_dim), query.dtype)
             lse = jnp.zeros((0, hq), jnp.float32)
         else:
-            from .steps import compiled
+            fn, args, kw = self._attend_call(plan, query, tuple(handle[i] for i in idx), sink,
+                                             layer)
+            from .steps import run
 
-            impl, args, static = self._attend_impl(plan)
-            static = static + (("scale", plan.scale), ("softcap", plan.softcap),
-                               ("kind", spec.kind), ("window", plan.window),
-                               ("chunk", plan.chunk), ("has_sinks", sink is not None))
-            res, lse = compiled("attend", donate=False, cheap=self._cheap_compile())(
-                query, tuple(handle[i] for i in idx), args,
-                _zero_sinks(hq) if sink is None else sink, fmt=fmt,
-                layer=_static_layer(fmt, layer),
-                padded_tokens=plan.padded_tokens, impl=impl, static=tuple(sorted(static)))
+            res, lse = run(self._compiled, "attend", fn, args, kw)
+            if plan.bucket is not None:
+                res, lse = first_rows(res, t), first_rows(lse, t)
         return (res, lse) if return_lse else res
+
+    def _write_call(self, plan, planes, key, value, layer):
+        """(jitted write step, positional args, keywords) of one layer's write."""
+        from .steps import compiled  # jax is imported on first use only
+
+        impl, args, static = self._write_impl(plan)
+        if plan.bucket is not None:  # the step's rows at their bucket, so the key is the bucket's
+            key, value = pad_rows(key, plan.padded_tokens), pad_rows(value, plan.padded_tokens)
+        return compiled("write", donate=self.donate_cache, cheap=self._cheap_compile()), (
+            planes, key, value, args), dict(fmt=plan.fmt, layer=_static_layer(plan.fmt, layer),
+                                            padded_tokens=plan.padded_tokens, impl=impl,
+                                            static=static)
+
+    def _attend_call(self, plan, query, planes, sink, layer):
+        """(jitted attention step, positional args, keywords) of one layer's attention;
+        ``sink`` the device sinks of the call or None."""
+        from .steps import compiled
+
+        hq = query.shape[1]
+        impl, args, static = self._attend_impl(plan)
+        if plan.bucket is not None:
+            # one compiled step whatever the sinks: "no sinks" is sinks of -inf
+            query = pad_rows(query, plan.padded_tokens)
+            sink = _no_sinks(hq) if sink is None else sink
+        static = static + (("scale", plan.scale), ("softcap", plan.softcap),
+                           ("kind", plan.spec.kind), ("window", plan.window),
+                           ("chunk", plan.chunk), ("has_sinks", sink is not None))
+        return compiled("attend", donate=False, cheap=self._cheap_compile()), (
+            query, planes, args, _zero_sinks(hq) if sink is None else sink), dict(
+            fmt=plan.fmt, layer=_static_layer(plan.fmt, layer),
+            padded_tokens=plan.padded_tokens, impl=impl, static=tuple(sorted(static)))
 
     def _sinks(self, sinks, plan, hq):
         """The device sinks of this call (per-call ones override the plan's), or None."""
@@ -288,6 +381,13 @@ def _static_layer(fmt, layer) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _zero_sinks(hq: int):
-    import jax.numpy as jnp
+    import jax
 
-    return jnp.zeros(hq, jnp.float32)
+    return jax.device_put(np.zeros(hq, np.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _no_sinks(hq: int):
+    import jax
+
+    return jax.device_put(np.full(hq, -np.inf, np.float32))

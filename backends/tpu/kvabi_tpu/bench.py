@@ -11,6 +11,10 @@ Then the cost of a write against the cache size: ``tpu.jax`` writes the same 64 
 into one ``tpu.combined`` layer of a 1 MiB and of a 256 MiB cache, side by side in one run,
 in place (the cache donated, the default) and as a functional copy (``donate_cache=False``).
 In place, both should take about the same time: a write costs the tokens it writes.
+
+Then the steady state (:mod:`.bench_steps`): limits declared from ``--tokens``, ``--reqs``
+and ``--context``, ``warmup``, and ``--steps`` random steps within them: compiles after
+warm-up (goal 0) and each step's time against the median (goal: within 3x).
 """
 from __future__ import annotations
 
@@ -152,6 +156,12 @@ def run(argv=None) -> int:
                    help="comma-separated backends (default: tpu.jax,reference, plus "
                         "tpu.pallas on a TPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None,
+                   help="random steps of the steady-state run after warm-up (default 200; "
+                        "40 with --quick; 0 skips it)")
+    p.add_argument("--baseline", type=int, default=None,
+                   help="of those steps, how many also run without declared limits, to "
+                        "count their compiles (default 20; 5 with --quick)")
     p.add_argument("--big-mib", type=int, default=None,
                    help="size of the large cache of the write-scaling rows in MiB "
                         "(default 256; 16 with --quick)")
@@ -160,6 +170,13 @@ def run(argv=None) -> int:
         a.reqs, a.tokens, a.context, a.repeat = 8, 64, 128, 2
     if a.big_mib is None:
         a.big_mib = 16 if a.quick else 256
+    if a.steps is None:
+        a.steps = 40 if a.quick else 200
+    if a.baseline is None:
+        a.baseline = 5 if a.quick else 20
+    for field in ("steps", "baseline"):
+        if getattr(a, field) < 0:
+            p.error(f"--{field}: must be >= 0, got {getattr(a, field)}")
     for field in ("reqs", "tokens", "context", "block_size", "kv_heads", "q_heads",
                   "head_dim", "repeat", "big_mib"):
         if getattr(a, field) < 1:
@@ -192,6 +209,15 @@ def run(argv=None) -> int:
     if kvabi.get_backend("tpu.jax").available()[0]:
         print("kvabi bench tpu: write scaling ...", file=sys.stderr, flush=True)
         scaling = write_scaling((1, a.big_mib), repeat=a.repeat)
+    steady = None
+    if a.steps and kvabi.get_backend("tpu.jax").available()[0]:
+        from .bench_steps import steady_state
+
+        steady = steady_state(
+            limits=kvabi.StepLimits(max_tokens=a.tokens, max_reqs=a.reqs,
+                                    max_seq_len=a.context),
+            spec=spec, num_q_heads=a.q_heads, steps=a.steps,
+            baseline=min(a.baseline, a.steps), seed=a.seed)
     batch = {"num_reqs": meta.num_reqs, "query_tokens": meta.num_actual_tokens,
              "decodes": int((meta.query_lens == 1).sum()),
              "context_tokens": int(meta.context_lens.sum()), "max_seq_len": meta.max_seq_len,
@@ -199,8 +225,8 @@ def run(argv=None) -> int:
              "dtype": a.dtype, "layout": a.layout}
     if a.json:
         print(json.dumps({"suite": "tpu", "statistic": "median", "repeat": a.repeat,
-                          "batch": batch, "results": results, "write_scaling": scaling},
-                         indent=2))
+                          "batch": batch, "results": results, "write_scaling": scaling,
+                          "steady_state": steady}, indent=2))
         return 0
     print("batch: " + ", ".join(f"{k}={v}" for k, v in batch.items()))
     print("write: in place (reference: numpy in place; tpu.*: cache donated), "
@@ -225,4 +251,9 @@ def run(argv=None) -> int:
         print(f"in place: {big['in_place_ms'] / small['in_place_ms']:.2f}x the time for "
               f"{big['cache_mib'] / small['cache_mib']:.0f}x the cache (copy: "
               f"{big['copy_ms'] / small['copy_ms']:.1f}x)")
+    if steady:
+        from .bench_steps import report
+
+        print()
+        print("\n".join(report(steady)))
     return 0

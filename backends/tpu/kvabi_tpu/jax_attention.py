@@ -121,9 +121,9 @@ def _bucket(query, planes, tile_info, page_table, q_index, sinks, *, rows, fmt, 
             a0, a1 = jnp.exp(m0 - safe), jnp.exp(m1 - safe)
             return m, a0 * l0 + a1 * l1, a0[..., None] * o0 + a1[..., None] * o1
 
-        if has_sinks:  # a sink is one more logit with a zero value vector
+        if has_sinks:  # a sink is one more logit with a zero value vector; -inf: none
             m0 = jnp.repeat(sink, bq, axis=1)
-            l0 = jnp.ones((h, g * bq), jnp.float32)
+            l0 = jnp.where(m0 > -jnp.inf, 1.0, 0.0).astype(jnp.float32)
         else:
             m0 = jnp.full((h, g * bq), -jnp.inf, jnp.float32)
             l0 = jnp.zeros((h, g * bq), jnp.float32)
@@ -175,7 +175,8 @@ def attend_impl(plan, backend):
     static, (out_index, *tiles) = buckets(plan, prefill_rows=backend.prefill_rows,
                                           to_device=to_jax)
     bs = plan.spec.block_size
-    most = next_pow2(-(-int(plan.meta.max_seq_len) // bs))
+    pages = -(-int(plan.meta.max_seq_len) // bs) if plan.bucket is None else plan.bucket.pages
+    most = next_pow2(pages)
 
     def pages(tokens):  # a power of two of whole pages, no more than the longest sequence
         return max(1, min(next_pow2(-(-tokens // bs)), most))

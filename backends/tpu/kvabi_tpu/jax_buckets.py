@@ -19,10 +19,11 @@ from .plan import (TILE_KVLEN, TILE_NPAGES, TILE_PAGE_LO, TILE_POS0, TILE_QLEN, 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def tile_bucket(reqs, rows: int, qsl, ctx, seq, spec):
+def tile_bucket(reqs, rows: int, qsl, ctx, seq, spec, width: int | None = None):
     """Tiles of ``rows`` query tokens over requests ``reqs``: (tile_info int32 [6, W],
     q_index int32 [W * rows] (token in each tile row, 0 for empty rows), the tile row of
-    each of the requests' tokens as (token ids, rows)); W a power of two."""
+    each of the requests' tokens as (token ids, rows)); W ``width`` (the step's bucket) or
+    else a power of two."""
     q = qsl[reqs + 1] - qsl[reqs]
     nt = -(-q // rows)
     k, i = _expand(nt)
@@ -35,7 +36,7 @@ def tile_bucket(reqs, rows: int, qsl, ctx, seq, spec):
     bs = spec.block_size
     page_lo = lo // bs
     w = len(req)
-    wpad = next_pow2(max(w, 1))
+    wpad = next_pow2(max(w, 1)) if width is None else width
     info = np.zeros((6, wpad), np.int32)
     for row, val in ((TILE_REQ, req), (TILE_POS0, pos0), (TILE_QLEN, qlen),
                      (TILE_KVLEN, seq[req]), (TILE_PAGE_LO, page_lo),
@@ -68,10 +69,12 @@ def buckets(plan, *, prefill_rows: int, to_device):
     other = np.nonzero(q > 1)[0]
     out_index = np.zeros(plan.padded_tokens, np.int32)
     static, arrays, base = [], [], 0
-    for reqs, rows in ((decode, 1), (other, prefill_rows)):
-        if not len(reqs):
+    b = plan.bucket  # bucketed: both kinds of tile always, at the widths of the bucket
+    for reqs, rows, width in ((decode, 1, b and b.decode_tiles),
+                              (other, prefill_rows, b and b.prefill_tiles)):
+        if not len(reqs) and b is None:
             continue
-        info, qi, (tok, row) = tile_bucket(reqs, rows, qsl, ctx, seq, spec)
+        info, qi, (tok, row) = tile_bucket(reqs, rows, qsl, ctx, seq, spec, width)
         out_index[tok] = base + row
         static.append((rows, info.shape[1]))
         arrays += [to_device(info), to_device(qi)]

@@ -82,6 +82,9 @@ class TPUPlan:
     chunk: int | None
     #: the cache write's device arrays (:func:`write_slots` or :func:`write_slices`)
     write_args: tuple
+    #: the :class:`~kvabi_tpu.step_buckets.Bucket` fixing every shape of this step (limits
+    #: declared by ``warmup``), or None: each count padded to its own power of two
+    bucket: object = None
     #: per-layer plane indices, filled on first use (layout-specific, not layer state)
     planes_of_layer: dict = attrs.field(factory=dict)
 
@@ -99,15 +102,18 @@ def write_slots(meta, layout, padded_tokens: int) -> tuple[np.ndarray, np.ndarra
     return blk, off
 
 
-def write_slices(meta, per: int) -> tuple[np.ndarray, np.ndarray]:
+def write_slices(meta, per: int, padded: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """(int32 [4, S] rows (block, offset in block, first token, length), int32 [1] count)
-    from :func:`kvabi.transforms.kv_update_slices`; S a power-of-two multiple of ``per``.
+    from :func:`kvabi.transforms.kv_update_slices`; S ``padded`` or else a power-of-two
+    multiple of ``per``.
 
     A slice never crosses a page, so its cache rows are ``offset:offset+length`` of one
     block: the block and offset come from the int64 slot of its first token, exact for
     any cache size (a flat int32 slot would wrap past 2**31 slots)."""
     slices, n = kvabi.transforms.kv_update_slices(meta, per)
-    padded = next_pow2(max(1, slices.shape[1] // per)) * per
+    if padded is None:
+        padded = next_pow2(max(1, slices.shape[1] // per)) * per
     out = np.zeros((4, padded), np.int32)
     tok = slices[1, :n].astype(np.int64)
     slot = meta.slot_mapping.astype(np.int64)[tok]
@@ -133,11 +139,14 @@ def check_index_range(meta, spec, layout) -> None:
 
 def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
                num_q_heads=None, tile_size: int, write: str, num_slices_per_block: int = 8,
-               to_device) -> TPUPlan:
+               to_device, buckets=None) -> TPUPlan:
     """Compute the plan of one step (see :class:`TPUPlan`); ``write`` picks the write
     arrays ("slots" for a scatter, "slices" for the DMA kernel); ``to_device`` maps numpy
-    arrays to the backend's device arrays."""
+    arrays to the backend's device arrays; ``buckets`` (a
+    :class:`~kvabi_tpu.step_buckets.StepBuckets`), when given, fixes every shape to the
+    step's bucket and refuses a step beyond its limits."""
     kvabi.check_step(meta, spec, layout)
+    bucket = None if buckets is None else buckets.for_step(meta)
     check_index_range(meta, spec, layout)
     opts = kvabi.AttentionOptions.resolve(spec, scale, softcap, sinks, num_q_heads=num_q_heads)
     if num_q_heads is not None:
@@ -165,7 +174,7 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
     lo = spec.first_visible_key(pos0)
     page_lo = lo // bs
     npages = -(-hi // bs) - page_lo
-    wpad = next_pow2(max(w, 1))
+    wpad = next_pow2(max(w, 1)) if bucket is None else bucket.tiles
     info = np.zeros((6, wpad), np.int32)
     for row, val in ((TILE_REQ, req), (TILE_POS0, pos0), (TILE_QLEN, qlen),
                      (TILE_KVLEN, s[req]), (TILE_PAGE_LO, page_lo), (TILE_NPAGES, npages)):
@@ -175,7 +184,7 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
     qi = np.zeros((wpad, tile_size), np.int32)
     qi[:w] = np.where(r[None, :] < qlen[:, None], q0[:, None] + r[None, :], 0)
     total = int(qsl[-1])
-    padded_tokens = next_pow2(max(1, meta.num_tokens))
+    padded_tokens = next_pow2(max(1, meta.num_tokens)) if bucket is None else bucket.tokens
     out_index = np.zeros(padded_tokens, np.int32)
     if total:
         treq = np.repeat(np.arange(len(q)), q)
@@ -184,17 +193,21 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
         out_index[:total] = (tile_base[treq] + local // tile_size) * tile_size + \
             local % tile_size
 
-    nreq = max(1, bt.shape[0])
-    ncol = next_pow2(max(1, bt.shape[1]))
-    table = np.zeros((next_pow2(nreq), ncol), np.int32)
+    if bucket is None:
+        table = np.zeros((next_pow2(max(1, bt.shape[0])), next_pow2(max(1, bt.shape[1]))),
+                         np.int32)
+    else:  # columns past a request's pages are unused: seq_lens <= max_seq_len
+        table = np.zeros((bucket.reqs, bucket.pages), np.int32)
     if bt.size:
-        table[:bt.shape[0], :bt.shape[1]] = np.where(used, bt, 0)
+        cols = min(bt.shape[1], table.shape[1])
+        table[:bt.shape[0], :cols] = np.where(used, bt, 0)[:, :cols]
 
     # -- cache write ---------------------------------------------------------------------
     if write == "slots":
         arrays = write_slots(meta, layout, padded_tokens)
     else:
-        arrays = write_slices(meta, num_slices_per_block)
+        arrays = write_slices(meta, num_slices_per_block,
+                              None if bucket is None else bucket.slices)
 
     # a window or chunk longer than every position masks like one that just covers them
     window = None if spec.window is None else min(int(spec.window), INT32_MAX)
@@ -203,4 +216,4 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
                    None if sinks is None else to_device(sinks), num_q_heads, tile_size, w,
                    to_device(info), to_device(table), to_device(qi.reshape(-1)),
                    to_device(out_index), next_pow2(max(1, int(npages.max(initial=1)))),
-                   padded_tokens, window, chunk, tuple(to_device(a) for a in arrays))
+                   padded_tokens, window, chunk, tuple(to_device(a) for a in arrays), bucket)

@@ -48,3 +48,21 @@ def compiled(step: str, *, donate: bool, cheap: bool):
     return jax.jit(fn, static_argnames=_STATIC,
                    donate_argnums=(0,) if donate and step == "write" else (),
                    compiler_options=CHEAP_COMPILER_OPTIONS if cheap else None)
+
+
+def signature(step: str, args, kw) -> tuple:
+    """What selects one compiled computation of ``step``: its static keywords and the
+    shape and dtype of every array argument (the key of :func:`run`'s table)."""
+    leaves = jax.tree_util.tree_leaves(args)
+    return (step, tuple(sorted(kw.items())),
+            tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+
+
+def run(table: dict, step: str, fn, args, kw):
+    """Call the jitted ``fn``, through the executable compiled ahead of time for these
+    shapes when ``table`` holds one: a jitted function's first call with new shapes traces
+    it again (tens of ms) even when the executable exists, the stored one never does."""
+    exe = table.get(signature(step, args, kw)) if table else None
+    if exe is not None:
+        return exe(*args)
+    return fn(*args, **kw)

@@ -31,7 +31,7 @@ def small_step():
 
 def test_abi_version_and_framework():
     for b in BACKENDS:
-        assert b.abi_version == (1, 1) and kvabi.abi_at_least(b, (1, 1))
+        assert b.abi_version == (1, 2) and kvabi.abi_at_least(b, (1, 2))
         assert b.framework == "jax"
         assert isinstance(b.allocate(small_step()[2]), kvabi.KVCache)
 

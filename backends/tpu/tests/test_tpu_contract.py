@@ -93,9 +93,12 @@ def test_bad_arguments_name_the_field(backend):
     with pytest.raises(KVABIError, match="query"):
         backend.attention(backend.asarray(np.zeros((4, 3, 64), np.float32)), cache, layout,
                           plan)
-    with pytest.raises(KVABIError, match="layer"):
+    # the one wording of kvabi.check_layer, as every backend
+    with pytest.raises(KVABIError, match=r"^layer: 1 out of range \[0, 1\)$"):
         backend.attention(backend.asarray(np.zeros((4, 2, 64), np.float32)), cache, layout,
                           plan, layer=1)
+    with pytest.raises(KVABIError, match=r"^layer: 1 out of range \[0, 1\)$"):
+        backend.write_kv(cache, layout, k, k, plan, layer=1)
     with pytest.raises(KVABIError, match="cache"):
         backend.write_kv(cache + cache, layout, k, k, plan)
     with pytest.raises(KVABIError, match="sinks"):
@@ -155,8 +158,22 @@ def test_bench_suite_runs_and_reports_json(capsys):
 
     assert run(["--quick", "--json", "--reqs", "3", "--tokens", "9", "--context", "20",
                 "--kv-heads", "1", "--q-heads", "2", "--head-dim", "64", "--repeat", "1",
-                "--big-mib", "2"]) == 0
+                "--big-mib", "2", "--steps", "12", "--baseline", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
+    steady = report["steady_state"]
+    lim = steady["limits"]  # from --tokens, --reqs, --context (as --quick leaves them)
+    assert (lim["max_tokens"], lim["max_reqs"]) == (report["batch"]["query_tokens"],
+                                                    report["batch"]["num_reqs"])
+    assert steady["token_buckets"][-1] == lim["max_tokens"]
+    assert steady["steps"] == len(steady["step_ms"]) == 12
+    assert steady["compiles_after_warmup"] == 0 and steady["baseline"]["steps"] == 2
+    assert steady["max_over_median"] >= 1 and steady["max_over_work_fit"] > 0
+    from kvabi_tpu.bench_steps import report as steady_lines
+
+    text = "\n".join(steady_lines(steady))
+    assert "goal: 0 compiles after warm-up; measured: 0" in text
+    assert "goal: every step within 3x of the median; measured: slowest" in text
+    assert "FAIL" not in text and "NOT met" not in text
     assert report["suite"] == "tpu"
     names = [r["backend"] for r in report["results"]]
     assert names[:2] == ["tpu.jax", "reference"]
@@ -168,6 +185,8 @@ def test_bench_suite_runs_and_reports_json(capsys):
         assert r["tokens"] == 64 and r["in_place_ms"] > 0 and r["copy_ms"] > 0
     with pytest.raises(SystemExit):
         run(["--big-mib", "0"])
+    with pytest.raises(SystemExit):
+        run(["--steps", "-1"])
 
 
 def test_without_jax_the_backends_register_as_unavailable():

@@ -1,8 +1,32 @@
-"""vLLM general plugin (entry point group ``vllm.general_plugins``): runs in every vLLM process.
-A no-op unless ``KVABI_VLLM_BACKEND`` names a kvabi backend."""
+"""vLLM general plugin (entry point group ``vllm.general_plugins``): runs in every vLLM
+process (main, engine core, worker).  A no-op unless ``KVABI_VLLM_BACKEND`` names a kvabi
+backend; then vLLM's attention runs on that backend (:mod:`kvabi_vllm.attention`)."""
 from __future__ import annotations
+
+import os
+
+ENV_BACKEND = "KVABI_VLLM_BACKEND"
+BACKEND_CLASS = "kvabi_vllm.attention.KvabiAttentionBackend"
 
 
 def register() -> None:
-    # Filled in by the attention-backend plugin work.
-    return None
+    """Route vLLM's attention to kvabi when ``KVABI_VLLM_BACKEND`` is set.
+
+    vLLM's CPU platform ignores a user-selected attention backend and always takes
+    ``CPU_ATTN``, so the plugin replaces that entry (and ``CUSTOM``, for platforms that
+    honour a selection); the backend is read again when an engine starts."""
+    if not os.environ.get(ENV_BACKEND):
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLASS)
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS)
+
+
+def unregister() -> None:
+    """Give ``CPU_ATTN`` and ``CUSTOM`` back to vLLM (for switching in one process)."""
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
+
+    for member in (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CUSTOM):
+        if _ATTN_OVERRIDES.get(member) == BACKEND_CLASS:
+            member.clear_override()

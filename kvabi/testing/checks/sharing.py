@@ -22,7 +22,7 @@ def check_kv_sharing(backend, reference, params, options: KitOptions = KitOption
     sharing layer changes no byte, and the final cache equals the reference's.
     """
     case, model = params.case, params.extra["model"]
-    owners = {l.name: i for i, l in enumerate(model.owners)}
+    owners = {name: i for i, name in enumerate(model.owners)}
     if case.layout.num_layers != len(owners):
         raise ConformanceFailure("internal: layout layers != owner layers")
     skip = set(model.prefill_skip_layers)

@@ -1,0 +1,39 @@
+"""The negative control's connector: KvabiConnector that overwrites one block of what it
+received (pulled from the peer, or loaded from the host tier) with noise, for requests from
+index ``KVABI_TEST_CORRUPT_FROM`` on (``LLM.generate`` numbers them ``"<index>-..."``).
+Loaded by the engine through ``kv_connector_module_path`` (the tests put this directory on
+PYTHONPATH)."""
+import os
+
+import torch
+
+from kvabi_vllm.connector import KvabiConnector as _Base
+
+
+def _corrupt(req_id: str, cache, block: int) -> bool:
+    start = int(os.environ.get("KVABI_TEST_CORRUPT_FROM", "1000000000"))
+    try:
+        index = int(req_id.split("-")[0])
+    except ValueError:
+        return False
+    if index < start:
+        return False
+    gen = torch.Generator().manual_seed(index)
+    for layer in range(cache.layout.num_layers):
+        view = cache.kv_view(layer, 0)  # [B, N, H, D]: keys, or this part's elements
+        view[block] = torch.randn(view[block].shape, generator=gen) * 3
+    return True
+
+
+class KvabiConnector(_Base):
+    """Corrupts the first block of each received part (see the module docstring)."""
+    corrupted = 0
+
+    def _after_pull(self, pull, group, part, cache, dst_slots):
+        if len(dst_slots):
+            KvabiConnector.corrupted += _corrupt(pull.req_id, cache,
+                                                 int(dst_slots[0]) // cache.layout.size("N"))
+
+    def _after_load(self, load, group, part, cache, blocks):
+        if len(blocks):
+            KvabiConnector.corrupted += _corrupt(load.req_id, cache, int(blocks[0]))

@@ -1,0 +1,48 @@
+"""P/D disaggregation between two vLLM processes with KvabiConnector over NIXL (UCX, DRAM):
+prefill on vLLM's own CPU backend (LBHNC, 32-token blocks, keys stored transposed), decode on
+the kvabi backend example.torch through the kvabi attention-backend plugin (cross-layer
+BLHNC, 64-token blocks): another backend, layout and block size.  The decode side's tokens
+equal the decode engine computing alone; a pulled block corrupted on the way changes them; a
+tampered handshake is refused before any byte moves (the request fails, no tokens from
+garbage)."""
+import json
+from pathlib import Path
+
+from kvabi_vllm.checkpoints import prompts, write_checkpoint
+from kvabi_vllm.pd import KVABI_DECODE, run_pair
+
+HERE = Path(__file__).parent
+
+
+def tamper_last(params):
+    """The last request's handshake claims a plane smaller than its layout."""
+    last = params[-1]
+    msg = json.loads(last["kvabi_handshakes"][0]["k"])
+    msg["planes"][0]["nbytes"] = 1
+    last["kvabi_handshakes"][0] = {**last["kvabi_handshakes"][0], "k": json.dumps(msg)}
+    return params
+
+
+def test_pd_relayout_gives_the_single_engine_tokens_and_corruption_changes_them(tmp_path):
+    model = write_checkpoint("llama", tmp_path / "llama")
+    ps = prompts(3, lengths=(37, 70, 100), shared_prefix=0)
+    n = len(ps)
+    # the decode side's connector corrupts the pulls of requests n.. (the repeated prompts)
+    r = run_pair(model, ps + ps + ps[:1], tmp_path / "pd", edit_params=tamper_last,
+                 prefill={"block_size": 32},
+                 decode={**KVABI_DECODE, "module": "corrupting_connector"},
+                 max_tokens=12, env={"PYTHONPATH": str(HERE), "KVABI_TEST_CORRUPT_FROM": str(n)})
+    assert min(len(set(t)) for t in r["single"]) > 1, "degenerate continuations compare nothing"
+    # the decode side really ran the kvabi backend's cross-layer layout, read as K and V parts
+    (g0,) = r["layouts"]
+    assert "@vllm.BLHNC" in g0["kv"], g0
+    assert {"k", "v"} <= set(g0)
+    pulled = {p[0].split("-")[0] for p in r["pulls"]}
+    assert pulled == {str(i) for i in range(2 * n)}, r["pulls"]  # not the tampered one
+    assert all(p[2] > 0 and p[3] > 0 for p in r["pulls"])  # regions, bytes
+    assert r["pd"][:n] == r["single"][:n]
+    # negative control: the same prompts, one block per pulled part overwritten
+    assert all(a != b for a, b in zip(r["pd"][n:2 * n], r["single"][n:2 * n]))
+    # the tampered handshake: refused, the request fails instead of decoding garbage
+    assert r["finish"][:2 * n] == ["length"] * (2 * n)
+    assert r["finish"][2 * n] == "error", r["finish"]
