@@ -57,9 +57,10 @@ test-vllm: $(VLLM_STAMP)
 # The long property and fuzz runs (e.g. 10,000 mutated layout descriptors): the `thorough`
 # Hypothesis profile over the hostile-input (descriptor, config, metadata), transfer-plan,
 # handshake-schema and mutate-after-check (handles, planes, views, layouts, transfer plans
-# changed after their check) tests.
+# changed after their check) and layout-probe tests.
 THOROUGH_TESTS ?= tests/test_hostile_*.py tests/test_metadata_hostile.py tests/test_transfer_plan.py \
-	tests/test_transfer_handshake_schema.py tests/test_mutate_after_check.py tests/test_transfer_immutable.py
+	tests/test_transfer_handshake_schema.py tests/test_mutate_after_check.py tests/test_transfer_immutable.py \
+	tests/test_probe_infer.py tests/test_probe_verify.py
 thorough: setup
 	KVABI_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q $(THOROUGH_TESTS)
 

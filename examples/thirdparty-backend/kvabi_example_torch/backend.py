@@ -10,14 +10,16 @@ The ABI 1.1 methods of a backend, in the order an engine calls them:
 - ``write_kv(cache, layout, key, value, plan, layer=)`` scatters the step's new keys and
   values to their slots, in place.
 - ``attention(query, cache, layout, plan, layer=, sinks=, out=, return_lse=)`` gathers each
-  query token's visible keys through the block table and computes a masked softmax.
+  request's visible blocks through the block table and computes a masked softmax.
 
 Every method first turns ``cache`` into a checked :class:`kvabi.KVCache`
 (``kvabi.as_cache``): the planes then match the layout, and ``cache.kv_view(layer, kv)``
 is a cached strided [blocks, block_size, heads, head_dim] view that works for any layout.
 
-This is a teaching backend: it materializes a [tokens, max_seq_len] gather per step, so it
-is simple rather than fast.
+Attention gathers, per request, the blocks its queries see (a sliding window: only the
+last few) and runs torch's fused ``scaled_dot_product_attention`` over the padded batch
+[requests, longest query, keys]; soft cap, sinks and ``return_lse`` take a plain einsum path
+over the same gather.  No Python loop per token or request.
 """
 from __future__ import annotations
 
@@ -37,19 +39,25 @@ DTYPES = ("float32", "float16")
 class TorchPlan:
     """What ``attention`` and ``write_kv`` need for one step, for any layer.
 
-    ``rows``: the real (non-padding) query tokens; ``blocks``/``offsets`` [rows, S]: where
-    key position j of each row's request lives; ``mask`` [rows, S]: which of them the row
-    may see (causal, inside the window, inside the request).  ``write_blocks`` /
-    ``write_offsets`` / ``write_tokens``: the slots of the step's tokens that are written
-    (padding tokens, slot -1, are not).
+    Attention runs on a request-major padded batch: request r's query tokens are
+    ``q_index[r, :q_r]`` (``q_valid`` marks them) and its keys are the blocks
+    ``key_blocks[r]`` of the table: only the blocks some query of r sees are gathered (a
+    sliding window needs the last few).  ``key_invalid``: the flat indices into the gathered [R * K] keys
+    that are not r's (past its end, or before any of its queries' windows), zeroed after
+    the gather (a few per request, not a pass over all keys);
+    ``mask`` [R, Qmax, K]: which keys each query sees (padding query rows see every key, so
+    no softmax row is empty).  ``write_blocks`` / ``write_offsets`` / ``write_tokens``: the
+    slots of the step's tokens that are written (padding tokens, slot -1, are not).
     """
 
     meta: kvabi.CommonAttentionMetadata
     spec: kvabi.KVSpec
     layout: object
+    q_index: torch.Tensor
+    q_valid: torch.Tensor
     rows: torch.Tensor
-    blocks: torch.Tensor
-    offsets: torch.Tensor
+    key_blocks: torch.Tensor
+    key_invalid: torch.Tensor
     mask: torch.Tensor
     write_tokens: torch.Tensor
     write_blocks: torch.Tensor
@@ -92,22 +100,39 @@ class TorchSDPABackend(kvabi.Backend):
         bs = spec.block_size
         qsl = meta.query_start_loc.astype(np.int64)
         n = int(qsl[-1])  # tokens past this are padding
-        req = np.repeat(np.arange(meta.num_reqs), np.diff(qsl))
-        pos = meta.positions[:n].astype(np.int64)
-        seq = meta.seq_lens.astype(np.int64)[req]
-        width = int(meta.seq_lens.max()) if meta.num_reqs else 0
-        j = np.arange(width, dtype=np.int64)[None, :]
-        mask = (j >= spec.first_visible_key(pos)[:, None]) & (j <= pos[:, None]) & \
-            (j < seq[:, None])
+        r = meta.num_reqs
+        qlen = np.diff(qsl)
+        seq = meta.seq_lens.astype(np.int64)[:r]
+        qmax = int(qlen.max(initial=0))
+        # Query tokens of each request, padded to the longest query: [R, Qmax].
+        i = np.arange(qmax, dtype=np.int64)[None, :]
+        q_valid = i < qlen[:, None]
+        q_index = np.where(q_valid, qsl[:-1, None] + i, 0)
+        pos = np.where(q_valid, meta.positions[np.minimum(q_index, max(n - 1, 0))]
+                       .astype(np.int64), 0) if n else np.zeros_like(q_index)
+        # Keys: from the block of the lowest key any of r's queries sees to r's end.
+        first = spec.first_visible_key(seq - qlen)  # the earliest query sees the most
+        b0 = first // bs
+        nblk = -(-seq // bs) - b0
+        width = int(nblk.max(initial=0))
+        col = b0[:, None] + np.arange(width, dtype=np.int64)[None, :]
         table = meta.block_table.astype(np.int64)
-        col = np.minimum(j // bs, max(table.shape[1] - 1, 0))
-        blocks = np.where(mask, table[req][:, col[0]] if table.size else 0, 0)
+        used = col < -(-seq // bs)[:, None]
+        col = np.minimum(col, max(table.shape[1] - 1, 0))
+        blocks = np.where(used, np.take_along_axis(table, col, 1), 0) if table.size \
+            else np.zeros(col.shape, np.int64)
+        j = b0[:, None] * bs + np.arange(width * bs, dtype=np.int64)[None, :]  # [R, K]
+        key_valid = (j >= first[:, None]) & (j < seq[:, None])
+        lo = spec.first_visible_key(pos)
+        mask = key_valid[:, None, :] & (j[:, None, :] <= pos[:, :, None]) & \
+            (j[:, None, :] >= lo[:, :, None])
+        mask |= ~q_valid[:, :, None]
         slots = meta.slot_mapping
         written = np.nonzero(slots >= 0)[0]
         t = torch.from_numpy
-        return TorchPlan(meta, spec, layout, t(np.arange(n)), t(blocks),
-                         t(np.broadcast_to(j % bs, mask.shape).copy()), t(mask),
-                         t(written), t(slots[written] // bs), t(slots[written] % bs),
+        return TorchPlan(meta, spec, layout, t(q_index), t(q_valid), t(q_index[q_valid]),
+                         t(blocks), t(np.flatnonzero(~key_valid)), t(mask), t(written),
+                         t(slots[written] // bs), t(slots[written] % bs),
                          opts.scale, opts.softcap, opts.sinks)
 
     @staticmethod
@@ -149,24 +174,44 @@ class TorchSDPABackend(kvabi.Backend):
             raise kvabi.KVABIError(f"sinks: must have one logit per query head ({hq}), "
                                    f"got shape {sink.shape}")
 
-        mask = plan.mask  # [n, S]
-        k = cache.kv_view(layer, 0)[plan.blocks, plan.offsets][..., :d].float()
-        v = cache.kv_view(layer, 1)[plan.blocks, plan.offsets][..., :dv].float()
-        # Select, never multiply: rows a query may not see can hold anything, NaN included.
-        v = torch.where(mask[:, :, None, None], v, 0.0)
-        q = query[plan.rows].float().reshape(-1, h, g, d)
-        logits = torch.einsum("nhgd,nshd->nhgs", q, k) * plan.scale
-        if plan.softcap is not None:
-            logits = plan.softcap * torch.tanh(logits / plan.softcap)
-        logits = torch.where(mask[:, None, None, :], logits, float("-inf"))
-        if sink is not None:  # one extra logit per head in the denominator only
-            s = torch.as_tensor(sink, dtype=torch.float32).reshape(1, h, g, 1)
-            logits = torch.cat([logits, s.expand(logits.shape[0], h, g, 1)], dim=-1)
-        top = logits.amax(dim=-1, keepdim=True)
-        p = torch.exp(logits - top)
-        denom = p.sum(dim=-1)
-        o = torch.einsum("nhgs,nshd->nhgd", p[..., :mask.shape[1]], v) / denom[..., None]
-        lse = (top[..., 0] + torch.log(denom)).reshape(-1, hq)
+        r, width = plan.key_blocks.shape
+        bs = spec.block_size
+
+        def keys(kv, dim):
+            # [R, blocks, N, H, D] -> [R, K, H, D]: one gather per request's blocks
+            x = cache.kv_view(layer, kv).index_select(0, plan.key_blocks.reshape(-1))
+            x = x[..., :dim].reshape(r * width * bs, h, dim).float()
+            # Zero, never multiply: rows outside the request can hold anything, NaN too.
+            return x.index_fill_(0, plan.key_invalid, 0.0).reshape(r, width * bs, h, dim)
+
+        k, v = keys(0, d), keys(1, dv)
+        q = query[plan.q_index].float()  # [R, Qmax, Hq, D]
+        qmax = q.shape[1]
+        if plan.rows.numel() == 0:  # no real query token (every row is padding)
+            o = q.new_zeros((r, qmax, hq, dv))
+            lse = q.new_zeros((r, qmax, hq))
+        elif plan.softcap is None and sink is None and not return_lse:
+            # torch's fused kernel; GQA by head groups as kvabi's semantics state
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=plan.mask[:, None], scale=plan.scale,
+                enable_gqa=g > 1).transpose(1, 2)  # [R, Qmax, Hq, Dv]
+        else:
+            qg = q.reshape(r, qmax, h, g, d)
+            logits = torch.einsum("rqhgd,rkhd->rhgqk", qg, k) * plan.scale
+            if plan.softcap is not None:
+                logits = plan.softcap * torch.tanh(logits / plan.softcap)
+            logits = torch.where(plan.mask[:, None, None], logits, float("-inf"))
+            if sink is not None:  # one extra logit per head in the denominator only
+                s = torch.as_tensor(sink, dtype=torch.float32).reshape(1, h, g, 1, 1)
+                logits = torch.cat([logits, s.expand(*logits.shape[:-1], 1)], dim=-1)
+            top = logits.amax(dim=-1, keepdim=True)
+            p = torch.exp(logits - top)
+            denom = p.sum(dim=-1)
+            o = torch.einsum("rhgqk,rkhd->rqhgd", p[..., :k.shape[1]], v) / \
+                denom.permute(0, 3, 1, 2)[..., None]
+            lse = (top[..., 0] + torch.log(denom)).permute(0, 3, 1, 2).reshape(r, qmax, hq)
+        o = o.reshape(r, qmax, hq, dv)[plan.q_valid]
 
         result = torch.zeros((plan.meta.num_tokens, hq, dv), dtype=query.dtype)
         result[plan.rows] = o.reshape(-1, hq, dv).to(query.dtype)  # the query's dtype
@@ -178,6 +223,6 @@ class TorchSDPABackend(kvabi.Backend):
         if not return_lse:
             return result
         full = torch.zeros((plan.meta.num_tokens, hq), dtype=torch.float32)
-        full[plan.rows] = lse.float()
+        full[plan.rows] = lse[plan.q_valid].float()
         return result, full
 

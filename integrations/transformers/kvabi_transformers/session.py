@@ -94,7 +94,9 @@ class Session:
         self.step: Step | None = None
         #: steps, tokens, and rows the KV-shared layers skipped (prefill skip)
         self.stats = collections.Counter()
-        #: seconds spent building step metadata and plans (kvabi's per-step overhead)
+        #: seconds spent building step metadata and plans (kvabi's per-step overhead), in
+        #: framework conversions of each layer's arrays ("handover") and in the backend's
+        #: write_kv + attention ("backend")
         self.timing = collections.Counter()
         self.sinks = {i: kt.to_numpy(s.detach().float()).astype(np.float64)
                       for i, s in integration.sinks.items()}
@@ -161,16 +163,28 @@ class Session:
         plan = step.plan(g, skipped, float(scaling), softcap,
                          None if sinks is None or per_call else module.layer_idx,
                          None if per_call else sinks)
+        clock = time.perf_counter
+        t0 = clock()
+        q = self._to_backend(query[0].transpose(0, 1))
         if not slot.shared:
             k = self._to_backend(key[0].transpose(0, 1))
             v = self._to_backend(value[0].transpose(0, 1))
+            t1 = clock()
             self.caches[g] = kvabi.as_cache(
                 self.backend.write_kv(self.caches[g], layout, k, v, plan, layer=slot.index),
                 layout)
-        q = self._to_backend(query[0].transpose(0, 1))
+        else:
+            t1 = clock()
         kw = {"layer": slot.index}
         if per_call:
             kw["sinks"] = sinks
         out = self.backend.attention(q, self.caches[g], layout, plan, **kw)
+        if hasattr(out, "block_until_ready"):  # jax dispatches asynchronously: the
+            out.block_until_ready()  # conversion below would wait for the kernel anyway
+        t2 = clock()
         out = kt.to_torch(out, device=query.device).to(query.dtype)
+        t3 = clock()
+        self.timing["handover"] += (t1 - t0) + (t3 - t2)  # torch -> backend -> torch
+        self.timing["backend"] += t2 - t1  # write_kv + attention
+        self.stats["layer_calls"] += 1
         return out.reshape(1, t, out.shape[-2], out.shape[-1]), None

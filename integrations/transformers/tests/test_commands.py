@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import kvabi_transformers.bench as bench
 import kvabi_transformers.demo as demo
 
@@ -21,11 +23,22 @@ def test_bench_json(capsys):
                      "--hidden", "64", "--window", "16", "--backend", "reference"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["tokens_match"] == {"kvabi": True, "kvabi_prefill_skip": True}
+    assert r["tokens_match"] == {"kvabi": True, "kvabi_prefill_skip": True,
+                                 "kvabi_decode_backend": True}
     assert r["batch"] == {"prompts": 2, "prompt_len": 48, "new_tokens": 3}
     assert r["prefill_skip_speedup"] > 0 and r["kvabi_overhead_per_step_s"] > 0
-    for path in ("transformers_paged", "kvabi", "kvabi_prefill_skip"):
+    for path in ("transformers_paged", "kvabi", "kvabi_prefill_skip", "kvabi_decode_backend"):
         assert r[path]["prefill_s"] > 0 and r[path]["generated"] == 6
+    # the decode step on a torch backend, against transformers' own, from the same run
+    assert r["decode_backend"] == "example.torch"
+    hf, dec, ratio = r["transformers_paged"], r["kvabi_decode_backend"], r["decode_step_ratio"]
+    assert ratio["goal"] == 1.2
+    assert ratio["wall"] == pytest.approx(dec["decode_s"] / hf["decode_s"])
+    assert ratio["cpu"] == pytest.approx(dec["decode_cpu_s"] / hf["decode_cpu_s"])
+    assert 0 < r["kvabi"]["handover_per_layer_s"] and 0 < r["kvabi"]["backend_per_layer_s"]
+    text = bench.report(r)
+    assert "goal kvabi <= 1.2x" in text and "measured (example.torch)" in text
+    assert "FAIL" not in text and "NOT met" not in text
 
 
 def test_bench_bad_argument(capsys):
