@@ -152,6 +152,8 @@ class CommonAttentionMetadata:
                              f"({INT32_MAX})")
         r = len(q)
         bt = index_array(_rows(block_table), "block_table", np.int32, ndim=2)
+        if bt is block_table or bt.base is not None:  # the caller's memory: keep our own copy
+            bt = bt.copy()
         require(bt.shape[0] == r, "block_table",
                 f"must be 2-D with one row per request ({r}), shape", bt.shape)
         qsl = np.empty(r + 1, np.int64)

@@ -87,3 +87,18 @@ def test_from_lengths_refuses_bad_input(args, match):
 def test_num_tokens_smaller_than_real_tokens_is_refused():
     with pytest.raises(KVABIError, match="num_tokens"):
         CommonAttentionMetadata.from_lengths([3], [0], [[0]], 4, num_tokens=2)
+
+
+def test_from_lengths_keeps_its_own_block_table():
+    """A block table already of the field dtype is copied, not frozen in place: the caller's
+    buffer stays writable, and writing it cannot change checked metadata."""
+    import torch
+
+    bt = np.array([[0, 1], [2, 3]], np.int32)
+    t = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    for table in (bt, t):
+        m = CommonAttentionMetadata.from_lengths(query_lens=[1, 2], context_lens=[3, 4],
+                                                 block_table=table, block_size=4)
+        table[0, 0] = 7
+        assert m.block_table[0, 0] == 0 and not m.block_table.flags.writeable
+    assert bt.flags.writeable
