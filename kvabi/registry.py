@@ -216,8 +216,8 @@ def _check_backend(b, plugin: str) -> str | None:
     if not isinstance(b.name, str) or not _NAME_RE.fullmatch(b.name):  # no final "\n"
         return f"invalid backend name {b.name!r} (want dotted words, e.g. 'cuda.triton')"
     v = b.abi_version
-    if not (isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, int) for x in v)):
-        return f"abi_version must be a (major, minor) tuple of ints, got {v!r}"
+    if not (isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)):
+        return f"abi_version must be a (major, minor) tuple of non-negative ints, got {v!r}"
     if v[0] != ABI_VERSION[0]:
         return (f"built for kvabi ABI {v[0]}.{v[1]}, but this kvabi speaks ABI "
                 f"{ABI_VERSION[0]}.{ABI_VERSION[1]} (major versions must match)")

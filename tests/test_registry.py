@@ -188,6 +188,7 @@ class Raising:
 def test_bad_hooks_and_objects_are_refused_with_reasons():
     registry.register(Raising(), name="raiser")
     registry.register(Plugin(object(), backend("Bad Name!"), backend("badabi", "1.0"),
+                             backend("boolabi", (True, False)), backend("negabi", (1, -1)),
                              backend("fine.one"), backend("fine.two\n")), name="mixed")
     names = registry.backend_names()
     assert "fine.one" in names and names[0] == "reference"
@@ -197,6 +198,8 @@ def test_bad_hooks_and_objects_are_refused_with_reasons():
     assert "invalid backend name" in reasons[("mixed", "Bad Name!")]
     assert "invalid backend name" in reasons[("mixed", "fine.two\n")]  # matched whole
     assert "abi_version" in reasons[("mixed", "badabi")]
+    assert "abi_version" in reasons[("mixed", "boolabi")]  # a bool is not a version number
+    assert "abi_version" in reasons[("mixed", "negabi")]
 
 
 class WrongSignature:
