@@ -24,7 +24,6 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from ..coerce import as_int
 from ..dtypes import itemsize
 from ..errors import KVABIError
 from ..layout import Layout
@@ -32,8 +31,7 @@ from ..presets import preset_names
 from .compare import placement_difference
 from .markers import Alphabet
 from .marking import Geometry, Marked, gather, read_ids, scan
-from .memory import plane_bytes
-from .verify import MAX_SAMPLES, check_marked, sample_rows
+from .verify import check_marked, probe_arguments, sample_rows
 
 _PLANE_CHOICES = ((), ("L",), ("KV",), ("L", "KV"), ("KV", "L"))
 
@@ -66,12 +64,7 @@ def infer_layout(spec, planes, write, *, num_blocks: int, num_layers: int = 1,
     plane's first byte), or when the fitted layout fails the check on a fresh sample.
     """
     geo = Geometry.of_spec(spec, num_blocks, num_layers)
-    samples = as_int(samples, "samples", lo=1, hi=MAX_SAMPLES)
-    if not callable(write):
-        raise KVABIError(f"write: must be callable (the engine's cache write), got "
-                         f"{type(write).__name__}")
-    seed = as_int(seed, "seed", lo=0)
-    mem = plane_bytes(planes)
+    samples, seed, mem = probe_arguments(planes, write, samples, seed)
     isz = spec.itemsize
     for m in mem:
         m.fill()

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..coerce import as_int
 from ..errors import KVABIError
-from ..layout import Layout
+from ..layout import Layout, check_layout
 from .markers import Alphabet
 from .marking import Geometry, Marked, gather, read_ids, scan
 from .memory import plane_bytes
@@ -136,6 +136,15 @@ def _report(layout, rows, label, want_p, want_o, at_want, found_p, found_o, at_f
                          f"layout leaves unused")
 
 
+def probe_arguments(planes, write, samples, seed):
+    """(samples, seed, plane bytes) of a probe's call, each checked by name."""
+    samples = as_int(samples, "samples", lo=1, hi=MAX_SAMPLES)
+    if not callable(write):
+        raise KVABIError(f"write: must be callable (the engine's cache write), got "
+                         f"{type(write).__name__}")
+    return samples, as_int(seed, "seed", lo=0), plane_bytes(planes)
+
+
 def verify_layout(layout: Layout, planes, write, *, samples: int = 8, seed: int = 0) -> None:
     """Check that the engine's ``write`` puts every element where ``layout`` says.
 
@@ -151,14 +160,8 @@ def verify_layout(layout: Layout, planes, write, *, samples: int = 8, seed: int 
     of layer 0, block 3, token 3, head 1, dim 0 found 8192 bytes from where vllm.LBHNC puts
     it``), or bytes written where the layout has padding.
     """
-    if not isinstance(layout, Layout):
-        raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
-    samples = as_int(samples, "samples", lo=1, hi=MAX_SAMPLES)
-    if not callable(write):
-        raise KVABIError(f"write: must be callable (the engine's cache write), got "
-                         f"{type(write).__name__}")
-    seed = as_int(seed, "seed", lo=0)
-    mem = plane_bytes(planes)
+    check_layout(layout)
+    samples, seed, mem = probe_arguments(planes, write, samples, seed)
     _check_sizes(layout, mem)
     rows = sample_rows(Geometry.of_layout(layout), samples, seed)
     check_marked(layout, mem, write, rows, layout.name or "the layout")
