@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 
 from .coerce import as_int, checked, int_array
-from .dtypes import check_dtype, itemsize, numpy_dtype, tpu_packing
+from .dtypes import check_dtype, itemsize, numpy_dtype
 from .errors import KVABIError, require
 from .frozen import FrozenDict
 from .layout_json import layout_from_json
