@@ -95,8 +95,8 @@ def report(out: dict) -> str:
                      f"{r['regions']:8.0f} {r['gbps']:7.2f}  "
                      f"{'= single engine' if r['tokens_equal'] else 'DIFFER'}")
     for what, measured, goal in out["goals"]:
-        lines.append(f"  goal: {what}: measured {measured:.2f}x (goal {goal:g}x) "
-                     f"{'met' if measured >= goal else 'NOT met'}")
+        # no verdict word: on a loaded machine a figure past its goal means slow here
+        lines.append(f"  goal: {what}: {goal:g}x; measured: {measured:.2f}x")
     return "\n".join(lines)
 
 
