@@ -155,7 +155,11 @@ def test_torch_plane_changed_after_wrap_is_detected():
         c.check_unchanged()
     with pytest.raises(KVABIError, match=r"^cache\[2\]"):
         c.kv_view(1, 0)  # plane 2 holds layer 1's keys
-    c2 = KVCache.allocate(SPLIT, "torch")
+    # storage torch allocated (host planes from KVCache.allocate sit on numpy memory, whose
+    # storage torch refuses to resize at all)
+    c2 = KVCache.wrap(SPLIT, [torch.zeros(p.untyped_storage().nbytes(), dtype=torch.uint8)
+                              .view(p.dtype).as_strided(p.shape, p.stride())
+                              for p in KVCache.allocate(SPLIT, "torch")])
     c2.kv_view(0, 0)
     c2[0].untyped_storage().resize_(0)
     with pytest.raises(KVABIError, match=r"^cache\[0\]"):
