@@ -49,6 +49,17 @@ def _random(layout, seed, framework="numpy"):
     return cache
 
 
+def _check_moved(src, dst, s, t):
+    """Token ``s[i]`` of ``src`` (4-token blocks) is at slot ``t[i]`` of ``dst`` (8-token
+    blocks) in every layer and K/V; every other destination slot is still zero."""
+    for layer in range(2):
+        for kv in range(2):
+            got, want = _view(dst, layer, kv), _view(src, layer, kv)
+            np.testing.assert_array_equal(got[t // 8, t % 8], want[s // 4, s % 4])
+            rest = np.setdiff1d(np.arange(32), t)
+            assert not got[rest // 8, rest % 8].any()
+
+
 def _view(cache, layer, kv):
     v = cache.kv_view(layer, kv)
     return v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v
@@ -71,12 +82,7 @@ def test_pull_relayout_in_one_process(agents, framework, staged):
     assert b_agent.pull(peer, dst, s, t, notify=b"kvabi.pull 1", staged=staged) is dst
     assert a_agent.wait_notification(b"kvabi.pull 1", timeout=10) == ("dst-agent",
                                                                         b"kvabi.pull 1")
-    for layer in range(2):
-        for kv in range(2):
-            got, want = _view(dst, layer, kv), _view(src, layer, kv)
-            np.testing.assert_array_equal(got[t // 8, t % 8], want[s // 4, s % 4])
-            rest = np.setdiff1d(np.arange(32), t)
-            assert not got[rest // 8, rest % 8].any()
+    _check_moved(src, dst, s, t)
 
 
 def test_metadata_in_the_message(agents):
@@ -366,12 +372,7 @@ def test_pull_block_plan_staged(agents, staged):
     assert b_agent.pull_plan(peer, plan, dst, staged=staged) is dst
     s = (np.array(sb)[:, None] * 4 + np.arange(4)).ravel()
     t = (np.array(db)[:, None] * 8 + np.arange(8)).ravel()
-    for layer in range(2):
-        for kv in range(2):
-            got, want = _view(dst, layer, kv), _view(src, layer, kv)
-            np.testing.assert_array_equal(got[t // 8, t % 8], want[s // 4, s % 4])
-            rest = np.setdiff1d(np.arange(32), t)
-            assert not got[rest // 8, rest % 8].any()
+    _check_moved(src, dst, s, t)
 
 
 def test_connected_peer_cannot_be_changed(agents):
