@@ -25,6 +25,7 @@ from .frozen import FrozenDict
 from .layout_json import layout_from_json
 from .planes import check_planes
 from .presets import build_preset
+from .shard import Shard, check_layout_shard, shard_field
 from .version import ABI_VERSION
 
 AXES = ("L", "B", "KV", "N", "H", "D")
@@ -92,6 +93,8 @@ class Layout:
     folds: tuple[tuple[str, ...], ...] = attrs.field(default=(), converter=_folds)
     packing: int | None = attrs.field(default=None)
     name: str | None = attrs.field(default=None)
+    #: which global KV heads the layout holds (None: all of them, in order); see kvabi.shard
+    shard: Shard | None = attrs.field(default=None, converter=shard_field)
     # Derived once at construction (exact, checked): byte stride per axis, the natural
     # span of a plane, bytes per plane and in all planes, number of planes.
     _stride: dict = attrs.field(init=False, eq=False, repr=False)
@@ -181,6 +184,7 @@ class Layout:
                     f"padded silently", self.packing)
         object.__setattr__(self, "_shape", self._plane_shape())
         object.__setattr__(self, "_elem_strides", self._plane_strides())
+        check_layout_shard(self.shard, sizes["H"])
 
     def _check_folds(self):
         used = set()
@@ -514,7 +518,8 @@ class Layout:
 
     # -- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
+        shard = {} if self.shard is None else {"shard": self.shard.to_dict()}
+        return shard | {
             "kvabi_abi": list(ABI_VERSION),
             "name": self.name,
             "dtype": self.dtype,
@@ -531,6 +536,15 @@ class Layout:
     def to_json(self) -> str:
         """The versioned JSON descriptor (``specs/layout.schema.json``)."""
         return json.dumps(self.to_dict(), sort_keys=True)
+
+    def fingerprint(self) -> str:
+        """A stable digest of where every byte lives (``specs/layout.md``, *Fingerprint*):
+        equal for layouts that place every element of the same dtype and heads at the same
+        (plane, byte offset), whatever their name, folds or padding; different otherwise.
+        Usable as a handshake field, a namespace key and a label."""
+        from .fingerprint import fingerprint
+
+        return fingerprint(self)
 
     @classmethod
     def from_json(cls, text, *, max_bytes: int | None = None) -> "Layout":

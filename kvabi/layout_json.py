@@ -11,6 +11,7 @@ from __future__ import annotations
 from .coerce import as_int
 from .errors import KVABIError
 from .safe_json import loads
+from .shard import FIELDS as SHARD_FIELDS, Shard
 from .version import ABI_VERSION, wire_version
 
 #: Size limit of a descriptor's text (a real one is well under 1 KiB).
@@ -19,7 +20,7 @@ MAX_DESCRIPTOR_BYTES = 64 * 2**10
 MAX_DESCRIPTOR_DEPTH = 8
 
 _FIELDS = ("name", "dtype", "order", "planes", "sizes", "extents", "strides", "plane_bytes",
-           "folds", "packing")
+           "folds", "packing", "shard")
 
 
 def _int(v, field):
@@ -38,6 +39,20 @@ def _int_map(v, field, allow_none=False):
     if not isinstance(v, dict):
         raise KVABIError(f"{field}: must be an object of axis -> integer, got {v!r:.80}")
     return {str(k): _int(x, f"{field}.{k}") for k, x in v.items()}
+
+
+def _shard(v):
+    """The optional ``shard`` object: absent or null means every head (null is accepted as
+    absent, like the schema's ``["object", "null"]``); unknown keys refused (a shard field
+    this reader does not know could move which head a byte holds)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise KVABIError(f"shard: must be an object, got {v!r:.80}")
+    extra = sorted(set(v) - set(SHARD_FIELDS))
+    if extra:
+        raise KVABIError(f"shard.{extra[0]}: unknown field")
+    return Shard.from_dict(v)
 
 
 def layout_from_json(cls, text, *, max_bytes=None):
@@ -81,6 +96,7 @@ def layout_from_json(cls, text, *, max_bytes=None):
         folds=tuple(_str_list(f, f"folds[{i}]") for i, f in enumerate(folds)),
         packing=None if d.get("packing") is None else _int(d["packing"], "packing"),
         name=name,
+        shard=_shard(d.get("shard")),
     )
     if max_bytes is not None and layout.total_nbytes > max_bytes:
         raise KVABIError(f"descriptor: its {layout.num_planes} planes hold "

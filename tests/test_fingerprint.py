@@ -1,0 +1,137 @@
+"""``Layout.fingerprint()``: equal exactly when two layouts place every element alike.
+
+The oracle is the placement itself: the (plane, byte offset) of every logical element,
+enumerated through ``Layout.byte_offset`` on small layouts, with the dtype and the global
+heads held; never the fingerprint's own canonical form."""
+import json
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+from kvabi import KVABIError, KVSpec, Layout
+from kvabi.presets import PRESETS, preset_names
+from kvabi.shard import Shard, shard_of
+
+AXES = ("L", "B", "KV", "N", "H", "D")
+
+
+def placement(layout):
+    """Everything that decides where each byte lives, by enumeration."""
+    sizes = tuple(layout.size(a) for a in AXES)
+    grid = np.indices(sizes).reshape(len(AXES), -1)
+    idx = dict(zip(AXES, grid))
+    plane, off = layout.byte_offset(layer=idx["L"], block=idx["B"],
+                                    kv=idx["KV"], token=idx["N"], head=idx["H"],
+                                    dim=idx["D"])
+    s = shard_of(layout)
+    return (layout.dtype, sizes, s.heads, s.of, np.asarray(plane).tobytes(),
+            np.asarray(off).tobytes())
+
+
+def test_presets_placing_bytes_alike_share_it():
+    spec = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")
+    a, b = Layout.preset("tpu.hidden", spec, 5, 2), Layout.preset("flash_attn", spec, 5, 2)
+    assert a.name != b.name and a.folds != b.folds
+    assert placement(a) == placement(b) and a.fingerprint() == b.fingerprint()
+    c = Layout.preset("flashinfer.NHD", spec, 5, 2)
+    assert c.fingerprint() != a.fingerprint()
+    assert a.fingerprint().startswith("kv1:") and len(a.fingerprint()) == 36
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_equal_across_a_json_round_trip(name):
+    spec = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    lay = attrs.evolve(Layout.preset(name, spec, 3, 2), shard=Shard.tp(1, 4, 8))
+    back = Layout.from_json(lay.to_json())
+    assert back.fingerprint() == lay.fingerprint()
+    renamed = attrs.evolve(lay, name="something else")
+    assert renamed.fingerprint() == lay.fingerprint()
+
+
+def test_known_value():
+    """The canonical form is normative (specs/layout.md): a change is a new version."""
+    spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    lay = Layout.preset("flashinfer.HND", spec, 8, 2)
+    import hashlib
+
+    text = ('{"axes":["L","B","KV","N","H","D"],"byte_steps":[0,8192,4096,128,2048,2],'
+            '"dtype":"bfloat16","heads":[0,1],"of":2,"plane_steps":[1,0,0,0,0,0],'
+            '"sizes":[2,8,2,16,2,64],"v":"kv1"}')
+    assert lay.fingerprint() == "kv1:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+# -- mutated descriptors -----------------------------------------------------------------------
+SPECS = [KVSpec("full", block_size=n, num_kv_heads=h, head_dim=d, dtype=t)
+         for n, h, d, t in ((2, 2, 4, "float16"), (3, 1, 4, "float32"), (2, 2, 2, "int8"),
+                            (1, 3, 2, "bfloat16"))]
+SPECS.append(KVSpec("mla", block_size=2, num_kv_heads=1, head_dim=4, dtype="float16"))
+
+
+@st.composite
+def mutated(draw):
+    spec = draw(st.sampled_from(SPECS))
+    name = draw(st.sampled_from([n for n in preset_names(spec) if n != "tpu.combined"]))
+    lay = Layout.preset(name, spec, draw(st.integers(1, 3)), draw(st.integers(1, 2)))
+    if draw(st.booleans()):
+        h = lay.size("H")
+        lay = attrs.evolve(lay, shard=Shard(heads=range(h, 2 * h), of=2 * h, rank=1, ranks=2))
+    d = json.loads(lay.to_json())
+    if draw(st.booleans()):  # explicit strides: then each one can move
+        d["strides"] = {a: lay.stride(a) for a in lay.order}
+    field = draw(st.sampled_from(["sizes", "strides", "order", "planes", "planes",
+                                  "extents", "plane_bytes", "folds", "packing", "name",
+                                  "dtype", "shard", "shard", "same"]))
+    if field == "sizes":
+        a = draw(st.sampled_from(sorted(d["sizes"])))
+        d["sizes"][a] = max(1, d["sizes"][a] + draw(st.sampled_from([-1, 1, 2])))
+    elif field == "strides" and d["strides"]:
+        a = draw(st.sampled_from(sorted(d["strides"])))
+        d["strides"][a] += lay.itemsize * draw(st.integers(1, 4))
+    elif field == "order":
+        i, j = draw(st.permutations(range(len(d["order"]))))[:2]
+        d["order"][i], d["order"][j] = d["order"][j], d["order"][i]
+        d["strides"], d["folds"] = None, []
+    elif field == "planes":
+        if len(d["planes"]) == 2 and draw(st.booleans()):  # same strides, other numbering
+            d["planes"].reverse()
+        elif d["planes"]:
+            moved = d["planes"].pop()
+            d["order"].insert(draw(st.integers(0, len(d["order"]))), moved)
+        elif "L" in d["order"]:
+            d["order"].remove("L")
+            d["planes"] = ["L"]
+        d["strides"], d["folds"] = None, []
+    elif field == "extents":
+        a = draw(st.sampled_from(d["order"]))
+        d["extents"] = {a: d["sizes"][a] + draw(st.integers(1, 2))}
+    elif field == "plane_bytes":
+        d["plane_bytes"] = lay.plane_nbytes + lay.itemsize * draw(st.integers(0, 3))
+    elif field == "folds":
+        d["folds"] = []
+    elif field == "packing":
+        d["packing"] = draw(st.sampled_from([None, 1, 2]))
+    elif field == "name":
+        d["name"] = draw(st.sampled_from([None, "x", "flash_attn"]))
+    elif field == "dtype":
+        d["dtype"] = draw(st.sampled_from(["float32", "float16", "bfloat16", "int8"]))
+    elif field == "shard":
+        h = d["sizes"]["H"]
+        d["shard"] = draw(st.sampled_from([
+            None, {"heads": list(range(h))[::-1], "of": h, "rank": 0, "ranks": 1},
+            {"heads": list(range(h)), "of": h + 1, "rank": 0, "ranks": 1},
+            {"heads": list(range(h)), "of": h, "rank": 0, "ranks": 3}]))
+    return lay, d
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=mutated())
+def test_fingerprint_differs_exactly_where_a_byte_moves(case):
+    lay, d = case
+    try:
+        other = Layout.from_json(json.dumps(d))
+    except KVABIError:
+        assume(False)
+    same = placement(lay) == placement(other)
+    assert (lay.fingerprint() == other.fingerprint()) == same
