@@ -48,7 +48,7 @@ test-vllm: $(VLLM_STAMP)
 # changed after their check) and layout-probe tests.
 THOROUGH_TESTS ?= tests/test_hostile_*.py tests/test_metadata_hostile.py tests/test_transfer_plan.py \
 	tests/test_transfer_handshake_schema.py tests/test_mutate_after_check.py tests/test_transfer_immutable.py \
-	tests/test_probe_infer.py tests/test_probe_verify.py
+	tests/test_probe_infer.py tests/test_probe_verify.py tests/test_fingerprint.py tests/test_transfer_shards.py
 thorough: setup
 	KVABI_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q $(THOROUGH_TESTS)
 
