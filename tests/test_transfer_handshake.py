@@ -34,6 +34,25 @@ def test_round_trip():
     assert h.agent_name == "prefill-0" and h.memory == "DRAM" and h.metadata == b"\x00agent-md"
     assert h.planes.dtype == np.int64 and h.planes.shape == (2, 3)
     assert list(h.plane_nbytes) == [LAYOUT.plane_nbytes] * 2
+    assert h.fingerprint == LAYOUT.fingerprint() and h.model is None
+
+
+def test_shard_and_model_travel():
+    import attrs
+    from kvabi.shard import Shard
+
+    lay = attrs.evolve(LAYOUT, shard=Shard.tp(3, 4, 8))
+    text = make_handshake(agent_name="prefill-3", host="127.0.0.1", port=5600, memory="DRAM",
+                          layout=lay, planes=[(1 << 30, lay.plane_nbytes, 0)] * 2,
+                          model="llama-3-8b@abc")
+    h = parse_handshake(text)
+    assert h.layout.shard == Shard.tp(3, 4, 8) and h.model == "llama-3-8b@abc"
+    assert h.fingerprint == lay.fingerprint() != LAYOUT.fingerprint()
+    # a shard changed in transit no longer matches the fingerprint sent with it
+    d = json.loads(text)
+    d["layout"]["shard"]["heads"] = [4, 5]
+    with pytest.raises(KVABIError, match="fingerprint: the message says"):
+        parse_handshake(json.dumps(d))
 
 
 def test_schema_accepts_what_is_sent_and_refuses_a_bad_message():
@@ -98,6 +117,11 @@ def _mutate(path, value):
     (("planes", 1, "device"), -1, r"planes\[1\].device: must be >= 0"),
     (("planes", 1), [1, 2, 3], r"planes\[1\]: must be a JSON object"),
     (("metadata",), "not base64!", "metadata: not valid base64"),
+    (("fingerprint",), "kv1:" + "0" * 32, "fingerprint: the message says kv1:0000"),
+    (("fingerprint",), KeyError, "handshake.fingerprint: missing"),
+    (("fingerprint",), "kv1:abc", "fingerprint: must be a layout fingerprint"),
+    (("model",), "a b", "model: must be 1-256 characters"),
+    (("layout", "sizes", "B"), 7, "fingerprint: the message says"),  # descriptor changed
     (("metadata",), 12, "metadata: must be a base64 string"),
 ])
 def test_refusals_name_the_field(path, value, match):

@@ -87,6 +87,7 @@ BOTH_ACCEPT = {
     "port 65535": edit((("agent", "port"), 65535)),
     "VRAM, device 65536": edit((("memory",), "VRAM"), (("planes", 0, "device"), 65536)),
     "largest range": edit((("planes", 1, "address"), MAX_ADDRESS - PLANE)),
+    "model stated": edit((("model",), "llama-3-8b@4f2a/rev:1+x=y")),
     "newer minor, unknown field": edit((("kvabi_abi",), NEWER), (("future",), {"x": 1})),
     "newer minor, unknown agent field": edit((("kvabi_abi",), NEWER),
                                              (("agent", "zone"), "eu")),
@@ -136,6 +137,12 @@ BOTH_REFUSE = {
     "device 65537": edit((("planes", 0, "device"), 65537)),
     "layout of another dtype": edit((("layout", "dtype"), "float64")),
     "layout a string": edit((("layout",), "flashinfer.HND")),
+    "no fingerprint": edit((("fingerprint",), ...)),
+    "fingerprint upper case": edit((("fingerprint",), "kv1:" + "A" * 32)),
+    "fingerprint a number": edit((("fingerprint",), 12)),
+    "model empty": edit((("model",), "")),
+    "model with a space": edit((("model",), "llama 3")),
+    "model ending in a newline": edit((("model",), "llama\n")),
     "newer minor, metadata null": edit((("kvabi_abi",), NEWER), (("metadata",), None)),
 }
 
@@ -148,6 +155,8 @@ BEYOND_SCHEMA = {
                                         "plane_nbytes"),
     "range past 2^62": (edit((("planes", 1, "address"), MAX_ADDRESS - PLANE + 1)), "2^62"),
     "metadata not base64": (edit((("metadata",), "not base64!")), "base64"),
+    "fingerprint of another layout": (edit((("fingerprint",), "kv1:" + "0" * 32)),
+                                      "fingerprint other than"),
 }
 
 
@@ -185,7 +194,7 @@ _VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(_TEXT, inner, max_size=3)), max_leaves=6)
 _PATHS = [("kvabi_abi",), ("kvabi_abi", 0), ("kvabi_abi", 1), ("message",), ("agent",),
           ("agent", "name"), ("agent", "host"), ("agent", "port"), ("memory",), ("layout",),
-          ("planes",), ("planes", 0), ("metadata",)] + [
+          ("planes",), ("planes", 0), ("metadata",), ("fingerprint",), ("model",)] + [
           ("planes", i, k) for i in (0, 1) for k in ("address", "nbytes", "device")]
 _HOMES = [(), ("agent",), ("planes", 0), ("planes", 1)]
 
@@ -256,7 +265,10 @@ def beyond_schema(d) -> bool:
             base64.b64decode(d["metadata"], validate=True)
         except ValueError:
             return True
-    return False
+    try:  # the fingerprint must be the descriptor's own (layout.md)
+        return d["fingerprint"] != Layout.from_json(d["layout"]).fingerprint()
+    except KVABIError:
+        return False
 
 
 #: cheap (a few ms an example): 625 in the ci profile, 10,000 in thorough

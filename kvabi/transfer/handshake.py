@@ -2,10 +2,13 @@
 
 A process that serves KV describes it in one JSON message: the ABI version, its transfer
 agent's name and listen address (and optionally the agent's metadata), the memory type,
-the layout descriptor, and the address and size of every registered plane.  The receiver
+the layout descriptor (with the shard of the model's KV heads it holds), the layout's
+fingerprint, optionally the model's identity, and the address and size of every registered
+plane.  The receiver
 treats the message as untrusted: :func:`parse_handshake` reads it with the strict JSON
 reader, checks every field's type and range, validates the layout descriptor in full, and
-checks that each plane holds at least the bytes the layout addresses.  It accepts exactly what
+checks that each plane holds at least the bytes the layout addresses and that the
+fingerprint is the descriptor's own.  It accepts exactly what
 ``specs/transfer.schema.json`` accepts, plus the checks the schema cannot express (integers
 written as ``4.0``, sizes against the layout, the text's size and nesting, base64): a test
 validates one corpus of messages with both.  Parsing has no side effect.
@@ -39,8 +42,11 @@ FIRST_MINOR = 1
 # matched whole (fullmatch): ``$`` would also match before a final "\n"
 _NAME = re.compile(r"[A-Za-z0-9_.:@\-]{1,128}")
 _HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")
-_FIELDS = {"kvabi_abi", "message", "agent", "memory", "layout", "planes"}
-_OPTIONAL = {"metadata"}
+#: a model's identity as a sender states it (a name, a revision, a digest of its config)
+_MODEL = re.compile(r"[A-Za-z0-9_.:@/+=\-]{1,256}")
+_FINGERPRINT = re.compile(r"kv[0-9]+:[0-9a-f]{32}")
+_FIELDS = {"kvabi_abi", "message", "agent", "memory", "layout", "fingerprint", "planes"}
+_OPTIONAL = {"metadata", "model"}
 _AGENT_FIELDS = ("host", "name", "port")
 _PLANE_FIELDS = ("address", "device", "nbytes")
 
@@ -56,7 +62,9 @@ class Handshake:
     memory: str
     layout: Layout
     planes: np.ndarray
+    fingerprint: str
     metadata: bytes | None = None
+    model: str | None = None
 
     @property
     def plane_nbytes(self) -> np.ndarray:
@@ -64,19 +72,23 @@ class Handshake:
 
 
 def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout: Layout,
-                   planes, metadata: bytes | None = None) -> str:
-    """The JSON message for planes ``[(address, nbytes, device), ...]`` of ``layout``."""
+                   planes, metadata: bytes | None = None, model: str | None = None) -> str:
+    """The JSON message for planes ``[(address, nbytes, device), ...]`` of ``layout``;
+    ``model``: the model's identity, which a peer of another model refuses."""
     msg = {
         "kvabi_abi": list(ABI_VERSION),
         "message": MESSAGE,
         "agent": {"name": agent_name, "host": host, "port": int(port)},
         "memory": memory,
         "layout": layout.to_dict(),
+        "fingerprint": layout.fingerprint(),
         "planes": [{"address": int(a), "nbytes": int(n), "device": int(d)}
                    for a, n, d in planes],
     }
     if metadata is not None:
         msg["metadata"] = base64.b64encode(metadata).decode("ascii")
+    if model is not None:
+        msg["model"] = check_model(model, "model")
     text = json.dumps(msg, sort_keys=True)
     parse_handshake(text)  # what we send, we would accept
     return text
@@ -112,6 +124,11 @@ def check_agent_name(v, field: str = "agent.name") -> str:
 def check_host(v, field: str = "agent.host") -> str:
     """``v`` when it is a host a handshake may carry; else KVABIError."""
     return _str(v, field, _HOST, "a host name or IP address")
+
+
+def check_model(v, field: str = "model") -> str:
+    """``v`` when it is a model identity a handshake may carry; else KVABIError."""
+    return _str(v, field, _MODEL, "1-256 characters of [A-Za-z0-9_.:@/+=-]")
 
 
 def check_port(v, field: str = "agent.port") -> int:
@@ -154,6 +171,13 @@ def parse_handshake(text) -> Handshake:
         raise KVABIError(f"memory: must be one of {', '.join(MEMORY_TYPES)}, got "
                          f"{memory!r:.80}")
     layout = Layout.from_json(_obj(d["layout"], "layout", ()))
+    fp = _str(d["fingerprint"], "fingerprint", _FINGERPRINT, "a layout fingerprint "
+              "(kvN: and 32 hex digits)")
+    own = layout.fingerprint()
+    if fp != own:
+        raise KVABIError(f"fingerprint: the message says {fp}, its layout descriptor's is "
+                         f"{own} (a label that does not match the bytes it names)")
+    model = check_model(d["model"]) if "model" in d else None
     planes = d["planes"]
     if not isinstance(planes, list):
         raise KVABIError(f"planes: must be a list, got {type(planes).__name__}")
@@ -186,6 +210,7 @@ def parse_handshake(text) -> Handshake:
             raise KVABIError("metadata: not valid base64") from None
     # Checked here and trusted by whoever holds the handshake: read-only over an immutable
     # buffer (kvabi.frozen), so that not even its writeable flag can be turned back on.
-    own = frozen_array(np.array(rows, np.int64).reshape(-1, 3))
+    rows = frozen_array(np.array(rows, np.int64).reshape(-1, 3))
     return Handshake(abi=(ver[0], ver[1]), agent_name=name, host=host, port=port,
-                     memory=memory, layout=layout, planes=own, metadata=meta)
+                     memory=memory, layout=layout, planes=rows, fingerprint=fp,
+                     metadata=meta, model=model)
