@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Layout": ("kvabi.layout", "Layout"),
+    "Shard": ("kvabi.shard", "Shard"),
+    "TPView": ("kvabi.tp_view", "TPView"),
     "get_backend": ("kvabi.registry", "get_backend"),
     "backend_names": ("kvabi.registry", "backend_names"),
     "merge_attention": ("kvabi.merge", "merge_attention"),
@@ -32,6 +34,6 @@ def __getattr__(name):
 
 
 __all__ = ["ABI_VERSION", "AttentionOptions", "KVCache", "abi_at_least", "as_cache", "tensors", "Backend", "Capabilities", "CommonAttentionMetadata", "KVABIError",
-           "KVGroup", "KVSpec", "LayerKV", "Layout", "ModelKV", "StepLimits", "UnsupportedError",
+           "KVGroup", "KVSpec", "LayerKV", "Layout", "ModelKV", "Shard", "TPView", "StepLimits", "UnsupportedError",
            "backend_names", "check_kv", "check_layer", "check_num_q_heads", "check_query", "check_sinks", "check_step", "index_dtype", "get_backend", "hookimpl", "merge_attention", "transforms",
            "__version__"]

@@ -13,7 +13,9 @@ from typing import Mapping
 
 import attrs
 
-from .coerce import as_int
+from functools import lru_cache
+
+from .coerce import INT64_MAX, as_int
 from .errors import KVABIError
 
 #: JSON keys of a shard (``specs/layout.schema.json``)
@@ -24,6 +26,10 @@ def _heads(x) -> tuple[int, ...]:
     if isinstance(x, (str, bytes, Mapping)) or not isinstance(x, (list, tuple, range)):
         raise KVABIError(f"shard.heads: must be a list of global KV head indices, got "
                          f"{x!r:.80}")
+    if isinstance(x, range) or all(type(h) is int for h in x):  # plain ints: one check
+        t = tuple(x)
+        if not t or (min(t) >= 0 and max(t) <= INT64_MAX):
+            return t
     return tuple(as_int(h, f"shard.heads[{i}]", lo=0) for i, h in enumerate(x))
 
 
@@ -67,16 +73,10 @@ class Shard:
         ranks = as_int(ranks, "ranks", lo=1)
         rank = as_int(rank, "rank", lo=0, hi=ranks - 1)
         n = as_int(num_kv_heads, "num_kv_heads", lo=1)
-        if ranks <= n:
-            if n % ranks:
-                raise KVABIError(f"ranks: {n} KV heads cannot be split evenly over "
-                                 f"{ranks} tensor-parallel ranks")
-            k = n // ranks
-            return cls(heads=range(rank * k, rank * k + k), of=n, rank=rank, ranks=ranks)
-        if ranks % n:
-            raise KVABIError(f"ranks: {ranks} tensor-parallel ranks cannot replicate {n} KV "
-                             f"heads evenly (the heads must divide the ranks)")
-        return cls(heads=(rank * n // ranks,), of=n, rank=rank, ranks=ranks)
+        if cls is Shard:
+            return _tp(rank, ranks, n)
+        s = _tp(rank, ranks, n)
+        return cls(heads=s.heads, of=s.of, rank=s.rank, ranks=s.ranks)
 
     @property
     def is_whole(self) -> bool:
@@ -123,6 +123,22 @@ class Shard:
         return cls(heads=d["heads"], of=d["of"], rank=d["rank"], ranks=d["ranks"])
 
 
+@lru_cache(maxsize=256)
+def _tp(rank: int, ranks: int, n: int) -> Shard:
+    """:meth:`Shard.tp` of checked ints (a shard is immutable: one object per split)."""
+    if ranks <= n:
+        if n % ranks:
+            raise KVABIError(f"ranks: {n} KV heads cannot be split evenly over {ranks} "
+                             f"tensor-parallel ranks")
+        k = n // ranks
+        return Shard(heads=range(rank * k, rank * k + k), of=n, rank=rank, ranks=ranks)
+    if ranks % n:
+        raise KVABIError(f"ranks: {ranks} tensor-parallel ranks cannot replicate {n} KV "
+                         f"heads evenly (the heads must divide the ranks)")
+    return Shard(heads=(rank * n // ranks,), of=n, rank=rank, ranks=ranks)
+
+
+@lru_cache(maxsize=256)
 def whole(num_kv_heads: int) -> Shard:
     """The shard of a cache holding all ``num_kv_heads`` heads (no tensor parallelism)."""
     return Shard(heads=range(num_kv_heads), of=num_kv_heads)
