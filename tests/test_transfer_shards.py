@@ -187,3 +187,40 @@ def test_random_shardings(case, tokens, seed):
     if -(-tokens // bs[0]) > 7 or -(-tokens // bs[1]) > 6:
         tokens = min(7 * bs[0], 6 * bs[1])
     run_case(kind, heads, pair, tp, bs, tokens=tokens, whole_blocks=False, seed=seed)
+
+
+# -- checksums: computed on each side through its own layout -----------------------------------
+def test_checksums_agree_across_layouts_and_shards_and_see_one_byte():
+    from kvabi.transfer.checksum import KVChecksums, check_checksums, kv_checksums
+
+    rng = np.random.default_rng(3)
+    content = model_kv(rng, LAYERS, 13, True, 4, 8, 2)
+    src = rank_layouts("flashinfer.NHD", "full", 4, 2, 4, 7)
+    dst = rank_layouts("tpu.combined", "full", 4, 1, 8, 6)[0]
+    s_slots, d_slots = table(rng, 13, 4, 7)[0], table(rng, 13, 8, 6)[0]
+    sums = []
+    for lay in src:
+        bufs, cache = guarded_cache(lay, rng)
+        write_rank(bufs, lay, content, range(LAYERS), s_slots)
+        sums.append(kv_checksums(cache, s_slots, chunk=4))
+    bufs, cache = guarded_cache(dst, rng)
+    write_rank(bufs, dst, content, range(LAYERS), d_slots)
+    got = kv_checksums(cache, d_slots, chunk=4)
+    assert got.values.shape == (4, 4) and got.heads == (0, 1, 2, 3)
+    for r, s in enumerate(sums):
+        back = KVChecksums.from_json(s.to_json())
+        assert back.heads == s.heads and np.array_equal(back.values, s.values)
+        check_checksums(got, back, s.heads, f"rank {r}")
+    # one byte of head 3, token 9, layer 1, value: only that chunk of that head differs
+    from transfer_oracle import element_bytes
+    plane, off = element_bytes(dst, [1], [d_slots[9]])
+    bufs[int(plane[0, 0, 1, 3, 2])][int(off[0, 0, 1, 3, 2]) + 64] ^= 1
+    bad = kv_checksums(cache, d_slots, chunk=4)
+    check_checksums(bad, sums[0], (0, 1), "rank 0")
+    with pytest.raises(KVABIError, match=r"checksum: global head 3, tokens 8..11 differ from "
+                                         r"rank 1's \(1 of 4 chunks\)"):
+        check_checksums(bad, sums[1], (2, 3), "rank 1")
+    with pytest.raises(KVABIError, match="checksums.chunk"):
+        check_checksums(kv_checksums(cache, d_slots, chunk=8), sums[1], (2, 3), "rank 1")
+    with pytest.raises(KVABIError, match="checksums.values"):
+        KVChecksums.from_json(sums[0].to_json().replace('"chunk": 4', '"chunk": 2'))

@@ -32,8 +32,11 @@ from .execute import check_in_use, copy_from_staging
 from .handshake import (Handshake, check_agent_name, check_host, check_port, make_handshake,
                         parse_handshake)
 from .pattern import plane_sizes
+from ..shard import shard_of
+from .checksum import check_checksums, kv_checksums
 from .plan import TransferPlan, plan_transfer
-from .staging import stage, stage_blocks, worth_staging
+from .shards import ShardPlan, plan_shard_transfer
+from .staging import ALIGN, stage, stage_blocks, worth_staging
 
 INSTALL_HINT = "nixl is not installed: pip install 'kvabi[nixl]'"
 
@@ -142,6 +145,21 @@ class Peer:
         h = self.handshake
         return (f"Peer({self.name} at {h.host}:{h.port}, {h.memory}, "
                 f"{self.layout.name or 'custom'} x {len(h.planes)} planes)")
+
+
+@attrs.frozen(eq=False)
+class _Read:
+    """One prepared READ from ``peer``: ``local``/``remote`` rows (address, nbytes, device);
+    direct (``staging`` None: local rows are ``dst``'s addresses in ``memory``) or staged
+    (local rows are offsets into ``staging`` bytes of the staging buffer, and ``finish(buf,
+    dst)`` relayouts them into ``dst``, returning it)."""
+
+    peer: "Peer"
+    local: np.ndarray
+    remote: np.ndarray
+    staging: "int | None"
+    finish: object
+    memory: str = "DRAM"
 
 
 class NixlAgent:
@@ -317,10 +335,88 @@ class NixlAgent:
         self._connected(peer)
         if not isinstance(plan, TransferPlan):
             raise KVABIError(f"plan: must be a TransferPlan, got {type(plan).__name__}")
-        if plan.src_layout != peer.layout:
-            raise KVABIError("plan.src_layout: is not the peer's layout")
         if not isinstance(dst, KVCache):
             raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
+        read = self._prepare(peer, plan, dst, staged)
+        return self._run_reads([read], dst, timeout, [notify])
+
+    def pull_shards(self, peers, dst: KVCache, src_slots, dst_slots, *, layers=None,
+                    timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None,
+                    checksums=None, standard: bool = True) -> KVCache:
+        """READ this rank's heads of tokens ``src_slots`` from the ranks of a
+        tensor-parallel peer (``peers``: the connected :class:`Peer` of each of its ranks,
+        in rank order) into ``dst_slots`` of ``dst`` (whose layout states this rank's
+        shard), planned by :func:`~kvabi.transfer.plan_shard_transfer` (refusals by
+        field before anything is posted) and run by :meth:`pull_shard_plan`.
+
+        ``checksums``: per peer rank the :class:`~kvabi.transfer.checksum.KVChecksums` it
+        computed over ``src_slots`` (``layers``); the received tokens are summed through
+        ``dst``'s layout and compared for the heads read from each rank, and a mismatch
+        raises KVABIError naming the head and tokens (the slots must then not be used)."""
+        self._peer_list(peers)
+        if not isinstance(dst, KVCache):
+            raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
+        plan = plan_shard_transfer([p.layout for p in peers], dst.layout, src_slots,
+                                   dst_slots, layers=layers, standard=standard)
+        if checksums is not None and (not isinstance(checksums, (list, tuple)) or
+                                      len(checksums) != len(peers)):
+            raise KVABIError(f"checksums: one per peer rank ({len(peers)}), got "
+                             f"{type(checksums).__name__}")
+        dst = self.pull_shard_plan(peers, plan, dst, timeout=timeout, notify=notify,
+                                   staged=staged)
+        if checksums is not None:
+            got = kv_checksums(dst, dst_slots, layers=layers,
+                               chunk=getattr(checksums[0], "chunk", 16))
+            for run in plan.runs:
+                heads = shard_of(dst.layout).heads[run.dst_first:run.dst_first + run.count]
+                check_checksums(got, checksums[run.source], heads,
+                                f"rank {run.source} ({peers[run.source].name!r})")
+        return dst
+
+    def pull_shard_plan(self, peers, plan: ShardPlan, dst: KVCache, *,
+                        timeout: float = 30.0, notify: bytes = b"kvabi.pull",
+                        staged=None) -> KVCache:
+        """Run a :class:`~kvabi.transfer.shards.ShardPlan`: one READ per peer rank read
+        (each checked and laid out as by :meth:`pull_plan`), all posted before any is
+        waited for, all within ``timeout``; each rank read gets ``notify`` with its READ,
+        each rank not read (a replica another destination reads) gets it as a plain
+        notification, so every rank of the group learns that this rank is done.  Returns
+        ``dst`` once every byte has arrived (a new handle for jax); KVABIError if any READ
+        fails or times out (the destination slots then hold undefined data)."""
+        timeout = as_float(timeout, "timeout", positive=True)
+        notify = _message(notify, "notify")
+        self._peer_list(peers)
+        if not isinstance(plan, ShardPlan):
+            raise KVABIError(f"plan: must be a ShardPlan, got {type(plan).__name__}")
+        if len(plan.src_layouts) != len(peers) or any(
+                p.layout != lay for p, lay in zip(peers, plan.src_layouts)):
+            raise KVABIError("plan.src_layouts: are not the peers' layouts, in rank order")
+        if not isinstance(dst, KVCache):
+            raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
+        reads = [self._prepare(peers[i], part, dst, staged) for i, part in plan.parts]
+        dst = self._run_reads(reads, dst, timeout, [notify] * len(reads))
+        read = set(plan.sources)
+        for i, p in enumerate(peers):
+            if i not in read:
+                try:
+                    self._agent.send_notif(p.name, notify)
+                except Exception as e:  # noqa: BLE001
+                    raise KVABIError(f"notification: to {p.name!r} (rank {i}) failed: "
+                                     f"{e}") from None
+        return dst
+
+    def _peer_list(self, peers) -> None:
+        if isinstance(peers, Peer) or not isinstance(peers, (list, tuple)) or not peers:
+            raise KVABIError(f"peers: must be a list of connected Peers, one per rank of the "
+                             f"peer, got {type(peers).__name__}")
+        for p in peers:
+            self._connected(p)
+
+    def _prepare(self, peer: Peer, plan: TransferPlan, dst: KVCache, staged) -> "_Read":
+        """Check ``plan`` against the peer's registered planes and ``dst``'s, and lay out
+        its READ (direct into ``dst``, or into the staging buffer and relayouted after)."""
+        if plan.src_layout != peer.layout:
+            raise KVABIError("plan.src_layout: is not the peer's layout")
         if plan.dst_layout != dst.layout:
             raise KVABIError("plan.dst_layout: is not the destination cache's layout")
         reg = self._find(dst)
@@ -333,29 +429,85 @@ class NixlAgent:
         h = peer.handshake
         # Every region inside the peer's registered planes and ours, before posting.
         plan.check(src_nbytes=h.plane_nbytes, dst_nbytes=None if reg is None else reg[2][:, 1])
-        if not len(plan):
-            return dst
         r = plan.regions
+        if not len(plan):
+            return _Read(peer, np.zeros((0, 3), np.int64), np.zeros((0, 3), np.int64), 0,
+                         None)
         if staged and plan.pattern is not None:
-            out = self._pull_blocks(peer, plan, dst, timeout, notify)
-            if out is not None:
-                return out
+            read = self._prepare_blocks(peer, plan, dst)
+            if read is not None:
+                return read
         if staged:
             st = stage(r)
-            buf, addr, dev, mem = self._staging_buffer(st.nbytes, dst)
-            local = np.stack([addr + st.at, st.spans[:, 2], np.full(len(st.at), dev)], axis=1)
             sp = st.spans
+            local = np.stack([st.at, sp[:, 2], np.zeros(len(st.at), np.int64)], axis=1)
             remote = np.stack([h.planes[sp[:, 0], 0] + sp[:, 1], sp[:, 2],
                                h.planes[sp[:, 0], 2]], axis=1)
-            self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64),
-                       h.memory, timeout, notify)
-            return copy_from_staging([buf], st.local, None, None, dst, dst)
+            return _Read(peer, local, remote, st.nbytes, lambda buf, d: copy_from_staging(
+                [buf], st.local, None, None, d, d))
         _, _, rows, mem = reg
         local = np.stack([rows[r[:, 2], 0] + r[:, 3], r[:, 4], rows[r[:, 2], 2]], axis=1)
         remote = np.stack([h.planes[r[:, 0], 0] + r[:, 1], r[:, 4], h.planes[r[:, 0], 2]],
                           axis=1)
-        self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64), h.memory,
-                   timeout, notify)
+        return _Read(peer, local, remote, None, None, mem)
+
+    def _prepare_blocks(self, peer: Peer, plan: TransferPlan, dst: KVCache):
+        """A staged READ of a whole-block plan (:func:`~kvabi.transfer.staging.stage_blocks`):
+        the source blocks touched into the staging buffer, then strided copies into
+        ``dst``.  None when the source layout cannot be cut down (the caller stages
+        regions).  (Cutting it into chunks whose relayout overlaps the next chunk's READ was
+        measured slower on a loaded 2-core machine: loopback transports copy inside the
+        post.)"""
+        h = peer.handshake
+        piece = stage_blocks(plan.pattern, plan.src_layout, plan.dst_layout, self._templates)
+        if piece is None:
+            return None
+        lay, n = piece.layout, piece.layout.plane_nbytes
+        ds = plane_sizes(lay)
+        pr = piece.pull.check(src_nbytes=h.plane_nbytes, dst_nbytes=ds).regions
+        piece.local.check(ds, plane_sizes(dst.layout), "plan.pattern")
+        local = np.stack([pr[:, 2] * n + pr[:, 3], pr[:, 4], np.zeros(len(pr), np.int64)],
+                         axis=1)
+        remote = np.stack([h.planes[pr[:, 0], 0] + pr[:, 1], pr[:, 4], h.planes[pr[:, 0], 2]],
+                          axis=1)
+
+        def finish(buf, d):
+            planes = [buf[i * n:(i + 1) * n] for i in range(lay.num_planes)]
+            return copy_from_staging(planes, None, piece.local, lay, d, d)
+
+        return _Read(peer, local, remote, piece.nbytes, finish)
+
+    def _run_reads(self, reads, dst: KVCache, timeout: float, notify) -> KVCache:
+        """Post every READ (staged ones at their place in one staging buffer), wait for all
+        within ``timeout``, then relayout the staged ones into ``dst``; ``dst`` back (a new
+        handle for jax).  On any failure every posted READ is released and nothing is
+        copied out of the staging buffer."""
+        reads = [r for r in reads if len(r.local)]
+        if not reads:
+            return dst
+        need = [0 if r.staging is None else -(-r.staging // ALIGN) * ALIGN for r in reads]
+        bases = np.cumsum([0] + need)
+        if bases[-1]:
+            buf, addr, dev, smem = self._staging_buffer(int(bases[-1]), dst)
+        handles = []
+        deadline = time.monotonic() + timeout
+        try:
+            for r, base, msg in zip(reads, bases, notify):
+                if r.staging is None:
+                    local, mem = r.local, r.memory
+                else:
+                    local = r.local + np.array([addr + base, 0, dev], np.int64)
+                    mem = smem
+                handles.append((r, self._post(r.peer, local.astype(np.uint64), mem,
+                                              r.remote.astype(np.uint64),
+                                              r.peer.handshake.memory, msg)))
+            for r, handle in handles:
+                self._wait(r.peer, handle, int(r.local[:, 1].sum()), deadline, timeout)
+        finally:
+            self._release([h for _, h in handles])
+        for r, base in zip(reads, bases):
+            if r.finish is not None:
+                dst = r.finish(buf[int(base):int(base) + r.staging], dst)
         return dst
 
     def _staging_buffer(self, nbytes: int, dst: KVCache):
@@ -390,39 +542,6 @@ class NixlAgent:
         buf = held[0]
         addr = buf.data_ptr() if cuda else buf.__array_interface__["data"][0]
         return buf, addr, key[1], key[0]
-
-    def _pull_blocks(self, peer: Peer, plan: TransferPlan, dst: KVCache, timeout, notify):
-        """A staged pull of a whole-block plan (:func:`~kvabi.transfer.staging.stage_blocks`):
-        one READ of the source blocks touched into the staging buffer, then strided copies
-        into ``dst``.  None when the source layout cannot be cut down (the caller stages
-        regions).  (Cutting it into chunks whose relayout overlaps the next chunk's READ was
-        measured slower on a loaded 2-core machine: loopback transports copy inside the
-        post.)"""
-        h = peer.handshake
-        piece = stage_blocks(plan.pattern, plan.src_layout, plan.dst_layout, self._templates)
-        if piece is None:
-            return None
-        lay, n = piece.layout, piece.layout.plane_nbytes
-        ds = plane_sizes(lay)
-        pr = piece.pull.check(src_nbytes=h.plane_nbytes, dst_nbytes=ds).regions
-        piece.local.check(ds, plane_sizes(dst.layout), "plan.pattern")
-        buf, addr, dev, mem = self._staging_buffer(piece.nbytes, dst)
-        local = np.stack([addr + pr[:, 2] * n + pr[:, 3], pr[:, 4], np.full(len(pr), dev)],
-                         axis=1)
-        remote = np.stack([h.planes[pr[:, 0], 0] + pr[:, 1], pr[:, 4], h.planes[pr[:, 0], 2]],
-                          axis=1)
-        self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64), h.memory,
-                   timeout, notify)
-        planes = [buf[i * n:(i + 1) * n] for i in range(lay.num_planes)]
-        return copy_from_staging(planes, None, piece.local, lay, dst, dst)
-
-    def _read(self, peer, local, local_mem, remote, remote_mem, timeout, notify):
-        handle = self._post(peer, local, local_mem, remote, remote_mem, notify)
-        try:
-            self._wait(peer, handle, int(local[:, 1].sum()), time.monotonic() + timeout,
-                       timeout)
-        finally:
-            self._release([handle])
 
     def _post(self, peer, local, local_mem, remote, remote_mem, notify):
         """Post one READ; its handle (release with :meth:`_release`)."""
