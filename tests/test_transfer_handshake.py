@@ -15,6 +15,7 @@ from kvabi.transfer.handshake import MAX_HANDSHAKE_BYTES, make_handshake, parse_
 
 SPEC = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")
 LAYOUT = Layout.preset("flashinfer.HND", SPEC, 6, 2)
+PLANE = LAYOUT.plane_nbytes
 SCHEMA = pathlib.Path(__file__).parent.parent / "specs" / "transfer.schema.json"
 
 
@@ -35,6 +36,19 @@ def test_round_trip():
     assert h.planes.dtype == np.int64 and h.planes.shape == (2, 3)
     assert list(h.plane_nbytes) == [LAYOUT.plane_nbytes] * 2
     assert h.fingerprint == LAYOUT.fingerprint() and h.model is None
+
+
+def test_planes_are_compact():
+    """A 64-layer model's per-layer planes: one address each, the shared size and device
+    once; per-plane lists where they differ."""
+    lay = Layout.preset("flashinfer.HND", SPEC, 6, 64)
+    planes = [((i + 1) << 32, lay.plane_nbytes + (i == 5), 0) for i in range(64)]
+    text = make_handshake(agent_name="prefill-0", host="127.0.0.1", port=5600, memory="DRAM",
+                          layout=lay, planes=planes)
+    d = json.loads(text)
+    assert d["planes"]["device"] == 0 and len(d["planes"]["nbytes"]) == 64
+    assert parse_handshake(text).planes.tolist() == [list(p) for p in planes]
+    assert len(text) < 2048
 
 
 def test_shard_and_model_travel():
@@ -67,7 +81,8 @@ def test_schema_accepts_what_is_sent_and_refuses_a_bad_message():
     check = jsonschema.Draft202012Validator(schema, registry=registry).validate
     check(message())
     for bad in (message(memory="HBM"), message(kvabi_abi=[2, 0]),
-                _mutate(("layout", "dtype"), "float64"), _mutate(("planes",), KeyError)):
+                _mutate(("layout", "dtype"), "float64"), _mutate(("planes",), KeyError),
+                _mutate(("planes", "address"), [0, 1]), _mutate(("planes", "nbytes"), [0, 0])):
         with pytest.raises(jsonschema.ValidationError):
             check(bad)
 
@@ -91,7 +106,7 @@ def _mutate(path, value):
     (("kvabi_abi",), [1, 0], "kvabi_abi: the handshake message exists since ABI 1.1"),
     (("message",), "something.else", "message: must be"),
     (("agent", "zone"), "eu", "agent.zone: unknown field"),
-    (("planes", 1, "numa"), 0, r"planes\[1\].numa: unknown field"),
+    (("planes", "numa"), 0, r"planes.numa: unknown field"),
     (("agent", "name"), "prefill-0\n", "agent.name"),
     (("agent", "host"), "127.0.0.1\n", "agent.host"),
     (("metadata",), None, "metadata: must be a base64 string, got NoneType"),
@@ -108,14 +123,19 @@ def _mutate(path, value):
     (("layout", "strides"), {"B": -1}, "strides"),
     (("layout", "kvabi_abi"), [0, 9], "kvabi_abi"),
     (("layout", "sizes"), "many", "sizes"),
-    (("planes",), {}, "planes: must be a list"),
-    (("planes",), [], "planes: the layout has 2 planes, the message lists 0"),
-    (("planes", 0, "nbytes"), 16, r"planes\[0\].nbytes: 16 bytes registered, but the layout"),
-    (("planes", 1, "address"), 0, r"planes\[1\].address: must be >= 1"),
-    (("planes", 1, "address"), 2**62, r"planes\[1\]: address \+ nbytes passes"),
-    (("planes", 1, "address"), "0x10", r"planes\[1\].address: must be an integer"),
-    (("planes", 1, "device"), -1, r"planes\[1\].device: must be >= 0"),
-    (("planes", 1), [1, 2, 3], r"planes\[1\]: must be a JSON object"),
+    (("planes",), [], "planes: must be a JSON object"),
+    (("planes", "address"), [], "planes.address: the layout has 2 planes, the message lists 0"),
+    (("planes", "address"), 7, "planes.address: must be a list"),
+    (("planes", "nbytes"), 16, r"planes.nbytes: plane 0 has 16 bytes registered, but the "),
+    (("planes", "nbytes"), [PLANE, 16], r"planes.nbytes: plane 1 has 16 bytes registered"),
+    (("planes", "nbytes"), [PLANE], r"planes.nbytes: 1 values for 2 planes"),
+    (("planes", "address"), [1 << 30, 0], r"planes.address: values must be >= 1"),
+    (("planes", "address"), [1 << 30, 2**62], r"planes: plane 1's address \+ nbytes passes"),
+    (("planes", "address"), [1 << 30, "0x10"], r"planes.address: must"),
+    (("planes", "address"), [1 << 30, 2.0], r"planes.address: must hold integers"),
+    (("planes", "address"), [1 << 30, True], r"planes.address: must hold integers"),
+    (("planes", "device"), -1, r"planes.device: must be >= 0"),
+    (("planes", "device"), [0, 65537], r"planes.device: values must be <= 65536"),
     (("metadata",), "not base64!", "metadata: not valid base64"),
     (("fingerprint",), "kv1:" + "0" * 32, "fingerprint: the message says kv1:0000"),
     (("fingerprint",), KeyError, "handshake.fingerprint: missing"),

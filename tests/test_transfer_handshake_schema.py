@@ -85,14 +85,16 @@ BOTH_ACCEPT = {
     "255-character host": edit((("agent", "host"), "h" * 255)),
     "port 1": edit((("agent", "port"), 1)),
     "port 65535": edit((("agent", "port"), 65535)),
-    "VRAM, device 65536": edit((("memory",), "VRAM"), (("planes", 0, "device"), 65536)),
-    "largest range": edit((("planes", 1, "address"), MAX_ADDRESS - PLANE)),
+    "VRAM, device 65536": edit((("memory",), "VRAM"), (("planes", "device"), 65536)),
+    "devices per plane": edit((("planes", "device"), [0, 3])),
+    "sizes per plane": edit((("planes", "nbytes"), [PLANE, PLANE + 8])),
+    "largest range": edit((("planes", "address"), [1, MAX_ADDRESS - PLANE])),
     "model stated": edit((("model",), "llama-3-8b@4f2a/rev:1+x=y")),
     "newer minor, unknown field": edit((("kvabi_abi",), NEWER), (("future",), {"x": 1})),
     "newer minor, unknown agent field": edit((("kvabi_abi",), NEWER),
                                              (("agent", "zone"), "eu")),
     "newer minor, unknown plane field": edit((("kvabi_abi",), NEWER),
-                                             (("planes", 1, "numa"), 0)),
+                                             (("planes", "numa"), 0)),
 }
 
 BOTH_REFUSE = {
@@ -106,7 +108,7 @@ BOTH_REFUSE = {
     "name not a string": edit((("agent", "name"), 7)),
     "unknown field": edit((("extra",), 1)),
     "unknown agent field": edit((("agent", "zone"), "eu")),
-    "unknown plane field": edit((("planes", 1, "numa"), 0)),
+    "unknown plane field": edit((("planes", "numa"), 0)),
     "ABI 1.0 (no handshake then)": edit((("kvabi_abi",), [1, 0])),
     "ABI 2.1": edit((("kvabi_abi",), [2, 1])),
     "ABI [1]": edit((("kvabi_abi",), [1])),
@@ -128,13 +130,17 @@ BOTH_REFUSE = {
     "no planes": edit((("planes",), ...)),
     "no layout": edit((("layout",), ...)),
     "no kvabi_abi": edit((("kvabi_abi",), ...)),
-    "planes an object": edit((("planes",), {})),
-    "plane a list": edit((("planes", 1), [1, PLANE, 0])),
-    "address 0": edit((("planes", 0, "address"), 0)),
-    "address past 2^62": edit((("planes", 0, "address"), MAX_ADDRESS + 1)),
-    "nbytes 0": edit((("planes", 0, "nbytes"), 0)),
-    "device -1": edit((("planes", 0, "device"), -1)),
-    "device 65537": edit((("planes", 0, "device"), 65537)),
+    "planes a list": edit((("planes",), [{"address": 1, "nbytes": PLANE, "device": 0}])),
+    "planes without device": edit((("planes", "device"), ...)),
+    "addresses not a list": edit((("planes", "address"), 4096)),
+    "address 0": edit((("planes", "address"), [0, 1 << 30])),
+    "address past 2^62": edit((("planes", "address"), [MAX_ADDRESS + 1, 1 << 30])),
+    "address a string": edit((("planes", "address"), ["4096", 1 << 30])),
+    "nbytes 0": edit((("planes", "nbytes"), 0)),
+    "nbytes 0 in a list": edit((("planes", "nbytes"), [PLANE, 0])),
+    "device -1": edit((("planes", "device"), -1)),
+    "device 65537": edit((("planes", "device"), [0, 65537])),
+    "device true": edit((("planes", "device"), True)),
     "layout of another dtype": edit((("layout", "dtype"), "float64")),
     "layout a string": edit((("layout",), "flashinfer.HND")),
     "no fingerprint": edit((("fingerprint",), ...)),
@@ -150,10 +156,15 @@ BOTH_REFUSE = {
 BEYOND_SCHEMA = {
     "port written 5600.0": (edit((("agent", "port"), 5600.0)), "4.0"),
     "ABI minor written 1.0": (edit((("kvabi_abi",), [1, 1.0])), "4.0"),
-    "plane count": (edit((("planes",), valid()["planes"][:1])), "plane count"),
-    "plane smaller than the layout's": (edit((("planes", 0, "nbytes"), PLANE - 1)),
+    "plane count": (edit((("planes", "address"), valid()["planes"]["address"][:1])),
+                    "plane count"),
+    "sizes list of another length": (edit((("planes", "nbytes"), [PLANE] * 3)),
+                                     "list whose length is not the plane count"),
+    "devices list of another length": (edit((("planes", "device"), [0])),
+                                       "list whose length is not the plane count"),
+    "plane smaller than the layout's": (edit((("planes", "nbytes"), PLANE - 1)),
                                         "plane_nbytes"),
-    "range past 2^62": (edit((("planes", 1, "address"), MAX_ADDRESS - PLANE + 1)), "2^62"),
+    "range past 2^62": (edit((("planes", "address"), [1, MAX_ADDRESS - PLANE + 1])), "2^62"),
     "metadata not base64": (edit((("metadata",), "not base64!")), "base64"),
     "fingerprint of another layout": (edit((("fingerprint",), "kv1:" + "0" * 32)),
                                       "fingerprint other than"),
@@ -194,9 +205,10 @@ _VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(_TEXT, inner, max_size=3)), max_leaves=6)
 _PATHS = [("kvabi_abi",), ("kvabi_abi", 0), ("kvabi_abi", 1), ("message",), ("agent",),
           ("agent", "name"), ("agent", "host"), ("agent", "port"), ("memory",), ("layout",),
-          ("planes",), ("planes", 0), ("metadata",), ("fingerprint",), ("model",)] + [
-          ("planes", i, k) for i in (0, 1) for k in ("address", "nbytes", "device")]
-_HOMES = [(), ("agent",), ("planes", 0), ("planes", 1)]
+          ("planes",), ("metadata",), ("fingerprint",), ("model",)] + [
+          ("planes", k) for k in ("address", "nbytes", "device")] + [
+          ("planes", k, i) for i in (0, 1) for k in ("address", "nbytes", "device")]
+_HOMES = [(), ("agent",), ("planes",)]
 
 
 @st.composite
@@ -234,9 +246,11 @@ def _int_positions(d):
         out += d["kvabi_abi"]
     if isinstance(d.get("agent"), dict):
         out.append(d["agent"].get("port"))
-    for p in d.get("planes") or ():
-        if isinstance(p, dict):
-            out += [p.get(k) for k in ("address", "nbytes", "device")]
+    p = d.get("planes")
+    if isinstance(p, dict):
+        for k in ("address", "nbytes", "device"):
+            v = p.get(k)
+            out += v if isinstance(v, list) else [v]
     return out
 
 
@@ -255,10 +269,15 @@ def beyond_schema(d) -> bool:
         return True  # 4.0 is an integer to JSON Schema, not to kvabi
     if any(abs(v) > INT64_MAX for v in _all_ints(d)):
         return True  # the strict JSON reader's int64 bound, on every number
-    if len(d["planes"]) != LAYOUT.num_planes:
+    p = d["planes"]
+    n = len(p["address"])
+    if n != LAYOUT.num_planes:
         return True
-    for p in d["planes"]:
-        if p["nbytes"] < PLANE or p["address"] + p["nbytes"] > MAX_ADDRESS:
+    per = {k: p[k] if isinstance(p[k], list) else [p[k]] * n for k in ("nbytes", "device")}
+    if any(len(v) != n for v in per.values()):
+        return True
+    for a, nb in zip(p["address"], per["nbytes"]):
+        if nb < PLANE or a + nb > MAX_ADDRESS:
             return True
     if "metadata" in d:
         try:

@@ -23,7 +23,7 @@ import attrs
 import numpy as np
 
 from ..abi import ABI_VERSION, wire_version
-from ..coerce import as_int
+from ..coerce import as_int, int_array
 from ..errors import KVABIError
 from ..frozen import frozen_array
 from ..layout import Layout
@@ -31,7 +31,7 @@ from ..safe_json import loads
 
 MESSAGE = "kvabi.transfer.handshake"
 MEMORY_TYPES = ("DRAM", "VRAM")
-#: size limit of a handshake's text (agent metadata is a few KiB; 4096 planes ~ 300 KiB)
+#: size limit of a handshake's text (agent metadata is a few KiB; 4096 planes ~ 80 KiB)
 MAX_HANDSHAKE_BYTES = 4 * 2**20
 MAX_DEPTH = 8
 MAX_PLANES = 4096
@@ -82,8 +82,7 @@ def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout
         "memory": memory,
         "layout": layout.to_dict(),
         "fingerprint": layout.fingerprint(),
-        "planes": [{"address": int(a), "nbytes": int(n), "device": int(d)}
-                   for a, n, d in planes],
+        "planes": _planes_json(planes),
     }
     if metadata is not None:
         msg["metadata"] = base64.b64encode(metadata).decode("ascii")
@@ -136,6 +135,57 @@ def check_port(v, field: str = "agent.port") -> int:
     return as_int(v, field, lo=1, hi=65535)
 
 
+def _planes_json(planes) -> dict:
+    """The compact ``planes`` object: every address; ``nbytes`` and ``device`` as one
+    number when all planes share it (a 64-layer model's planes in ~1 KiB)."""
+    rows = np.asarray([[int(a), int(n), int(d)] for a, n, d in planes],
+                      np.int64).reshape(-1, 3)
+    out = {"address": rows[:, 0].tolist()}
+    for k, col in (("nbytes", 1), ("device", 2)):
+        v = rows[:, col]
+        out[k] = int(v[0]) if v.size and (v == v[0]).all() else v.tolist()
+    return out
+
+
+def _plane_ints(v, field: str, n: int, lo: int, hi: int) -> np.ndarray:
+    """One integer per plane: a JSON integer for all, or a list of ``n``."""
+    if isinstance(v, list):
+        if len(v) != n:
+            raise KVABIError(f"{field}: {len(v)} values for {n} planes")
+        return int_array(v, field, lo=lo, hi=hi) if v else np.zeros(0, np.int64)
+    return np.full(n, as_int(v, field, lo=lo, hi=hi), np.int64)
+
+
+def _planes(p, layout: Layout, closed: bool) -> np.ndarray:
+    """The checked planes of a message: int64 [n, 3] (address, nbytes, device), read-only."""
+    _obj(p, "planes", _PLANE_FIELDS, closed=closed)
+    addr = p["address"]
+    if not isinstance(addr, list):
+        raise KVABIError(f"planes.address: must be a list (one address per plane), got "
+                         f"{type(addr).__name__}")
+    n = len(addr)
+    if n > MAX_PLANES:
+        raise KVABIError(f"planes.address: {n} planes, more than {MAX_PLANES}")
+    if n != layout.num_planes:
+        raise KVABIError(f"planes.address: the layout has {layout.num_planes} planes, the "
+                         f"message lists {n}")
+    a = _plane_ints(addr, "planes.address", n, 1, MAX_ADDRESS)
+    nb = _plane_ints(p["nbytes"], "planes.nbytes", n, 1, MAX_ADDRESS)
+    dev = _plane_ints(p["device"], "planes.device", n, 0, 1 << 16)
+    small = np.flatnonzero(nb < layout.plane_nbytes)
+    if small.size:
+        i = int(small[0])
+        raise KVABIError(f"planes.nbytes: plane {i} has {int(nb[i])} bytes registered, but "
+                         f"the layout addresses {layout.plane_nbytes}")
+    far = np.flatnonzero(a > MAX_ADDRESS - nb)  # a + nb > MAX_ADDRESS, without overflow
+    if far.size:
+        raise KVABIError(f"planes: plane {int(far[0])}'s address + nbytes passes "
+                         f"{MAX_ADDRESS}")
+    # Checked here and trusted by whoever holds the handshake: read-only over an immutable
+    # buffer (kvabi.frozen), so that not even its writeable flag can be turned back on.
+    return frozen_array(np.stack([a, nb, dev], axis=1).reshape(-1, 3))
+
+
 def parse_handshake(text) -> Handshake:
     """Validate an untrusted handshake message (str or bytes); KVABIError names the field.
 
@@ -178,27 +228,7 @@ def parse_handshake(text) -> Handshake:
         raise KVABIError(f"fingerprint: the message says {fp}, its layout descriptor's is "
                          f"{own} (a label that does not match the bytes it names)")
     model = check_model(d["model"]) if "model" in d else None
-    planes = d["planes"]
-    if not isinstance(planes, list):
-        raise KVABIError(f"planes: must be a list, got {type(planes).__name__}")
-    if len(planes) != layout.num_planes:
-        raise KVABIError(f"planes: the layout has {layout.num_planes} planes, the message "
-                         f"lists {len(planes)}")
-    if len(planes) > MAX_PLANES:
-        raise KVABIError(f"planes: {len(planes)} planes, more than {MAX_PLANES}")
-    rows = []
-    for i, p in enumerate(planes):
-        f = f"planes[{i}]"
-        _obj(p, f, _PLANE_FIELDS, closed=closed)
-        addr = as_int(p["address"], f"{f}.address", lo=1, hi=MAX_ADDRESS)
-        nbytes = as_int(p["nbytes"], f"{f}.nbytes", lo=1, hi=MAX_ADDRESS)
-        dev = as_int(p["device"], f"{f}.device", lo=0, hi=1 << 16)
-        if nbytes < layout.plane_nbytes:
-            raise KVABIError(f"{f}.nbytes: {nbytes} bytes registered, but the layout addresses "
-                             f"{layout.plane_nbytes}")
-        if addr + nbytes > MAX_ADDRESS:
-            raise KVABIError(f"{f}: address + nbytes passes {MAX_ADDRESS}")
-        rows.append((addr, nbytes, dev))
+    rows = _planes(d["planes"], layout, closed)
     meta = None
     if "metadata" in d:  # optional, but when present a string (null is not "absent")
         meta = d["metadata"]
@@ -208,9 +238,6 @@ def parse_handshake(text) -> Handshake:
             meta = base64.b64decode(meta.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError):
             raise KVABIError("metadata: not valid base64") from None
-    # Checked here and trusted by whoever holds the handshake: read-only over an immutable
-    # buffer (kvabi.frozen), so that not even its writeable flag can be turned back on.
-    rows = frozen_array(np.array(rows, np.int64).reshape(-1, 3))
     return Handshake(abi=(ver[0], ver[1]), agent_name=name, host=host, port=port,
                      memory=memory, layout=layout, planes=rows, fingerprint=fp,
                      metadata=meta, model=model)
