@@ -28,6 +28,7 @@ from ..layout import Layout
 from ..presets import PRESETS
 from ..spec import KVSpec
 from ..transfer import HostPool, TransferPlan, execute, plan_block_transfer, plan_transfer
+from . import transfer_tp
 
 SPEC = KVSpec(kind="full", block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 NUM_LAYERS = 32
@@ -198,13 +199,27 @@ class NixlRig:
 
 
 # -- the run -------------------------------------------------------------------------------
-def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None) -> dict:
+def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None,
+            tp_only: bool = False) -> dict:
     """Rows ``{src, dst, blocks, executor, regions, gbps, ref_gbps}``: ``ref_gbps`` is the
     reference timed alternately with the row (a memcpy of the same bytes; for NIXL rows one
     single-region READ of the same bytes).  Top level: the best memcpy and one-region READ
-    seen."""
+    seen.  ``figures`` holds the other figures, the tensor-parallel ones
+    (:mod:`kvabi.bench.transfer_tp`) included; ``tp_only``: those alone."""
     say = progress or (lambda msg: None)
     sets = block_sets(setup)
+    if nixl:
+        from ..transfer.nixl import available
+
+        ok, why = available()
+        if not ok:
+            say(f"NIXL rows skipped: {why}")
+            nixl = False
+    tp_presets = [x for x in presets if x in transfer_tp.PRESETS] or transfer_tp.PRESETS[:1]
+    tp = transfer_tp.measure(setup, SPEC, sets, side_by_side, nixl=nixl, say=say,
+                             presets=tp_presets)
+    if tp_only:
+        return {"memcpy_gbps": None, "nixl_single_gbps": None, "rows": [], "figures": tp}
     nbytes = setup.layers * setup.tokens * 2 * SPEC.num_kv_heads * SPEC.head_dim * 2
     ma, mb = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
 
@@ -217,15 +232,7 @@ def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None) 
     # the list path measured ~3x slower, the array path unchanged): a Python-heavy figure
     say("from_lengths of Python lists against np.asarray + the numpy path")
     extra["from_lengths"] = from_lengths_lists(setup.repeat)
-    rig = None
-    if nixl:
-        from ..transfer.nixl import available
-
-        ok, why = available()
-        if ok:
-            rig = NixlRig(setup)
-        else:
-            say(f"NIXL rows skipped: {why}")
+    rig = NixlRig(setup) if nixl else None
 
     def add(src, dst, blocks, executor, regions, t, t_ref):
         rows.append(dict(src=src, dst=dst, blocks=blocks, executor=executor, regions=regions,
@@ -295,7 +302,7 @@ def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None) 
     local = [r["ref_gbps"] for r in rows if r["executor"] != "nixl"]
     one = [r["ref_gbps"] for r in rows if r["executor"] == "nixl"]
     return {"memcpy_gbps": max(local), "nixl_single_gbps": max(one) if one else None,
-            "rows": rows, "figures": extra}
+            "rows": rows, "figures": {**extra, **tp}}
 
 
 def torch_vs_numpy(setup: Setup, sets) -> dict:
@@ -431,7 +438,7 @@ def goals(result: dict) -> list[tuple[str, bool | None, str]]:
         out.append(("from_lengths of lists <= 1.5x (np.asarray + numpy path)",
                     x[0] / x[1] <= 1.5,
                     f"{x[0] * 1e6:.0f} vs {x[1] * 1e6:.0f} us = {x[0] / x[1]:.2f}x"))
-    return out
+    return out + transfer_tp.goals(fig)
 
 
 def run(argv=None) -> int:
@@ -442,8 +449,13 @@ def run(argv=None) -> int:
                    help="tiny sizes (4 layers, 256 tokens, one timed run): checks the suite")
     p.add_argument("--no-nixl", action="store_true", help="skip the NIXL rows")
     p.add_argument("--presets", default=None,
-                   help="comma-separated presets (default: all)")
+                   help="comma-separated presets (default: all); the tensor-parallel pulls "
+                        "use those of " + ", ".join(transfer_tp.PRESETS) + " among them "
+                        "(the first, if none)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per figure (best kept)")
+    p.add_argument("--tp-only", action="store_true",
+                   help="only the tensor-parallel figures: heterogeneous-TP pulls against "
+                        "same-TP pulls of the same bytes, negotiation + handshake cost")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error(f"--repeat: must be >= 1, got {args.repeat}")
@@ -456,24 +468,27 @@ def run(argv=None) -> int:
     def progress(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    result = measure(setup, presets=presets, nixl=not args.no_nixl, progress=progress)
+    result = measure(setup, presets=presets, nixl=not args.no_nixl, progress=progress,
+                     tp_only=args.tp_only)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
     print(f"{setup.layers} layers, {SPEC.num_kv_heads} KV heads x {SPEC.head_dim} {SPEC.dtype}, "
           f"block {SPEC.block_size}; one {setup.tokens}-token request = {setup.blocks} blocks "
           f"({setup.layers * setup.tokens * 4096 / 2**20:.0f} MiB)")
-    print(f"best memcpy of the same bytes: {result['memcpy_gbps']} GB/s; best one-region NIXL "
-          f"READ: {result['nixl_single_gbps']} GB/s.  ref = the same bytes timed alternately "
-          "with the row (memcpy; for nixl one READ)")
-    cols = ["src", "dst", "blocks", "executor", "regions", "gbps", "ref_gbps"]
-    width = [max(len(c), *(len(str(r[c])) for r in result["rows"])) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, width)) + "  of ref")
-    for r in result["rows"]:
-        print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, width))
-              + f"  {_share(r):.0%}")
+    if result["rows"]:
+        print(f"best memcpy of the same bytes: {result['memcpy_gbps']} GB/s; best one-region "
+              f"NIXL READ: {result['nixl_single_gbps']} GB/s.  ref = the same bytes timed "
+              "alternately with the row (memcpy; for nixl one READ)")
+        cols = ["src", "dst", "blocks", "executor", "regions", "gbps", "ref_gbps"]
+        width = [max(len(c), *(len(str(r[c])) for r in result["rows"])) for c in cols]
+        print("  ".join(c.ljust(w) for c, w in zip(cols, width)) + "  of ref")
+        for r in result["rows"]:
+            print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, width))
+                  + f"  {_share(r):.0%}")
     print("goals (figures from a shared or loaded machine vary; ratios are timed side by "
           "side):")
-    for goal, _, figures in goals(result):
+    marks = transfer_tp.goals(result["figures"]) if args.tp_only else goals(result)
+    for goal, _, figures in marks:
         print(f"  goal      {goal}\n  measured  {figures}")
     return 0

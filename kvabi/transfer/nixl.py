@@ -478,10 +478,11 @@ class NixlAgent:
         return _Read(peer, local, remote, piece.nbytes, finish)
 
     def _run_reads(self, reads, dst: KVCache, timeout: float, notify) -> KVCache:
-        """Post every READ (staged ones at their place in one staging buffer), wait for all
-        within ``timeout``, then relayout the staged ones into ``dst``; ``dst`` back (a new
-        handle for jax).  On any failure every posted READ is released and nothing is
-        copied out of the staging buffer."""
+        """Post every READ (staged ones at their place in one staging buffer), then wait for
+        each in turn within ``timeout`` and relayout it into ``dst`` as soon as it is done,
+        while the later ones are still in flight; ``dst`` back (a new handle for jax).  On
+        any failure every posted READ is released and the error raised: the destination
+        slots then hold undefined data."""
         reads = [r for r in reads if len(r.local)]
         if not reads:
             return dst
@@ -501,13 +502,12 @@ class NixlAgent:
                 handles.append((r, self._post(r.peer, local.astype(np.uint64), mem,
                                               r.remote.astype(np.uint64),
                                               r.peer.handshake.memory, msg)))
-            for r, handle in handles:
+            for (r, handle), base in zip(handles, bases):
                 self._wait(r.peer, handle, int(r.local[:, 1].sum()), deadline, timeout)
+                if r.finish is not None:
+                    dst = r.finish(buf[int(base):int(base) + r.staging], dst)
         finally:
             self._release([h for _, h in handles])
-        for r, base in zip(reads, bases):
-            if r.finish is not None:
-                dst = r.finish(buf[int(base):int(base) + r.staging], dst)
         return dst
 
     def _staging_buffer(self, nbytes: int, dst: KVCache):
