@@ -54,6 +54,25 @@ def test_guide_runs(monkeypatch):
             want = s[blocks0[pos // 16], pos % 16]
             got = d[(pos + 32) // 32, (pos + 32) % 32]
             assert np.array_equal(got, want)
+    check_tp_section(ns)
+
+
+def check_tp_section(ns):
+    """Each decode rank's cache holds, at its slots, the prefill engine's KV of the global
+    heads its shard names (read back through kv_view of both sides, from the shard
+    definition: rank r of 4 holds heads 2r, 2r+1; prefill rank q of 2 holds 4q .. 4q+3)."""
+    p_caches, d_caches = ns["p_caches"], ns["d_caches"]
+    p_slots, d_slots = ns["p_slots"], ns["d_slots"]
+    for r, cache in enumerate(d_caches):
+        for layer in range(32):
+            for kv in (0, 1):
+                got = np.asarray(cache.kv_view(layer, kv))[d_slots // 16, d_slots % 16]
+                for h in range(2):
+                    g = 2 * r + h
+                    src = np.asarray(p_caches[g // 4].kv_view(layer, kv))
+                    want = src[p_slots // 16, p_slots % 16, g % 4]
+                    assert np.array_equal(got[:, h], want)
+    assert ns["n"].kind == "relayout" and ns["n"].sources == (1,)
 
 
 def test_readme_links_the_guide_and_placeholders_are_marked():
@@ -61,3 +80,4 @@ def test_readme_links_the_guide_and_placeholders_are_marked():
     text = GUIDE.read_text()
     for section in ("## 9. vLLM", "## 10. Proving a layout"):
         assert section in text
+

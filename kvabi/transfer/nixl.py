@@ -235,16 +235,19 @@ class NixlAgent:
                 return reg
         return None
 
-    def handshake(self, cache: KVCache, *, include_metadata: bool = False) -> str:
-        """The JSON handshake message describing registered ``cache`` to a peer; with
+    def handshake(self, cache: KVCache, *, include_metadata: bool = False,
+                  model: str | None = None) -> str:
+        """The JSON handshake message describing registered ``cache`` to a peer (its layout,
+        with the shard of the model's heads it holds, and the layout's fingerprint); with
         ``include_metadata`` it also carries this agent's NIXL metadata, so the peer needs
-        no round trip to the listen address."""
+        no round trip to the listen address; ``model``: the model's identity, which a peer
+        serving another model refuses (:func:`~kvabi.transfer.negotiate`)."""
         _, _, rows, mem = self._registration(cache)
         include_metadata = as_bool(include_metadata, "include_metadata")
         meta = self._agent.get_agent_metadata() if include_metadata else None
         return make_handshake(agent_name=self.name, host=self.host, port=self.port,
                               memory=mem, layout=cache.layout, planes=rows.tolist(),
-                              metadata=meta)
+                              metadata=meta, model=model)
 
     # -- peers ---------------------------------------------------------------------------
     def connect(self, message, *, timeout: float = 10.0) -> Peer:
