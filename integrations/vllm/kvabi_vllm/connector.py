@@ -19,6 +19,12 @@ vLLM's CPU backend, whose keys are stored transposed, serves ``k`` and ``v``; ev
 with one ``kv`` layout also serves its ``k`` and ``v`` halves, and a cache with dense
 block-heads an ``image`` (a block's bytes as one run) for peers of the very same format.
 The decode side reads the image if both serve the same, else ``kv``, else ``k`` and ``v``.
+- Tensor parallelism: each worker's layouts state its shard of the model's KV heads; the
+  producer's handshakes are one per TP rank, and each consumer rank pulls its heads from
+  every producer rank that holds them (``pull_shard_plan``), whatever the two TP sizes; a
+  producer rank frees a request's blocks once every consumer rank is done (or gave up).
+  ``kv_role="kv_both"`` serves both sides; ``"pull_timeout_s"`` (default 30) bounds
+  connecting to and reading from a peer.
 - ``kv_connector_extra_config={"host_blocks": N}`` (any role): a host tier on
   ``kvabi.transfer.HostPool`` (cross-layer blocks): full blocks of a finished request are
   saved, and a later request whose prompt starts with them loads them instead of computing.
@@ -39,14 +45,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvabi import KVABIError
-from kvabi.transfer import HostPool, plan_transfer
+from kvabi.transfer import HostPool, plan_shard_transfer
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorHandshakeMetadata,
                                                                KVConnectorRole, SupportsHMA)
 
 from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, interior_of,
                                is_kvabi_backend, kvabi_backend_part, part_cache, split_kv,
-                               verify_part)
+                               tp_shard_info, verify_part, with_shard)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata, Pull,
                              paired_slots, prefix_keys, usable_prefix)
 
@@ -92,9 +98,13 @@ def _matching_parts(parts, theirs, g: int):
     """[(part, own cache, peer's message)] to pull for group ``g``: the block image when the
     peer serves the same one (same interior, block size, head dim), else every other part,
     which the peer must serve too."""
-    if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                               for k, v in theirs.items()):
-        raise KVABIError(f"kvabi_handshakes[{g}]: must be an object of part -> message")
+    if not isinstance(theirs, dict) or not all(
+            isinstance(k, str) and (isinstance(v, str) or isinstance(v, list) and v and
+                                    all(isinstance(m, str) for m in v))
+            for k, v in theirs.items()):
+        raise KVABIError(f"kvabi_handshakes[{g}]: must be an object of part -> message (or "
+                         f"a list of messages, one per producer rank)")
+    theirs = {k: v if isinstance(v, list) else [v] for k, v in theirs.items()}
     for name, cache in parts:
         if name.startswith(IMAGE) and name in theirs:
             return [(name, cache, theirs[name])]
@@ -118,8 +128,11 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = self._kv_transfer_config
         extra = dict(cfg.kv_connector_extra_config or {})
-        # P/D needs one side each; kv_both engines use the host tier only
-        self._producer, self._consumer = cfg.kv_role == "kv_producer", cfg.kv_role == "kv_consumer"
+        # P/D: a producer serves prefills, a consumer pulls them, kv_both does both (two
+        # engines of different TP sizes can serve each other)
+        self._producer = cfg.kv_role in ("kv_producer", "kv_both")
+        self._consumer = cfg.kv_role in ("kv_consumer", "kv_both")
+        self._pull_timeout = float(extra.get("pull_timeout_s", 30.0))
         self._host_blocks = int(extra.get("host_blocks", 0))
         self._nixl_host = str(extra.get("nixl_host", "127.0.0.1"))
         self._engine = cfg.engine_id or uuid.uuid4().hex[:8]
@@ -151,6 +164,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             self._notified: dict[str, int] = {}
             self._sent: set[str] = set()
             self._finished_seen: set[str] = set()
+            # request -> the consumer ranks that told this producer rank they are done
+            self._consumer_ranks: dict[str, set] = {}
             self._load_errors: set[int] = set()
             #: per pull: (request id, seconds, regions, bytes, seconds in READs), for benchmarks
             self.pull_stats: list[tuple[str, float, int, int]] = []
@@ -164,6 +179,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
         and make the host pools."""
         ctx = self._vllm_config.compilation_config.static_forward_context
         layout_name = self._vllm_config.cache_config.kv_cache_layout
+        self._tp = tp_shard_info(self._vllm_config)
         for gi, group in enumerate(self._groups):
             names = [n for n in group.layer_names if n in kv_caches]
             tensors = [kv_caches[n] for n in names]
@@ -187,7 +203,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             if [n for n, _ in parts if not n.startswith(IMAGE)] == ["kv"]:
                 halves = split_kv(parts[0][1])  # for peers that hold K and V apart
                 parts += halves or []
-            self._caches.append(parts)
+            self._caches.append([(n, with_shard(c, self._tp)) for n, c in parts])
         if self._producer or self._consumer:
             from kvabi.transfer.nixl import NixlAgent
 
@@ -233,11 +249,13 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
     def _peer(self, message: str):
         peer = self._peers.get(message)
         if peer is None:
-            peer = self._peers[message] = self._agent.connect(message)
+            peer = self._peers[message] = self._agent.connect(message,
+                                                              timeout=self._pull_timeout)
         return peer
 
     def _pull(self, p: Pull) -> None:
         t0, regions, nbytes, read_s = time.perf_counter(), 0, 0, 0.0
+        connected = []
         try:
             if self._agent is None:
                 raise KVABIError("kv_role: this engine is not a kv_consumer (no NIXL agent)")
@@ -247,21 +265,30 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                                  f"{len(self._caches)} KV cache groups, got {got}")
             todo = [(g, part, cache, peer_msg) for g, parts in enumerate(self._caches)
                     for part, cache, peer_msg in _matching_parts(parts, p.handshakes[g], g)]
-            for i, (g, part, cache, msg) in enumerate(todo):
-                peer = self._peer(msg)
+            # one peer per rank of the producer (a list of messages under TP), all
+            # connected before any READ, so that a failure can still free every rank
+            for g, part, cache, msgs in todo:
+                peers = []
+                connected.append((g, part, cache, peers))
+                for m in msgs:
+                    peers.append(self._peer(m))
+            for i, (g, part, cache, peers) in enumerate(connected):
                 if part.startswith(IMAGE):  # same interior and block size: whole blocks
                     s, d = _block_pairs(p.src_blocks[g], p.dst_blocks[g], self._block_size,
                                         p.start, p.num_tokens)
                 else:
-                    s, d = paired_slots(p.src_blocks[g], peer.layout.size("N"),
+                    s, d = paired_slots(p.src_blocks[g], peers[0].layout.size("N"),
                                         p.dst_blocks[g], cache.layout.size("N"), p.start,
                                         p.num_tokens)
-                plan = plan_transfer(peer.layout, cache.layout, s, d)
+                # every head of this rank from the producer's ranks that hold it
+                plan = plan_shard_transfer([x.layout for x in peers], cache.layout, s, d)
                 r0 = time.perf_counter()
-                # the last READ's notification tells the peer it may free the blocks
-                last = i == len(todo) - 1
-                self._agent.pull_plan(peer, plan, cache, notify=(
-                    p.notify if last else f"kvabi.part:{p.notify}:{i}").encode())
+                # the last READ's notification tells every producer rank it may free the
+                # blocks, and which of how many consumer ranks is done
+                last = i == len(connected) - 1
+                self._agent.pull_shard_plan(peers, plan, cache, timeout=self._pull_timeout,
+                                            notify=(self._done(p) if last else
+                                                    f"kvabi.part:{p.notify}:{i}").encode())
                 read_s += time.perf_counter() - r0
                 regions, nbytes = regions + len(plan), nbytes + plan.nbytes
                 self._after_pull(p, g, part, cache, d)
@@ -271,7 +298,25 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             log.error("KvabiConnector: pull of request %s failed: %s", p.req_id, e)
             for blocks in p.dst_blocks:
                 self._load_errors.update(int(b) for b in blocks if b != NULL_BLOCK)
+            self._release_peers(p, connected)
         self._recved.add(p.req_id)
+
+    def _done(self, p: Pull) -> str:
+        """The final notification of a pull: the producer's, then this consumer rank and
+        the consumer's TP size (each producer rank frees once every consumer rank is done)."""
+        return f"{p.notify}|{self._tp[0]}/{self._tp[1]}"
+
+    def _release_peers(self, p: Pull, connected) -> None:
+        """A failed pull still tells every producer rank it connected to that this rank is
+        done, so that none holds the request's blocks for a consumer that gave up (a rank
+        that died or never answers gets nothing: it holds nothing)."""
+        names = {x.name: x for _, _, _, peers in connected for x in peers}
+        for name in names:
+            try:
+                self._agent._agent.send_notif(name, self._done(p).encode())
+            except Exception as e:  # noqa: BLE001 - the peer may be gone
+                log.warning("KvabiConnector: could not tell %s that request %s is done: %s",
+                            name, p.req_id, e)
 
     def _after_pull(self, pull: Pull, group: int, part: str, cache, dst_slots) -> None:
         """Called once a part of a group has arrived (a place for checks; nothing here)."""
@@ -333,7 +378,14 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             except KVABIError:
                 return
             rest = msg.decode(errors="replace")[len(NOTIFY_PREFIX):]
-            self._sent.add(rest.split(":", 1)[1] if ":" in rest else rest)
+            rest, _, ranks = rest.rpartition("|") if "|" in rest else (rest, "", "0/1")
+            req = rest.split(":", 1)[1] if ":" in rest else rest
+            rank, _, size = ranks.partition("/")
+            done = self._consumer_ranks.setdefault(req, set())
+            done.add(rank)
+            if not size.isdigit() or len(done) >= int(size):  # every consumer rank is done
+                self._consumer_ranks.pop(req, None)
+                self._sent.add(req)
 
     def get_block_ids_with_load_errors(self):
         errs, self._load_errors = self._load_errors, set()
@@ -346,9 +398,16 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================================ scheduler side ================================
     def set_xfer_handshake_metadata(self, metadata):
-        for m in metadata.values():
-            if isinstance(m, KvabiHandshakeMetadata):
-                self._handshakes = list(m.handshakes)
+        """Every worker's messages, by TP rank: one per part under TP 1; under TP N a list
+        of N per part (rank order), which a consumer pulls with ``pull_shard_plan``."""
+        ranks = [metadata[r] for r in sorted(metadata)
+                 if isinstance(metadata[r], KvabiHandshakeMetadata)]
+        if len(ranks) == 1:
+            self._handshakes = list(ranks[0].handshakes)
+        elif ranks:
+            self._handshakes = [{part: [r.handshakes[g][part] for r in ranks]
+                                 for part in ranks[0].handshakes[g]}
+                                for g in range(len(ranks[0].handshakes))]
 
     def _remote_prefill(self, request) -> dict | None:
         params = request.kv_transfer_params

@@ -258,3 +258,35 @@ def is_kvabi_backend(backend_cls) -> bool:
     except ImportError:
         return False
     return isinstance(backend_cls, type) and issubclass(backend_cls, KvabiAttentionBackend)
+
+
+def tp_shard_info(vllm_config) -> tuple[int, int, int]:
+    """(this worker's tensor-parallel rank, the TP size, the model's KV heads) under
+    vLLM's split (``kvabi.Shard.tp``); (0, 1, heads) outside a TP group."""
+    heads = int(vllm_config.model_config.get_total_num_kv_heads())
+    try:
+        from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                     get_tensor_model_parallel_world_size)
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), heads
+    except (AssertionError, ImportError):  # no TP group initialized (tests, tools)
+        return 0, 1, heads
+
+
+def with_shard(cache: KVCache, tp) -> KVCache:
+    """``cache`` over the same memory, its layout stating this rank's shard of the model's
+    KV heads (so that a peer of another TP size knows which global head each byte holds);
+    unchanged at TP 1.  KVABIError when the cache holds another head count than the split
+    gives this rank."""
+    from kvabi import Shard
+
+    rank, size, heads = tp
+    if size == 1:
+        return cache
+    shard = Shard.tp(rank, size, heads)
+    if len(shard.heads) != cache.layout.size("H"):
+        raise KVABIError(f"kv_caches: rank {rank} of {size} holds {cache.layout.size('H')} KV "
+                         f"heads, the split of {heads} gives it {len(shard.heads)}")
+    import attrs
+
+    return KVCache.wrap(attrs.evolve(cache.layout, shard=shard), list(cache))

@@ -18,7 +18,7 @@ def tamper_last(params):
     """The last request's handshake claims a plane smaller than its layout."""
     last = params[-1]
     msg = json.loads(last["kvabi_handshakes"][0]["k"])
-    msg["planes"][0]["nbytes"] = 1
+    msg["planes"]["nbytes"] = 1
     last["kvabi_handshakes"][0] = {**last["kvabi_handshakes"][0], "k": json.dumps(msg)}
     return params
 

@@ -40,8 +40,10 @@ def allow_cpu_attn_layout(name: str) -> None:
 
 def make_llm(model: str, *, block_size: int, role: str | None, connector: str = "KvabiConnector",
              module: str | None = "kvabi_vllm.connector", extra: dict | None = None,
-             layout: str | None = None, prefix_caching: bool = False, blocks: int = 256):
-    """An in-process vLLM engine (float32, no tokenizer) with a KV connector in ``role``."""
+             layout: str | None = None, prefix_caching: bool = False, blocks: int = 256,
+             tp: int = 1):
+    """An in-process vLLM engine (float32, no tokenizer) with a KV connector in ``role``;
+    ``tp`` > 1: tensor-parallel workers in processes of their own (one core each)."""
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if layout:
@@ -58,9 +60,13 @@ def make_llm(model: str, *, block_size: int, role: str | None, connector: str = 
         if connector == "NixlConnector":
             kw["kv_buffer_device"] = "cpu"
         kv = KVTransferConfig(**kw)
+    par = {}
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
+        par = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
     return LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=block_size,
                max_model_len=1024, enforce_eager=True, num_gpu_blocks_override=blocks,
-               enable_prefix_caching=prefix_caching, kv_transfer_config=kv)
+               enable_prefix_caching=prefix_caching, kv_transfer_config=kv, **par)
 
 
 #: a decode side on another backend, layout and block size than vLLM's CPU backend: the
