@@ -122,27 +122,45 @@ def _serve(conn):
             conn.send("ok")
 
 
-class NixlRig:
-    """This process's agent plus a spawned serving process holding the source caches, and
-    one flat cache of the request's size on both sides for the one-region READ reference."""
+class ServingRig:
+    """This process's NIXL agent ``name`` plus a spawned serving process running
+    ``target(conn)``, asked over a pipe (``_ask``) and stopped by :meth:`close`."""
 
-    def __init__(self, setup: Setup):
+    def __init__(self, name: str, target):
         from ..transfer.nixl import NixlAgent
 
-        self.agent = NixlAgent("bench-puller")
+        self.agent = NixlAgent(name)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child,), daemon=True)
         self.proc.start()
-        self.flat = _layout(CROSS, setup, num_blocks=setup.blocks)  # one plane = the request
-        self.flat_message = self._ask("alloc", self.flat.to_json(), "flat")
-        self.flat_dst = self.agent.register(KVCache.allocate(self.flat, "numpy"))
 
     def _ask(self, *msg, timeout=120):
         self.conn.send(msg)
         if not self.conn.poll(timeout):
             raise RuntimeError(f"bench: the NIXL serving process did not answer {msg[0]!r}")
         return self.conn.recv()
+
+    def close(self):
+        try:
+            self._ask("stop", timeout=30)
+        except Exception:  # noqa: BLE001 - the child may be gone already
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.agent.close()
+
+
+class NixlRig(ServingRig):
+    """This process's agent plus a spawned serving process holding the source caches, and
+    one flat cache of the request's size on both sides for the one-region READ reference."""
+
+    def __init__(self, setup: Setup):
+        super().__init__("bench-puller", _serve)
+        self.flat = _layout(CROSS, setup, num_blocks=setup.blocks)  # one plane = the request
+        self.flat_message = self._ask("alloc", self.flat.to_json(), "flat")
+        self.flat_dst = self.agent.register(KVCache.allocate(self.flat, "numpy"))
 
     def measure(self, src_layout, dst_layout, plans, repeat) -> dict:
         """{label: (regions, GB/s, GB/s of one READ of the same bytes)} pulling each plan
@@ -186,17 +204,6 @@ class NixlRig:
             self.agent.deregister(dst)
             self.agent.deregister(same)
             self._ask("free", "src")
-
-    def close(self):
-        try:
-            self._ask("stop", timeout=30)
-        except Exception:  # noqa: BLE001 - the child may be gone already
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.agent.close()
-
 
 # -- the run -------------------------------------------------------------------------------
 def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None,

@@ -12,7 +12,6 @@ timed alternately (best of ``repeat``), so that both see the same machine load.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import time
 
@@ -76,35 +75,23 @@ class TPRig:
     """This process's decode agent and a spawned process holding prefill ranks."""
 
     def __init__(self):
-        from ..transfer.nixl import NixlAgent
+        from .transfer import ServingRig
 
-        self.agent = NixlAgent("bench-tp-decode")
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
-        self.proc.start()
-
-    def _ask(self, *msg, timeout=300):
-        self.conn.send(msg)
-        if not self.conn.poll(timeout):
-            raise RuntimeError(f"bench: the serving process did not answer {msg[0]!r}")
-        return self.conn.recv()
+        self._rig = ServingRig("bench-tp-decode", _serve)
+        self.agent = self._rig.agent
 
     def group(self, agents: str, layouts):
         """Connected peers of prefill ranks holding ``layouts`` (one per rank), served by
         the group of agents named ``agents``."""
-        msgs = self._ask("ranks", agents, [lay.to_json() for lay in layouts])
+        msgs = self._rig._ask("ranks", agents, [lay.to_json() for lay in layouts],
+                              timeout=300)
         return [self.agent.connect(m, timeout=60) for m in msgs]
 
+    def close_group(self, agents: str) -> None:
+        self._rig._ask("close", agents, timeout=300)
+
     def close(self):
-        try:
-            self._ask("stop", timeout=30)
-        except Exception:  # noqa: BLE001 - the child may be gone already
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.agent.close()
+        self._rig.close()
 
 
 def heterogeneous_pulls(setup, spec: KVSpec, block_sets, side_by_side, presets=PRESETS,
@@ -146,7 +133,7 @@ def heterogeneous_pulls(setup, spec: KVSpec, block_sets, side_by_side, presets=P
                 rig.agent.deregister(dst)
                 rig.agent.deregister(rdst)
                 del dst, rdst
-                rig._ask("close", key)
+                rig.close_group(key)
     finally:
         rig.close()
     return rows

@@ -176,16 +176,24 @@ def check_compatible(src: Layout, dst: Layout) -> None:
     and the physical arrangement may differ."""
     check_layout(src, "src_layout")
     check_layout(dst, "dst_layout")
+    check_token_data(src, dst)
+
+
+def check_token_data(src: Layout, dst: Layout, side: str = "the source", *,
+                     heads: bool = True) -> None:
+    """KVABIError naming the difference unless one token of one head holds the same data
+    on both sides (dtype, K/V or MLA latent, head dim) and, with ``heads``, the layouts
+    hold as many heads; ``side`` names the source in the message."""
     if src.dtype != dst.dtype:
-        raise KVABIError(f"dst_layout.dtype: {dst.dtype} differs from the source's {src.dtype} "
+        raise KVABIError(f"dst_layout.dtype: {dst.dtype} differs from {side}'s {src.dtype} "
                          "(a plan copies bytes; convert dtypes separately)")
     if src.has_kv != dst.has_kv:
         kind = lambda x: "K/V" if x.has_kv else "MLA latent"  # noqa: E731
-        raise KVABIError(f"dst_layout.sizes.KV: the destination holds {kind(dst)}, the source "
+        raise KVABIError(f"dst_layout.sizes.KV: the destination holds {kind(dst)}, {side} "
                          f"{kind(src)}")
-    for a, what in (("H", "KV heads"), ("D", "head dim")):
+    for a, what in (("H", "KV heads"), ("D", "head dim"))[0 if heads else 1:]:
         if src.size(a) != dst.size(a):
-            raise KVABIError(f"dst_layout.sizes.{a}: {dst.size(a)} {what}, the source has "
+            raise KVABIError(f"dst_layout.sizes.{a}: {dst.size(a)} {what}, {side} has "
                              f"{src.size(a)}")
 
 

@@ -28,7 +28,8 @@ from ..errors import KVABIError
 from ..layout import Layout, check_layout
 from ..shard import Shard, check_group, shard_of
 from .execute import execute
-from .plan import TransferPlan, _made, merge_regions, plan_block_transfer, plan_transfer
+from .plan import (TransferPlan, _made, check_token_data, merge_regions, plan_block_transfer,
+                   plan_transfer)
 
 
 @attrs.frozen
@@ -151,22 +152,8 @@ def _check(src_layouts, dst_layout: Layout, standard: bool):
                 raise KVABIError(f"src_layouts[{i}].sizes.{a}: {s.size(a)}, rank 0 has "
                                  f"{first.size(a)} (the ranks of one engine share the "
                                  f"{what}: one block table)")
-        _check_data(s, dst_layout, f"src_layouts[{i}]")
+        check_token_data(s, dst_layout, f"src_layouts[{i}]", heads=False)
     return srcs, shards, dst
-
-
-def _check_data(src: Layout, dst: Layout, side: str) -> None:
-    """What one token of one head holds must be the same on both sides."""
-    if src.dtype != dst.dtype:
-        raise KVABIError(f"dst_layout.dtype: {dst.dtype} differs from {side}'s {src.dtype} "
-                         "(a plan copies bytes; convert dtypes separately)")
-    if src.has_kv != dst.has_kv:
-        kind = lambda x: "K/V" if x.has_kv else "MLA latent"  # noqa: E731
-        raise KVABIError(f"dst_layout.sizes.KV: the destination holds {kind(dst)}, {side} "
-                         f"{kind(src)}")
-    if src.size("D") != dst.size("D"):
-        raise KVABIError(f"dst_layout.sizes.D: {dst.size('D')} head dim, {side} has "
-                         f"{src.size('D')}")
 
 
 def _plan(srcs, dst_layout, runs, make) -> tuple:
