@@ -81,16 +81,16 @@ class Shard:
     @property
     def is_whole(self) -> bool:
         """Holds every head, in order (what a layout without a shard holds)."""
-        return self.heads == tuple(range(self.of))
+        return len(self.heads) == self.of and self.heads == tuple(range(self.of))
 
     @property
     def is_standard(self) -> bool:
         """Holds exactly what :meth:`tp` gives its rank (False also where :meth:`tp` has no
-        split for ``ranks`` and ``of``)."""
-        try:
-            return self.heads == Shard.tp(self.rank, self.ranks, self.of).heads
-        except KVABIError:
-            return False
+        split for ``ranks`` and ``of``).  Never builds more heads than this shard holds
+        (``of`` may come from an untrusted descriptor)."""
+        want = split_heads(self.rank, self.ranks, self.of)
+        return want is not None and len(want) == len(self.heads) and \
+            self.heads == tuple(want)
 
     def local(self, head: int) -> int:
         """The local index of global ``head`` (KVABIError when this shard lacks it)."""
@@ -126,16 +126,14 @@ class Shard:
 @lru_cache(maxsize=256)
 def _tp(rank: int, ranks: int, n: int) -> Shard:
     """:meth:`Shard.tp` of checked ints (a shard is immutable: one object per split)."""
-    if ranks <= n:
-        if n % ranks:
-            raise KVABIError(f"ranks: {n} KV heads cannot be split evenly over {ranks} "
-                             f"tensor-parallel ranks")
-        k = n // ranks
-        return Shard(heads=range(rank * k, rank * k + k), of=n, rank=rank, ranks=ranks)
-    if ranks % n:
+    heads = split_heads(rank, ranks, n)
+    if heads is None and ranks <= n:
+        raise KVABIError(f"ranks: {n} KV heads cannot be split evenly over {ranks} "
+                         f"tensor-parallel ranks")
+    if heads is None:
         raise KVABIError(f"ranks: {ranks} tensor-parallel ranks cannot replicate {n} KV "
                          f"heads evenly (the heads must divide the ranks)")
-    return Shard(heads=(rank * n // ranks,), of=n, rank=rank, ranks=ranks)
+    return Shard(heads=heads, of=n, rank=rank, ranks=ranks)
 
 
 @lru_cache(maxsize=256)
@@ -168,19 +166,36 @@ def check_group(shards, field: str = "sources", *, standard: bool = True) -> tup
             raise KVABIError(f"{field}[{i}].shard.rank: says rank {s.rank} at position {i} "
                              f"(ranks swapped?)")
         if standard and not s.is_standard:
-            want = Shard.tp(i, s.ranks, s.of).heads if _splits(s.ranks, s.of) else None
+            want = split_heads(i, s.ranks, s.of)
+            said = _show_heads(want) if want is not None else "no even split"
             raise KVABIError(f"{field}[{i}].shard.heads: rank {i} of {s.ranks} holds "
-                             f"{list(want) if want is not None else 'no even split'} of "
-                             f"{s.of} heads, it says {list(s.heads)}")
-    held = set().union(*(s.heads for s in shards))
-    if len(held) != first.of:
-        missing = min(set(range(first.of)) - held)
+                             f"{said} of {s.of} heads, it says {_show_heads(s.heads)}")
+    held = sorted(set().union(*(s.heads for s in shards)))
+    if len(held) != first.of:  # the first head missing, without counting up to `of`
+        gap = [i for i, h in enumerate(held) if h != i]
+        missing = gap[0] if gap else len(held)
         raise KVABIError(f"{field}: global head {missing} of {first.of} is held by no rank")
     return shards
 
 
-def _splits(ranks: int, heads: int) -> bool:
-    return (heads % ranks == 0) if ranks <= heads else (ranks % heads == 0)
+def split_heads(rank: int, ranks: int, heads: int) -> range | None:
+    """The global heads :meth:`Shard.tp` gives ``rank`` of ``ranks`` (a lazy range), or
+    None where neither divides the other."""
+    if ranks <= heads:
+        if heads % ranks:
+            return None
+        k = heads // ranks
+        return range(rank * k, rank * k + k)
+    if ranks % heads:
+        return None
+    return range(rank * heads // ranks, rank * heads // ranks + 1)
+
+
+def _show_heads(heads) -> str:
+    """Heads for a message: the list, or its ends where it is long."""
+    h = list(heads[:9]) if len(heads) > 8 else list(heads)
+    return str(h) if len(heads) <= 8 else f"[{h[0]}, {h[1]}, ..., {heads[-1]}] " \
+        f"({len(heads)} heads)"
 
 
 def shard_field(x):

@@ -166,3 +166,25 @@ def test_tp_view_refuses_unsplittable_groups():
         TPView("llama", 2)
     with pytest.raises(KVABIError, match="rank"):
         TPView(model, 2).shard(2)
+
+
+def test_hostile_head_counts_cost_what_is_listed():
+    """``of`` and ``ranks`` come from a peer: checks never count up to them."""
+    import time
+
+    big = 2**62
+    t = time.perf_counter()
+    liar = Shard(heads=(0,), of=big, rank=0, ranks=1)
+    assert not liar.is_standard and not liar.is_whole
+    with pytest.raises(KVABIError, match=r"holds \[0, 1, \.\.\., 4611686018427387903\] "
+                                         r"\(4611686018427387904 heads\) of 4611686018427387904"):
+        check_group([liar])
+    with pytest.raises(KVABIError, match="global head 1 of 4611686018427387904 is held by "
+                                         "no rank"):
+        check_group([liar], standard=False)
+    d = json.loads(Layout.preset("flashinfer.HND", SPEC, 6, 2).to_json())
+    d["shard"] = {"heads": [0, 1, 2, 3], "of": big, "rank": big - 1, "ranks": big}
+    lay = Layout.from_json(json.dumps(d))
+    with pytest.raises(KVABIError, match=r"sources\[0\].shard.ranks"):
+        check_group([lay.shard])
+    assert time.perf_counter() - t < 1.0
