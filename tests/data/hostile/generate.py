@@ -105,6 +105,19 @@ descriptors = {
                              "sizes.H", "missing"),
     "missing_order.json": (json.dumps({k: v for k, v in DESC.items() if k != "order"}
                                       ).encode(), "order", "missing"),
+    "shard_unknown_field.json": (doc(DESC, shard={"heads": [2, 3], "of": 4, "rank": 1,
+                                                  "ranks": 2, "replica": 0}),
+                                 "shard.replica", "unknown field"),
+    "shard_head_count.json": (doc(DESC, shard={"heads": [2], "of": 4, "rank": 1, "ranks": 2}),
+                              "shard.heads", "sizes.H = 2"),
+    "shard_head_twice.json": (doc(DESC, shard={"heads": [3, 3], "of": 4, "rank": 1,
+                                               "ranks": 2}), "shard.heads", "twice"),
+    "shard_head_beyond_of.json": (doc(DESC, shard={"heads": [2, 4], "of": 4, "rank": 1,
+                                                   "ranks": 2}), "shard.heads", "out of range"),
+    "shard_rank_beyond.json": (doc(DESC, shard={"heads": [2, 3], "of": 4, "rank": 2,
+                                                "ranks": 2}), "shard.rank", "out of range"),
+    "shard_heads_string.json": (doc(DESC, shard={"heads": "23", "of": 4, "rank": 1,
+                                                 "ranks": 2}), "shard.heads", "list"),
 }
 
 MILLION = {"num_hidden_layers": 10**6, "num_attention_heads": 8, "head_dim": 64,
