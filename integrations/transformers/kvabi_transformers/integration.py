@@ -42,6 +42,8 @@ class Integration:
         self.block_size = _block_size(block_size, self.backend)
         dtype = kv_dtype if kv_dtype is not None else kvabi.tensors.dtype_name(model.dtype)
         self.model_kv, self.slots, modules = model_kv(model, self.block_size, dtype)
+        #: layer index -> the model's attention module (the ones kvabi attention serves)
+        self.modules = modules
         self.num_q_heads = int(config.num_attention_heads)
         self.memory_here, self.where = memory_here(model)
         _check_block_bytes(self.model_kv, self.block_size, self.memory_here, self.where)
