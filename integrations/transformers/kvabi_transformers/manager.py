@@ -86,7 +86,8 @@ class KvabiManager(ContinuousBatchingManager):
         if not integration.all_full:
             cb.allow_block_sharing = False
         try:
-            super().__init__(model, generation_config, cb, workload_hints)
+            super().__init__(model=model, generation_config=generation_config,
+                             continuous_batching_config=cb, workload_hints=workload_hints)
         except BaseException:
             self.restore_attention(model)
             raise
