@@ -94,6 +94,25 @@ def test_checked_once_per_process_and_version(unchecked, monkeypatch):
     assert len(calls) == 2
 
 
+def test_the_tables_describe_kvabi_transformers_own_overrides():
+    """OVERRIDDEN states the parameters of kvabi-transformers' own overrides (what a
+    release is compared against), and the forward pre-hook reads the STEP_INPUTS."""
+    from kvabi_transformers import hooks
+    from kvabi_transformers.manager import KvabiManager, KvabiPagedCache
+
+    model = kvabi_transformers.use(model_of("llama"))
+    ours = {"PagedAttentionCache": KvabiPagedCache, "ContinuousBatchingManager": KvabiManager}
+    for path, names in compat.OVERRIDDEN.items():
+        cls, method = path.split(".")[-2:]
+        fn = model.init_continuous_batching if method == "init_continuous_batching" \
+            else getattr(ours[cls], method)
+        params = [p for p in inspect.signature(fn).parameters if p != "self"]
+        assert tuple(params) == names, path
+    source = inspect.getsource(hooks) + inspect.getsource(Session.begin_step)
+    for key in compat.STEP_INPUTS:
+        assert f'"{key}"' in source, key
+
+
 def _replace_init(cls, drop: str):
     """cls.__init__ as a release that dropped the parameter ``drop`` would have it."""
     params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", drop)]
