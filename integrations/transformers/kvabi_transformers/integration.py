@@ -225,7 +225,8 @@ def use(model, backend="reference", layout=None, *, block_size=None, kv_dtype=No
     not mid-generation, for any model, layout or option that cannot be served, and then
     leaves ``model`` as it was; :class:`~kvabi_transformers.compat.TransformersMismatch`
     for a transformers release outside the tested range or whose continuous-batching
-    internals differ (checked once per process).  A run that fails gives the model its own attention back.
+    internals differ (checked once per process).  A run that fails gives the model its own
+    attention back.
     """
     from .hooks import install
 
