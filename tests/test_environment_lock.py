@@ -44,3 +44,15 @@ def test_both_locks_pin_every_line():
         pins, _ = envlock.read_lock(ROOT / "locks" / name)
         assert "torch" in pins and pins["torch"].startswith("2.13.0"), name
         assert "pip" in pins and "setuptools" in pins, name
+
+
+def test_vendored_distributions_on_sys_path_are_not_installed(monkeypatch):
+    """An imported setuptools puts its vendored distributions on sys.path; they are not
+    distributions of the environment and must not read as drift."""
+    import setuptools
+
+    vendor = Path(setuptools.__file__).parent / "_vendor"
+    assert any(vendor.glob("*.dist-info")), "setuptools vendors no distributions here"
+    before = envlock.installed()
+    monkeypatch.syspath_prepend(str(vendor))
+    assert envlock.installed() == before
