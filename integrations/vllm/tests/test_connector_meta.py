@@ -78,14 +78,21 @@ def test_matching_parts_prefers_the_same_block_image_and_refuses_other_parts():
     from kvabi_vllm.connector import _matching_parts
 
     mine = [("k", "K"), ("v", "V"), ("image.kt_v.n32.d32", "I")]
+    # one message per producer rank (a plain string: TP 1)
     assert _matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n32.d32": "c"}, 0) == \
-        [("image.kt_v.n32.d32", "I", "c")]
+        [("image.kt_v.n32.d32", "I", ["c"])]
     assert _matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n64.d32": "c"}, 0) == \
-        [("k", "K", "a"), ("v", "V", "b")]
+        [("k", "K", ["a"]), ("v", "V", ["b"])]
+    assert _matching_parts(mine, {"k": ["a0", "a1"], "v": ["b0", "b1"]}, 0) == \
+        [("k", "K", ["a0", "a1"]), ("v", "V", ["b0", "b1"])]
+    for bad in ({"k": [], "v": ["b"]}, {"k": ["a", 1], "v": "b"}):
+        with pytest.raises(KVABIError, match=r"kvabi_handshakes\[0\]: must be an object"):
+            _matching_parts(mine, bad, 0)
     with pytest.raises(KVABIError, match=r"kvabi_handshakes\[0\]: the peer serves parts \['kv'\]"):
         _matching_parts(mine, {"kv": "a"}, 0)
     both = [("kv", "KV"), ("k", "K"), ("v", "V")]
-    assert _matching_parts(both, {"kv": "a", "k": "b", "v": "c"}, 0) == [("kv", "KV", "a")]
-    assert _matching_parts(both, {"k": "b", "v": "c"}, 0) == [("k", "K", "b"), ("v", "V", "c")]
+    assert _matching_parts(both, {"kv": "a", "k": "b", "v": "c"}, 0) == [("kv", "KV", ["a"])]
+    assert _matching_parts(both, {"k": "b", "v": "c"}, 0) == [("k", "K", ["b"]),
+                                                              ("v", "V", ["c"])]
     with pytest.raises(KVABIError, match=r"kvabi_handshakes\[2\]: must be an object"):
         _matching_parts(mine, ["k"], 2)
