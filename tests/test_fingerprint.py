@@ -125,7 +125,7 @@ def mutated(draw):
     return lay, d
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=12 * settings().max_examples, deadline=None)  # ci 300, thorough 4800
 @given(case=mutated())
 def test_fingerprint_differs_exactly_where_a_byte_moves(case):
     lay, d = case

@@ -180,7 +180,7 @@ def shardings(draw):
     return kind, heads, pair, tp, bs
 
 
-@settings(deadline=None)
+@settings(max_examples=2 * settings().max_examples, deadline=None)  # thorough: 800
 @given(shardings(), st.integers(1, 20), st.integers(0, 2**31))
 def test_random_shardings(case, tokens, seed):
     kind, heads, pair, tp, bs = case
