@@ -42,6 +42,8 @@ def test_quick_json_shape(capsys):
     assert rows[(bench.PER_LAYER, "local", "scattered")] == \
         quick.layers * rows[(bench.CROSS, "local", "scattered")]
     assert any(r["src"] == "flashinfer.HND/16" for r in result["rows"])
+    assert fig["checksums"]["s"] > 0 and fig["checksums"]["nbytes"] == \
+        quick.layers * quick.tokens * 2 * 8 * 128 * 2
     neg = fig["negotiation"]
     assert len(neg) == 4 and all(r["s"] > 0 and 0 < r["bytes"] < 4096 for r in neg)
     assert {r["kind"] for r in neg} == {"relayout"} and neg[0]["planes"] == 64
@@ -106,4 +108,6 @@ def test_tp_goals_marks():
                                 staging_bytes_per_block=0)]}
     marks = [p for _, p, _ in transfer_tp.goals(fig)]
     assert marks == [True, False, True, False]
+    fig["checksums"] = {"nbytes": 2**20, "s": 0.01, "memcpy_s": 0.001}
+    assert [p for _, p, _ in transfer_tp.goals(fig)] == [None, True, False, True, False]
     assert [p for _, p, _ in transfer_tp.goals({})] == [None]

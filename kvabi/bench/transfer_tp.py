@@ -175,8 +175,31 @@ def negotiation(spec: KVSpec, repeat: int = 200) -> list[dict]:
     return out
 
 
+def checksums(setup, spec: KVSpec, side_by_side) -> dict:
+    """Seconds of :func:`~kvabi.transfer.checksum.kv_checksums` over one request (all
+    layers, heads and tokens of a ``flashinfer.HND`` cache) and of a memcpy of the same
+    bytes, timed alternately."""
+    from ..transfer.checksum import kv_checksums
+
+    lay = Layout.preset("flashinfer.HND", spec, setup.num_blocks, setup.layers)
+    cache = KVCache.allocate(lay, "numpy", fill=1)
+    slots = np.arange(setup.tokens) + (setup.num_blocks - setup.blocks) * spec.block_size
+    nbytes = setup.layers * setup.tokens * 2 * spec.num_kv_heads * spec.head_dim * \
+        spec.itemsize
+    a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    t, t_ref = side_by_side(lambda: kv_checksums(cache, slots), lambda: np.copyto(b, a),
+                            setup.repeat)
+    return {"nbytes": nbytes, "s": t, "memcpy_s": t_ref}
+
+
 def goals(fig: dict) -> list[tuple[str, bool | None, str]]:
     out = []
+    x = fig.get("checksums")
+    if x:
+        gb = x["nbytes"] / 1e9
+        out.append(("pull checksums cheap enough to leave on in tests", None,
+                    f"{x['s'] * 1e3:.0f} ms for {x['nbytes'] >> 20} MiB = {gb / x['s']:.2f} "
+                    f"GB/s (memcpy of the same bytes {gb / x['memcpy_s']:.2f} GB/s)"))
     for r in fig.get("tp_pulls", []):
         share = r["ref_s"] / r["s"]
         gb = r["nbytes"] / 1e9
@@ -204,6 +227,8 @@ def measure(setup, spec, block_sets, side_by_side, *, nixl: bool, say,
     fig = {}
     say("negotiation + handshake of a 64-layer peer")
     fig["negotiation"] = negotiation(spec, repeat=20 if setup.repeat == 1 else 200)
+    say("checksums of one request against a memcpy of the same bytes")
+    fig["checksums"] = checksums(setup, spec, side_by_side)
     if nixl:
         say("heterogeneous-TP pulls against same-TP pulls of the same bytes")
         fig["tp_pulls"] = heterogeneous_pulls(setup, spec, block_sets, side_by_side,
