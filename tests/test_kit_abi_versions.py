@@ -80,9 +80,7 @@ class TorchRef(kvabi.Backend):
 
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
         handle, planes = self._np(cache, layout)
-        self._ref.write_kv(planes, layout, tensors.to_numpy(key),
-                           None if value is None else tensors.to_numpy(value), plan.ref,
-                           layer=layer)
+        self._ref.write_kv(plan.ref, planes, key=tensors.to_numpy(key), value=None if value is None else tensors.to_numpy(value), layer=layer)
         return handle
 
     def compute(self, query, cache, layout, plan, layer, sinks):
@@ -90,8 +88,7 @@ class TorchRef(kvabi.Backend):
         s = None if sinks is None else tensors.to_numpy(sinks)
         if s is not None:
             self.seen["per-call sinks"] += 1
-        return self._ref.attention(tensors.to_numpy(query), planes, layout, plan.ref,
-                                   layer=layer, sinks=s, return_lse=True)
+        return self._ref.attention(plan.ref, planes, query=tensors.to_numpy(query), layer=layer, sinks=s, return_lse=True)
 
     def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, out=None,
                   return_lse=False):
@@ -306,11 +303,10 @@ class Float32Only10(kvabi.Backend):
         return self._ref.plan(meta, spec, layout, scale=scale, softcap=softcap, sinks=sinks)
 
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        return self._ref.write_kv(list(cache), layout, key, value, plan, layer=layer)
+        return self._ref.write_kv(plan, list(cache), key=key, value=value, layer=layer)
 
     def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False):
-        return self._ref.attention(query, list(cache), layout, plan, layer=layer,
-                                   return_lse=return_lse)
+        return self._ref.attention(plan, list(cache), query=query, layer=layer, return_lse=return_lse)
 
 
 def test_plan_refuses_before_any_cache_is_handed_over():

@@ -46,7 +46,7 @@ class WrongSlot(ReferenceBackend):
             m.query_start_loc, m.seq_lens, m.context_lens, m.positions, s, m.block_table,
             m.block_size, m.num_blocks)
         p = super().plan(shifted, plan.spec, layout)
-        return super().write_kv(cache, layout, key, value, p, layer=layer)
+        return super().write_kv(p, cache, key=key, value=value, layer=layer)
 
 
 class WritesPadding(ReferenceBackend):
@@ -55,7 +55,7 @@ class WritesPadding(ReferenceBackend):
     name = "planted.diag_writes_padding"
 
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = super().write_kv(cache, layout, key, value, plan, layer=layer)
+        cache = super().write_kv(plan, cache, key=key, value=value, layer=layer)
         pad = np.nonzero(plan.meta.slot_mapping < 0)[0]
         c = kvabi.as_cache(cache, layout)
         c.kv_view(layer, 1)[-1, -1] = np.asarray(value[pad[-1]])
@@ -124,8 +124,8 @@ def _step(backend, case):
     cache = oracle_cache(case, via_backend_allocate=True)
     i = case.inputs()
     plan = backend.plan(case.meta, case.spec, case.layout, softcap=case.softcap)
-    cache = backend.write_kv(cache, case.layout, i.key, i.value, plan)
-    return np.asarray(backend.attention(i.query, cache, case.layout, plan), np.float64)
+    cache = backend.write_kv(plan, cache, key=i.key, value=i.value)
+    return np.asarray(backend.attention(plan, cache, query=i.query), np.float64)
 
 
 class LseLog2(ReferenceBackend):

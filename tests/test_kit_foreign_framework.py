@@ -45,7 +45,7 @@ class _Mute(ReferenceBackend):
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
         if kvabi.as_cache(cache, layout).framework != "numpy":
             raise KVABIError("cache: bad")
-        return super().write_kv(cache, layout, key, value, plan, layer=layer)
+        return super().write_kv(plan, cache, key=key, value=value, layer=layer)
 
 
 class _Converts(ReferenceBackend):
@@ -56,7 +56,7 @@ class _Converts(ReferenceBackend):
         c = kvabi.as_cache(cache, layout)
         if c.framework != "numpy":
             c = kvabi.KVCache.wrap(layout, [np.array(kvabi.tensors.to_numpy(p)) for p in c])
-        return super().write_kv(c, layout, key, value, plan, layer=layer)
+        return super().write_kv(plan, c, key=key, value=value, layer=layer)
 
 
 @pytest.mark.parametrize("cls,status,says", [(_Blind, "failed", "not refused with KVABIError"),

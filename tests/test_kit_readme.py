@@ -75,7 +75,7 @@ def test_skeleton_plan_refuses_what_it_does_not_claim():
     with pytest.raises(kvabi.KVABIError, match="sinks"):
         backend.plan(meta, spec, layout, sinks=np.zeros(2))  # sinks are not claimed
     with pytest.raises(kvabi.KVABIError):
-        backend.write_kv([np.zeros(3)], layout, None, None, None)  # as_cache checks planes
+        backend.write_kv(None, [np.zeros(3)], key=None, value=None)  # as_cache checks planes
 
 
 def test_skeleton_follows_the_worked_example():

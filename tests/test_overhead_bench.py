@@ -65,8 +65,7 @@ class OldReference(ReferenceBackend):
         return super().plan(meta, spec, layout, scale=scale, softcap=softcap, sinks=sinks)
 
     def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False):
-        return super().attention(query, cache, layout, plan, layer=layer,
-                                 return_lse=return_lse)
+        return super().attention(plan, cache, query=query, layer=layer, return_lse=return_lse)
 
     def allocate(self, layout):
         return layout.allocate_numpy(0)  # a 1.0 list of planes

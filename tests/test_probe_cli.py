@@ -22,7 +22,7 @@ class _Liar(ReferenceBackend):
 
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
         if layout.name != "vllm.LBHNC":
-            return super().write_kv(cache, layout, key, value, plan, layer=layer)
+            return super().write_kv(plan, cache, key=key, value=value, layer=layer)
         real = kvabi.Layout(order=("L", "B", "H", "KV", "N", "D"), sizes=layout.sizes,
                             dtype=layout.dtype)
         layout_writer(real, list(cache))(layer, plan.meta.slot_mapping, np.asarray(key),

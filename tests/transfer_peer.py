@@ -95,9 +95,7 @@ def write_all(be, layout, table, spec, num_blocks):
         for layer in range(LAYERS):
             key = np.concatenate([kv[layer][r][0][a:z] for r, (a, z) in enumerate(rows)])
             val = np.concatenate([kv[layer][r][1][a:z] for r, (a, z) in enumerate(rows)])
-            cache = be.write_kv(cache, layout, convert(key, be.framework, device=be.device()),
-                                convert(val, be.framework, device=be.device()), plan,
-                                layer=layer)
+            cache = be.write_kv(plan, cache, key=convert(key, be.framework, device=be.device()), value=convert(val, be.framework, device=be.device()), layer=layer)
     return cache
 
 
@@ -108,7 +106,7 @@ def attend(be, cache, layout, table, spec, num_blocks):
     plan = be.plan(meta, spec, layout, num_q_heads=HQ) if kvabi.abi_at_least(be, (1, 1)) \
         else be.plan(meta, spec, layout)
     q = convert(query, be.framework, device=be.device())
-    return np.stack([np.asarray(to_numpy(be.attention(q, cache, layout, plan, layer=layer)),
+    return np.stack([np.asarray(to_numpy(be.attention(plan, cache, query=q, layer=layer)),
                                 np.float64) for layer in range(LAYERS)])
 
 

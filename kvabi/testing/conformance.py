@@ -100,7 +100,8 @@ class BackendConformance:
     # -- the tests --------------------------------------------------------------------------
     def test_registered(self):
         """The backend is a kvabi Backend with a dotted name and sane capabilities."""
-        from ..abi import Backend, Capabilities
+        from ..backend import Backend
+        from ..capabilities import Capabilities
 
         backend = self.make_backend()
         assert isinstance(backend, Backend)

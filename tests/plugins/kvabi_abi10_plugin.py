@@ -61,12 +61,11 @@ class Abi10Backend(kvabi.Backend):
         return cache
 
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        self._ref.write_kv(self._list(cache), layout, key, value, plan, layer=layer)
+        self._ref.write_kv(plan, self._list(cache), key=key, value=value, layer=layer)
         return cache
 
     def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False):
-        return self._ref.attention(query, self._list(cache), layout, plan, layer=layer,
-                                   return_lse=return_lse)
+        return self._ref.attention(plan, self._list(cache), query=query, layer=layer, return_lse=return_lse)
 
 
 @kvabi.hookimpl

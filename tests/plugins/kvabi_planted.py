@@ -56,7 +56,7 @@ class WrongSlot(ReferenceBackend):
         return attrs.evolve(super().capabilities(spec), kinds=("full",), dtypes=("float32",))
 
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = super().write_kv(cache, layout, key, value, plan, layer=layer)
+        cache = super().write_kv(plan, cache, key=key, value=value, layer=layer)
         m, bs = plan.meta, plan.spec.block_size
         real = np.nonzero(m.slot_mapping >= 0)[0]
         if len(real):

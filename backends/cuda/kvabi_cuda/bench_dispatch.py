@@ -68,14 +68,14 @@ def measure_dispatch(layers: int = 32, repeats: int = 20, dtype: str = "float32"
     def step_10():
         p = be.plan(meta, spec, layout)
         for layer in range(layers):
-            be.write_kv(planes, layout, k, v, p, layer=layer)
-            be.attention(q, planes, layout, p, layer=layer)
+            be.write_kv(p, planes, key=k, value=v, layer=layer)
+            be.attention(p, planes, query=q, layer=layer)
 
     def step_11():
         p = be.plan(meta, spec, layout, num_q_heads=32)
         for layer in range(layers):
-            be.write_kv(handle, layout, k, v, p, layer=layer)
-            be.attention(q, handle, layout, p, layer=layer, out=out)
+            be.write_kv(p, handle, key=k, value=v, layer=layer)
+            be.attention(p, handle, query=q, layer=layer, out=out)
 
     def layers_only(call_11: bool):
         p = be.plan(meta, spec, layout, num_q_heads=32 if call_11 else None)
@@ -83,11 +83,11 @@ def measure_dispatch(layers: int = 32, repeats: int = 20, dtype: str = "float32"
         def run():
             for layer in range(layers):
                 if call_11:
-                    be.write_kv(handle, layout, k, v, p, layer=layer)
-                    be.attention(q, handle, layout, p, layer=layer, out=out)
+                    be.write_kv(p, handle, key=k, value=v, layer=layer)
+                    be.attention(p, handle, query=q, layer=layer, out=out)
                 else:
-                    be.write_kv(planes, layout, k, v, p, layer=layer)
-                    be.attention(q, planes, layout, p, layer=layer)
+                    be.write_kv(p, planes, key=k, value=v, layer=layer)
+                    be.attention(p, planes, query=q, layer=layer)
         return run
 
     res = {"layers": layers, "dtype": dtype, "device": str(dev), "repeats": repeats}

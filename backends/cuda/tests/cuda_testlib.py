@@ -135,13 +135,12 @@ def run_step(backend, step: Step, layer: int = 1, *, scale=None, as_list=False):
         cache = list(cache)
     if step.hist.num_tokens:
         p0 = backend.plan(step.hist, spec, layout)
-        backend.write_kv(cache, layout, arr(backend, kh), arr(backend, vh), p0, layer=layer)
+        backend.write_kv(p0, cache, key=arr(backend, kh), value=arr(backend, vh), layer=layer)
     p = backend.plan(step.meta, spec, layout, scale=scale, softcap=step.softcap,
                      sinks=step.sinks)
-    backend.write_kv(cache, layout, arr(backend, k), arr(backend, v), p, layer=layer)
+    backend.write_kv(p, cache, key=arr(backend, k), value=arr(backend, v), layer=layer)
     qd = q.astype(numpy_dtype(spec.dtype)) if spec.dtype != "float32" else q
-    out, lse = backend.attention(arr(backend, qd), cache, layout, p, layer=layer,
-                                 return_lse=True)
+    out, lse = backend.attention(p, cache, query=arr(backend, qd), layer=layer, return_lse=True)
     a = step.meta.num_actual_tokens
     planes = [np.asarray(to_numpy(x)) for x in cache]
     return host(out)[:a], host(lse)[:a], planes
@@ -183,8 +182,7 @@ def fill_layer(backend, step: Step, cache, layout, layer: int):
     for meta, kk, vv in ((step.hist, kh, vh), (step.meta, k, v)):
         if meta.num_tokens:
             p = backend.plan(meta, spec, layout)
-            backend.write_kv(cache, layout, arr(backend, kk), arr(backend, vv), p,
-                             layer=layer)
+            backend.write_kv(p, cache, key=arr(backend, kk), value=arr(backend, vv), layer=layer)
     return q.astype(numpy_dtype(spec.dtype))
 
 
@@ -195,7 +193,7 @@ def reference_layer(step: Step, layer: int, *, sinks=None, layout=None):
     cache = ref.allocate(layout)
     q = fill_layer(ref, step, cache, layout, layer)
     p = ref.plan(step.meta, step.spec, layout, softcap=step.softcap, sinks=sinks)
-    out, lse = ref.attention(q, cache, layout, p, layer=layer, return_lse=True)
+    out, lse = ref.attention(p, cache, query=q, layer=layer, return_lse=True)
     a = step.meta.num_actual_tokens
     return host(out)[:a], host(lse)[:a]
 

@@ -70,8 +70,7 @@ def test_per_call_sinks_one_plan_over_two_layers(name):
     outs = {}
     for layer in (1, 0, 1):  # any order, repeated
         for s in (sinks[layer], torch.tensor(sinks[layer])):  # numpy and torch sinks
-            out, lse = be.attention(arr(be, queries[layer]), cache, layout, plan,
-                                    layer=layer, sinks=s, return_lse=True)
+            out, lse = be.attention(plan, cache, query=arr(be, queries[layer]), layer=layer, sinks=s, return_lse=True)
             want_o, want_l = reference_layer(step, layer, sinks=sinks[layer], layout=layout)
             _close(step, host(out)[:a], want_o)
             _close(step, host(lse)[:a], want_l)
@@ -80,7 +79,7 @@ def test_per_call_sinks_one_plan_over_two_layers(name):
     wrong, _ = reference_layer(step, 0, sinks=sinks[1], layout=layout)
     assert not np.allclose(outs[0], wrong, atol=1e-3)
     # No per-call sinks: the plan's (none here) apply.
-    out = be.attention(arr(be, queries[0]), cache, layout, plan, layer=0)
+    out = be.attention(plan, cache, query=arr(be, queries[0]), layer=0)
     _close(step, host(out)[:a], reference_layer(step, 0, layout=layout)[0])
 
 
@@ -93,10 +92,9 @@ def test_per_call_sinks_override_the_plans():
     call_sinks = np.linspace(-2, 2, step.num_q_heads)
     plan = TRITON.plan(step.meta, step.spec, layout, sinks=plan_sinks)
     a = step.meta.num_actual_tokens
-    got = host(TRITON.attention(arr(TRITON, q), cache, layout, plan, layer=1,
-                                sinks=call_sinks))[:a]
+    got = host(TRITON.attention(plan, cache, query=arr(TRITON, q), layer=1, sinks=call_sinks))[:a]
     _close(step, got, reference_layer(step, 1, sinks=call_sinks)[0])
-    got = host(TRITON.attention(arr(TRITON, q), cache, layout, plan, layer=1))[:a]
+    got = host(TRITON.attention(plan, cache, query=arr(TRITON, q), layer=1))[:a]
     _close(step, got, reference_layer(step, 1, sinks=plan_sinks)[0])
 
 
@@ -111,7 +109,7 @@ def test_bad_per_call_sinks_refused(name, bad, match):
     plan = be.plan(step.meta, step.spec, layout)
     q = arr(be, np.zeros((1, 4, 8), np.float32))
     with pytest.raises(KVABIError, match=match):
-        be.attention(q, be.allocate(layout), layout, plan, sinks=bad)
+        be.attention(plan, be.allocate(layout), query=q, sinks=bad)
 
 
 def test_flash_attn_refuses_per_call_sinks():
@@ -121,7 +119,7 @@ def test_flash_attn_refuses_per_call_sinks():
     plan = be.plan(step.meta, step.spec, layout)
     q = arr(be, np.zeros((1, step.num_q_heads, 8), np.float32))
     with pytest.raises(UnsupportedError, match="sinks"):
-        be.attention(q, be.allocate(layout), layout, plan, sinks=np.zeros(step.num_q_heads))
+        be.attention(plan, be.allocate(layout), query=q, sinks=np.zeros(step.num_q_heads))
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -136,8 +134,7 @@ def test_out_is_written_in_place_and_returned(name):
     # A strided buffer (every other row of a bigger tensor) filled with garbage.
     big = torch.full((2 * t, step.num_q_heads, step.spec.head_dim_v), float("nan"))
     out = big[::2]
-    res, lse = be.attention(arr(be, q), cache, layout, plan, layer=1, out=out,
-                            return_lse=True)
+    res, lse = be.attention(plan, cache, query=arr(be, q), layer=1, out=out, return_lse=True)
     assert res is out
     want_o, want_l = reference_layer(step, 1)
     _close(step, host(out)[:a], want_o)
@@ -157,7 +154,7 @@ def test_bad_out_refused(name):
                         "out.dtype"), (torch.zeros(3, step.num_q_heads, 8), "out.shape"),
                        (np.zeros((2, step.num_q_heads, 8), np.float32), "out")):
         with pytest.raises(KVABIError, match=match):
-            be.attention(q, cache, layout, plan, out=out)
+            be.attention(plan, cache, query=q, out=out)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -169,13 +166,11 @@ def test_output_in_the_querys_dtype_lse_float32(name):
     cache = be.allocate(layout)
     q = fill_layer(be, step, cache, layout, 1).astype(np.float32)
     plan = be.plan(step.meta, step.spec, layout)
-    out, lse = be.attention(convert(q, "torch"), cache, layout, plan, layer=1,
-                            return_lse=True)
+    out, lse = be.attention(plan, cache, query=convert(q, "torch"), layer=1, return_lse=True)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     a = step.meta.num_actual_tokens
     _close(step, host(out)[:a], reference_layer(step, 1)[0])
-    out16 = be.attention(convert(q.astype(np.float16), "torch"), cache, layout, plan,
-                         layer=1)
+    out16 = be.attention(plan, cache, query=convert(q.astype(np.float16), "torch"), layer=1)
     assert out16.dtype == torch.float16
 
 
@@ -188,11 +183,11 @@ def test_triton_builds_query_tiles_at_plan_time():
     (bq, tiles), = eager._tiles.items()
     cache = TRITON.allocate(layout)
     q = fill_layer(TRITON, step, cache, layout, 1)
-    out = TRITON.attention(arr(TRITON, q), cache, layout, eager, layer=1)
+    out = TRITON.attention(eager, cache, query=arr(TRITON, q), layer=1)
     assert list(eager._tiles) == [bq] and eager._tiles[bq] is tiles  # reused, not rebuilt
     a = step.meta.num_actual_tokens
     _close(step, host(out)[:a], reference_layer(step, 1)[0])
-    TRITON.attention(arr(TRITON, q), cache, layout, lazy, layer=1)
+    TRITON.attention(lazy, cache, query=arr(TRITON, q), layer=1)
     assert list(lazy._tiles) == [bq]  # the lazy path builds the same tiles on first use
 
 
@@ -208,7 +203,7 @@ def test_num_q_heads_checked(name):
     plan = be.plan(step.meta, step.spec, layout, num_q_heads=4)
     q = arr(be, np.zeros((1, 2, 8), np.float32))  # 2 query heads: a valid GQA, not the plan's
     with pytest.raises(KVABIError, match="num_q_heads=4"):
-        be.attention(q, be.allocate(layout), layout, plan)
+        be.attention(plan, be.allocate(layout), query=q)
 
 
 class _Spy:
@@ -255,12 +250,11 @@ def test_flashinfer_plans_at_plan_time_with_num_q_heads(query_lens, wrapper):
     a = step.meta.num_actual_tokens
     ref = reference()
     for layer in (0, 1):  # every layer reuses it: no further plan call
-        out = be.attention(arr(be, qs[layer]), cache, layout, plan, layer=layer)
+        out = be.attention(plan, cache, query=arr(be, qs[layer]), layer=layer)
         rc = ref.allocate(layout)
         fill_layer(ref, step, rc, layout, layer)
         rp = ref.plan(step.meta, step.spec, layout, scale=0.25, softcap=2.0)
-        _close(step, host(out)[:a], host(ref.attention(qs[layer], rc, layout, rp,
-                                                       layer=layer))[:a])
+        _close(step, host(out)[:a], host(ref.attention(rp, rc, query=qs[layer], layer=layer))[:a])
     assert len(spy.calls) == 1
 
 
@@ -282,7 +276,7 @@ def test_flashinfer_plans_lazily_without_num_q_heads():
     plan = be.plan(step.meta, step.spec, layout)
     assert spy.calls == []
     for _ in range(2):
-        be.attention(arr(be, q), cache, layout, plan, layer=1)
+        be.attention(plan, cache, query=arr(be, q), layer=1)
     assert len(spy.calls) == 1 and spy.calls[0][1]["num_qo_heads"] == step.num_q_heads
 
 
@@ -293,7 +287,7 @@ def test_flashinfer_per_call_sinks_on_a_decode_step_use_the_prefill_wrapper():
     sinks = np.linspace(-1, 1, step.num_q_heads)
     a = step.meta.num_actual_tokens
     for _ in range(2):
-        out = be.attention(arr(be, q), cache, layout, plan, layer=1, sinks=sinks)
+        out = be.attention(plan, cache, query=arr(be, q), layer=1, sinks=sinks)
         _close(step, host(out)[:a], reference_layer(step, 1, sinks=sinks)[0])
     assert [c for c, _ in spy.calls] == ["BatchDecodeWithPagedKVCacheWrapper",
                                          "BatchPrefillWithPagedKVCacheWrapper"]

@@ -82,7 +82,7 @@ def test_poisoned_invisible_rows_change_nothing(backend, name):
     _poison(cache, 1, dirty, step.spec.block_size, step.spec.is_mla, seed=3)
     _poison(cache, 0, np.arange(len(seen)), step.spec.block_size, step.spec.is_mla, seed=4)
     plan = be.plan(step.meta, step.spec, layout)
-    out, lse = be.attention(arr(be, q), cache, layout, plan, layer=1, return_lse=True)
+    out, lse = be.attention(plan, cache, query=arr(be, q), layer=1, return_lse=True)
     want_o, want_l = reference_layer(step, 1)  # the clean cache
     a = step.meta.num_actual_tokens
     assert np.isfinite(host(out)[:a]).all()
@@ -105,7 +105,7 @@ def test_triton_nonfinite_value_reaches_only_the_rows_that_see_it(kind):
         blk, off = int(step.meta.block_table[0, j // 4]), j % 4
         cache.kv_view(1, 1)[blk, off, :, 0] = poison
         plan = TRITON.plan(step.meta, step.spec, layout)
-        out = host(TRITON.attention(arr(TRITON, q), cache, layout, plan, layer=1))
+        out = host(TRITON.attention(plan, cache, query=arr(TRITON, q), layer=1))
         pos = step.meta.positions[:6]
         lo = {"full": 0 * pos, "sliding_window": np.maximum(pos - 2, 0),
               "chunked_local": pos // 4 * 4}[kind]
@@ -165,9 +165,9 @@ def test_cache_of_another_layout_refused_before_any_kernel(name, no_kernels):
                                  (kvabi.KVCache.allocate(big, "numpy"), big, "torch"),
                                  ([torch.zeros(1)], big, "planes")):
         with pytest.raises(KVABIError, match=match):
-            be.write_kv(cache, layout, k, k, plan)
+            be.write_kv(plan, cache, key=k, value=k)
         with pytest.raises(KVABIError, match=match):
-            be.attention(q, cache, layout, plan)
+            be.attention(plan, cache, query=q)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -190,7 +190,7 @@ def test_plane_over_too_little_memory_refused(name, no_kernels):
              for _ in range(layout.num_planes)]
     q = arr(be, np.zeros((1, step.num_q_heads, 8), np.float32))
     with pytest.raises(KVABIError, match="memory"):
-        be.attention(q, short, layout, plan)
+        be.attention(plan, short, query=q)
 
 
 # -- index width --------------------------------------------------------------------------

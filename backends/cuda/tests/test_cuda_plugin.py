@@ -86,8 +86,7 @@ def test_triton_refuses_what_it_cannot_do():
         be.plan(bad.meta, step.spec, layout)
     plan = be.plan(step.meta, step.spec, layout)
     with pytest.raises(kvabi.KVABIError, match="query"):
-        be.attention(arr(be, __import__("numpy").zeros((3, 3, 8))), be.allocate(layout),
-                     layout, plan)
+        be.attention(plan, be.allocate(layout), query=arr(be, __import__("numpy").zeros((3, 3, 8))))
 
 
 def test_interpreter_can_be_forbidden():

@@ -20,8 +20,7 @@ def _written(backend, step, layer=1):
     for meta, kk, vv in ((step.hist, kh, vh), (step.meta, k, v)):
         if meta.num_tokens:
             p = backend.plan(meta, spec, layout)
-            backend.write_kv(cache, layout, arr(backend, kk), arr(backend, vv), p,
-                             layer=layer)
+            backend.write_kv(p, cache, key=arr(backend, kk), value=arr(backend, vv), layer=layer)
     return [to_numpy(x) for x in cache]
 
 
@@ -55,7 +54,7 @@ def test_write_rounds_like_numpy_and_skips_padding(dtype):
     for be in (TRITON, reference()):
         cache = be.allocate(layout)
         p = be.plan(step.meta, spec, layout)
-        be.write_kv(cache, layout, arr(be, k), arr(be, v), p, layer=0)
+        be.write_kv(p, cache, key=arr(be, k), value=arr(be, v), layer=0)
         planes[be.name] = _bytes([to_numpy(x) for x in cache])
     for g, w in zip(planes["cuda.triton"], planes["reference"]):
         np.testing.assert_array_equal(g, w)
@@ -87,4 +86,4 @@ def test_bfloat16_refused_in_interpreter():
 
     key = torch.zeros((1, 2, 8), dtype=torch.bfloat16)
     with pytest.raises(UnsupportedError, match="bfloat16"):
-        TRITON.write_kv(TRITON.allocate(layout), layout, key, key, p)
+        TRITON.write_kv(p, TRITON.allocate(layout), key=key, value=key)

@@ -103,7 +103,7 @@ def write_scaling(sizes_mib=(1, 256), tokens: int = 64, repeat: int = 5,
             state = {"cache": b.allocate(layout)}
 
             def write(b=b, plan=plan, layout=layout):
-                state["cache"] = _ready(b.write_kv(state["cache"], layout, k, k, plan))
+                state["cache"] = _ready(b.write_kv(plan, state["cache"], key=k, value=k))
 
             row[f"{mode}_ms"] = median_seconds(write, max(20, repeat) if donate
                                                else repeat) * 1e3
@@ -123,7 +123,7 @@ def measure(backend, spec, layout, meta, arrays, repeat: int) -> dict:
     plan = backend.plan(meta, spec, layout)
 
     def write(b):
-        state["cache"] = _ready(b.write_kv(state["cache"], layout, k, v, plan))
+        state["cache"] = _ready(b.write_kv(plan, state["cache"], key=k, value=v))
 
     out = {"backend": backend.name, "mode": backend.available()[1], "plan_ms": plan_s * 1e3}
     write_s = median_seconds(lambda: write(backend), repeat)
@@ -133,7 +133,7 @@ def measure(backend, spec, layout, meta, arrays, repeat: int) -> dict:
         out.update(write_copy_ms=copy_s * 1e3, write_copy_tokens_per_s=n / copy_s)
     out.update(write_ms=write_s * 1e3, write_tokens_per_s=n / write_s)
     cache = state["cache"]
-    attn_s = median_seconds(lambda: _ready(backend.attention(q, cache, layout, plan)), repeat)
+    attn_s = median_seconds(lambda: _ready(backend.attention(plan, cache, query=q)), repeat)
     out.update(attention_ms=attn_s * 1e3, attention_tokens_per_s=n / attn_s)
     return out
 

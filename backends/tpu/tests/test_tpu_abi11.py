@@ -55,11 +55,8 @@ def test_per_call_sinks_per_layer_with_one_plan(backend):
     for layer, sinks in ((0, per_layer[0]), (1, backend.asarray(per_layer[1])),
                          (1, None)):
         ref_sinks = default if sinks is None else np.asarray(sinks)
-        want, want_lse = REFERENCE.attention(
-            q, planes, layout, REFERENCE.plan(meta, spec, layout, sinks=ref_sinks),
-            layer=layer, return_lse=True)
-        out, lse = backend.attention(backend.asarray(q), cache, layout, plan, layer=layer,
-                                     sinks=sinks, return_lse=True)
+        want, want_lse = REFERENCE.attention(REFERENCE.plan(meta, spec, layout, sinks=ref_sinks), planes, query=q, layer=layer, return_lse=True)
+        out, lse = backend.attention(plan, cache, query=backend.asarray(q), layer=layer, sinks=sinks, return_lse=True)
         sizes.append(step._cache_size())
         assert rel_l2(backend.to_numpy(out)[:n], want[:n]) <= TOL["float32"]
         assert np.abs(backend.to_numpy(lse)[:n] - want_lse[:n]).max() <= 1e-4
@@ -78,11 +75,9 @@ def test_out_and_dtypes(backend):
     cache = to_backend(backend, planes)
     q = values(rng, (meta.num_tokens, 2, 64), "bfloat16")
     plan = backend.plan(meta, spec, layout)
-    want = REFERENCE.attention(q.astype(np.float32), planes, layout,
-                               REFERENCE.plan(meta, spec, layout))
+    want = REFERENCE.attention(REFERENCE.plan(meta, spec, layout), planes, query=q.astype(np.float32))
     buf = jnp.zeros((meta.num_tokens, 2, 64), jnp.bfloat16)
-    out, lse = backend.attention(backend.asarray(q), cache, layout, plan, out=buf,
-                                 return_lse=True)
+    out, lse = backend.attention(plan, cache, query=backend.asarray(q), out=buf, return_lse=True)
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     n = meta.num_actual_tokens
     assert rel_l2(backend.to_numpy(out)[:n], want[:n]) <= TOL["bfloat16"]
@@ -90,7 +85,7 @@ def test_out_and_dtypes(backend):
                       (jnp.zeros((meta.num_tokens, 4, 64), jnp.bfloat16), "shape"),
                       (np.zeros(3), "shape")):
         with pytest.raises(KVABIError, match="out"):
-            backend.attention(backend.asarray(q), cache, layout, plan, out=bad)
+            backend.attention(plan, cache, query=backend.asarray(q), out=bad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=ids)
@@ -100,7 +95,7 @@ def test_num_q_heads_and_sinks_refusals(backend):
     q2 = backend.asarray(np.zeros((meta.num_tokens, 2, 64), np.float32))
     plan = backend.plan(meta, spec, layout, num_q_heads=4)
     with pytest.raises(KVABIError, match="num_q_heads=4"):
-        backend.attention(q2, cache, layout, plan)
+        backend.attention(plan, cache, query=q2)
     for bad in (3, 0, True, 2.0, "4"):
         with pytest.raises(KVABIError, match="num_q_heads"):
             backend.plan(meta, spec, layout, num_q_heads=bad)
@@ -111,7 +106,7 @@ def test_num_q_heads_and_sinks_refusals(backend):
                 backend.asarray(np.zeros(3, np.float32)),
                 backend.asarray(np.zeros(2, np.int32))):
         with pytest.raises(KVABIError, match="sinks"):
-            backend.attention(q2, cache, layout, plan2, sinks=bad)
+            backend.attention(plan2, cache, query=q2, sinks=bad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=ids)
@@ -124,13 +119,13 @@ def test_list_cache_of_abi_1_0(backend):
     q = values(rng, (meta.num_tokens, 4, 64), "float32")
     sinks = np.array([0.5, -1.0, 1.5, 0.0])
     ref_plan = REFERENCE.plan(meta, spec, layout, sinks=sinks)
-    REFERENCE.write_kv(planes, layout, k, v, ref_plan, layer=1)
-    want = REFERENCE.attention(q, planes, layout, ref_plan, layer=1)
+    REFERENCE.write_kv(ref_plan, planes, key=k, value=v, layer=1)
+    want = REFERENCE.attention(ref_plan, planes, query=q, layer=1)
     plan = backend.plan(meta, spec, layout, sinks=sinks)
     cache = to_backend(backend, filled_cache(layout, spec, np.random.default_rng(2)))
-    cache = backend.write_kv(cache, layout, k, v, plan, layer=1)
+    cache = backend.write_kv(plan, cache, key=k, value=v, layer=1)
     assert type(cache) is list
-    out = backend.attention(backend.asarray(q), cache, layout, plan, layer=1)
+    out = backend.attention(plan, cache, query=backend.asarray(q), layer=1)
     n = meta.num_actual_tokens
     assert rel_l2(backend.to_numpy(out)[:n], want[:n]) <= TOL["float32"]
 
@@ -143,11 +138,11 @@ def test_donated_cache_is_consumed_and_refused_after(backend):
     rng = np.random.default_rng(3)
     planes = filled_cache(layout, spec, rng)
     k = values(rng, (meta.num_tokens, 2, 64), "float32")
-    REFERENCE.write_kv(planes, layout, k, k, REFERENCE.plan(meta, spec, layout), layer=0)
+    REFERENCE.write_kv(REFERENCE.plan(meta, spec, layout), planes, key=k, value=k, layer=0)
     old = kvabi.KVCache.wrap(layout, to_backend(
         backend, filled_cache(layout, spec, np.random.default_rng(3))))
     plan = backend.plan(meta, spec, layout)
-    new = backend.write_kv(old, layout, k, k, plan, layer=0)
+    new = backend.write_kv(plan, old, key=k, value=k, layer=0)
     assert isinstance(new, kvabi.KVCache) and new.layout is layout
     assert old[0].is_deleted() and not old[1].is_deleted() and new[1] is old[1]
     for g, w in zip(new, planes):
@@ -155,7 +150,7 @@ def test_donated_cache_is_consumed_and_refused_after(backend):
     q = backend.asarray(values(rng, (meta.num_tokens, 4, 64), "float32"))
     sinks = np.zeros(4, np.float32)
     with pytest.raises(KVABIError, match="consumed"):
-        backend.attention(q, old, layout, plan, layer=0, sinks=sinks)
+        backend.attention(plan, old, query=q, layer=0, sinks=sinks)
     with pytest.raises(KVABIError, match="consumed"):
-        backend.write_kv(old, layout, k, k, plan, layer=0)
-    backend.attention(q, old, layout, plan, layer=1, sinks=sinks)  # layer 1 not donated
+        backend.write_kv(plan, old, key=k, value=k, layer=0)
+    backend.attention(plan, old, query=q, layer=1, sinks=sinks)  # layer 1 not donated

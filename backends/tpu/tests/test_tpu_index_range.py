@@ -80,20 +80,20 @@ def test_plan_of_another_layout_refused_before_any_kernel(backend):
     k = backend.asarray(np.ones((4, 1, 64), np.float32))
     q = backend.asarray(np.ones((4, 2, 64), np.float32))
     with pytest.raises(KVABIError, match="plan was built for layout tpu.combined of 16"):
-        backend.attention(q, cache, small, plan)
+        backend.attention(plan, cache, query=q)
     with pytest.raises(KVABIError, match="plan was built for"):
-        backend.write_kv(cache, small, k, k, plan)
+        backend.write_kv(plan, cache, key=k, value=k)
     with pytest.raises(KVABIError, match=r"cache\[0\].shape"):
-        backend.attention(q, cache, big, plan)
+        backend.attention(plan, cache, query=q)
     with pytest.raises(KVABIError, match=r"cache\[0\].shape"):
-        backend.write_kv(list(cache), big, k, k, plan)
+        backend.write_kv(plan, list(cache), key=k, value=k)
     assert not cache[0].is_deleted()
     with pytest.raises(KVABIError, match="numpy planes"):
-        backend.write_kv(big.allocate_numpy(0), big, k, k, plan)
+        backend.write_kv(plan, big.allocate_numpy(0), key=k, value=k)
     # an equal layout (e.g. from a JSON round trip) is the same layout
     twin = kvabi.Layout.from_json(big.to_json())
     assert twin is not big
-    backend.write_kv(backend.allocate(twin), twin, k, k, plan)
+    backend.write_kv(plan, backend.allocate(twin), key=k, value=k)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=ids)

@@ -35,12 +35,9 @@ def check_poisoned(backend, spec, form, meta, group, options, seed, *, min_poiso
     poisoned, count = poison_invisible(layout, spec, clean,
                                        visible_slots(meta, spec, checked), rng)
     assert count >= min_poisoned
-    want, want_lse = REFERENCE.attention(query, clean, layout,
-                                         REFERENCE.plan(meta, spec, layout, **options),
-                                         layer=1, return_lse=True)
+    want, want_lse = REFERENCE.attention(REFERENCE.plan(meta, spec, layout, **options), clean, query=query, layer=1, return_lse=True)
     plan = backend.plan(meta, spec, layout, **options)
-    out, lse = backend.attention(backend.asarray(query), to_backend(backend, poisoned),
-                                 layout, plan, layer=1, return_lse=True)
+    out, lse = backend.attention(plan, to_backend(backend, poisoned), query=backend.asarray(query), layer=1, return_lse=True)
     out = np.asarray(backend.to_numpy(out), np.float64)[checked]
     lse = np.asarray(backend.to_numpy(lse), np.float64)[checked]
     assert np.isfinite(out).all() and np.isfinite(lse).all(), \

@@ -32,11 +32,10 @@ def test_prefill_skip_rows_equal_full_attention(backend):
     rng = np.random.default_rng(0)
     planes = filled_cache(layout, spec, rng)
     q = values(rng, (meta.num_tokens, 8, 128), "bfloat16")
-    want = REFERENCE.attention(q, planes, layout, REFERENCE.plan(meta, spec, layout))
+    want = REFERENCE.attention(REFERENCE.plan(meta, spec, layout), planes, query=q)
     short, idx = transforms.prefill_skip(meta)
     cache = to_backend(backend, planes)
-    got = backend.attention(backend.asarray(q[idx]), cache, layout,
-                            backend.plan(short, spec, layout))
+    got = backend.attention(backend.plan(short, spec, layout), cache, query=backend.asarray(q[idx]))
     assert rel_l2(backend.to_numpy(got), want[idx]) <= TOL["bfloat16"]
 
 
@@ -53,12 +52,10 @@ def test_local_virtual_batches_equal_chunked_local(backend):
     planes = filled_cache(layout, local, rng)
     q = values(rng, (meta.num_tokens, 4, 128), "float32")
     n = meta.num_actual_tokens
-    want = REFERENCE.attention(q, planes, layout, REFERENCE.plan(meta, local, layout))[:n]
+    want = REFERENCE.attention(REFERENCE.plan(meta, local, layout), planes, query=q)[:n]
     cache = to_backend(backend, planes)
-    direct = backend.attention(backend.asarray(q), cache, layout,
-                               backend.plan(meta, local, layout))
+    direct = backend.attention(backend.plan(meta, local, layout), cache, query=backend.asarray(q))
     assert rel_l2(backend.to_numpy(direct)[:n], want) <= TOL["float32"]
     virtual, _ = transforms.local_virtual_batches(meta, 32)
-    via = backend.attention(backend.asarray(q), cache, layout,
-                            backend.plan(virtual, full, layout))
+    via = backend.attention(backend.plan(virtual, full, layout), cache, query=backend.asarray(q))
     assert rel_l2(backend.to_numpy(via)[:n], want) <= TOL["float32"]

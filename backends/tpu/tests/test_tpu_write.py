@@ -38,10 +38,8 @@ def check_write(backend, spec, form, meta, layer, seed, handle=True):
         cache = kvabi.KVCache.wrap(layout, cache)
     t, h, d = meta.num_tokens, spec.num_kv_heads, spec.head_dim
     key, value = values(rng, (t, h, d), spec.dtype), values(rng, (t, h, d), spec.dtype)
-    REFERENCE.write_kv(want, layout, key, value, REFERENCE.plan(meta, spec, layout),
-                       layer=layer)
-    got = backend.write_kv(cache, layout, backend.asarray(key), backend.asarray(value),
-                           backend.plan(meta, spec, layout), layer=layer)
+    REFERENCE.write_kv(REFERENCE.plan(meta, spec, layout), want, key=key, value=value, layer=layer)
+    got = backend.write_kv(backend.plan(meta, spec, layout), cache, key=backend.asarray(key), value=backend.asarray(value), layer=layer)
     assert type(got) is (kvabi.KVCache if handle else list)
     assert len(got) == layout.num_planes
     for i, (g, w) in enumerate(zip(got, want)):
@@ -102,6 +100,6 @@ def test_shared_layer_never_writes(backend):
     cache = to_backend(backend, filled_cache(layout, spec, rng))
     before = [np.array(backend.to_numpy(p)) for p in cache]
     q = backend.asarray(values(rng, (4, 2, 64), "float32"))
-    backend.attention(q, cache, layout, backend.plan(meta, spec, layout))
+    backend.attention(backend.plan(meta, spec, layout), cache, query=q)
     for b, p in zip(before, cache):
         assert same_bytes(b, backend.to_numpy(p))

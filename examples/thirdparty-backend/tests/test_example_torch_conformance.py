@@ -35,15 +35,11 @@ def test_out_buffer_and_per_call_sinks_match_the_reference():
     plan = ours.plan(meta, spec, layout, num_q_heads=4, sinks=sinks[0])
     for layer in (1, 0):
         ref_plan = ref.plan(meta, spec, layout, sinks=sinks[layer])
-        ref.write_kv(ref_cache, layout, k + layer, v - layer, ref_plan, layer=layer)
-        ours.write_kv(cache, layout, torch.from_numpy(k + layer), torch.from_numpy(v - layer),
-                      plan, layer=layer)
-        want, want_lse = ref.attention(q, ref_cache, layout, ref_plan, layer=layer,
-                                       return_lse=True)
+        ref.write_kv(ref_plan, ref_cache, key=k + layer, value=v - layer, layer=layer)
+        ours.write_kv(plan, cache, key=torch.from_numpy(k + layer), value=torch.from_numpy(v - layer), layer=layer)
+        want, want_lse = ref.attention(ref_plan, ref_cache, query=q, layer=layer, return_lse=True)
         buf = torch.full((meta.num_tokens, 4, 8), float("nan"))
-        got, got_lse = ours.attention(torch.from_numpy(q), cache, layout, plan, layer=layer,
-                                      sinks=torch.from_numpy(sinks[layer]), out=buf,
-                                      return_lse=True)
+        got, got_lse = ours.attention(plan, cache, query=torch.from_numpy(q), layer=layer, sinks=torch.from_numpy(sinks[layer]), out=buf, return_lse=True)
         assert got is buf and got.dtype == torch.float32 and got_lse.dtype == torch.float32
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got_lse.numpy(), want_lse, rtol=1e-5, atol=1e-6)
@@ -84,13 +80,12 @@ def test_nan_outside_the_requests_never_reaches_a_result():
                     ref_cache.kv_view(0, kv)[b, o] = x[p]
                     cache.kv_view(0, kv)[b, o] = torch.from_numpy(x[p])
         ref_plan = ref.plan(meta, spec, layout)
-        ref.write_kv(ref_cache, layout, k, v, ref_plan)
-        want, want_lse = ref.attention(q, ref_cache, layout, ref_plan, return_lse=True)
+        ref.write_kv(ref_plan, ref_cache, key=k, value=v)
+        want, want_lse = ref.attention(ref_plan, ref_cache, query=q, return_lse=True)
         plan = ours.plan(meta, spec, layout, num_q_heads=4)
-        ours.write_kv(cache, layout, torch.from_numpy(k), torch.from_numpy(v), plan)
-        got = ours.attention(torch.from_numpy(q), cache, layout, plan)
-        got2, got_lse = ours.attention(torch.from_numpy(q), cache, layout, plan,
-                                       return_lse=True)
+        ours.write_kv(plan, cache, key=torch.from_numpy(k), value=torch.from_numpy(v))
+        got = ours.attention(plan, cache, query=torch.from_numpy(q))
+        got2, got_lse = ours.attention(plan, cache, query=torch.from_numpy(q), return_lse=True)
         for x in (got, got2):
             assert torch.isfinite(x).all(), kind
             np.testing.assert_allclose(x.numpy(), want, rtol=1e-5, atol=1e-5, err_msg=kind)

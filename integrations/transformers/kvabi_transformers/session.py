@@ -171,7 +171,7 @@ class Session:
             v = self._to_backend(value[0].transpose(0, 1))
             t1 = clock()
             self.caches[g] = kvabi.as_cache(
-                self.backend.write_kv(self.caches[g], layout, k, v, plan, layer=slot.index),
+                self.backend.write_kv(plan, self.caches[g], key=k, value=v, layer=slot.index),
                 layout)
         else:
             t1 = clock()

@@ -20,7 +20,7 @@ class Spy(ReferenceBackend):
 
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
         self.writes.append((plan.spec.kind, layer))
-        return super().write_kv(cache, layout, key, value, plan, layer=layer)
+        return super().write_kv(plan, cache, key=key, value=value, layer=layer)
 
     def attention(self, query, cache, layout, plan, *, layer=0, **kw):
         self.reads.append((plan.spec.kind, layer))

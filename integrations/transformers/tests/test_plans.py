@@ -48,8 +48,7 @@ class Counting10(Counting):
         return super().plan(meta, spec, layout, scale=scale, softcap=softcap, sinks=sinks)
 
     def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False):
-        return super().attention(query, cache, layout, plan, layer=layer,
-                                 return_lse=return_lse)
+        return super().attention(plan, cache, query=query, layer=layer, return_lse=return_lse)
 
 
 @pytest.mark.parametrize("cls,plans_per_step", [(Counting, 2), (Counting10, 4)])

@@ -324,9 +324,7 @@ class KvabiAttentionImpl(AttentionImpl):
         g, n = md.group, md.num_actual_tokens
         k = key[:n].reshape(n, self.num_kv_heads, self.head_size)
         v = value[:n].reshape(n, self.num_kv_heads, self.head_size)
-        out = g.backend.write_kv(g.cache, g.layout, self._framework(g, k),
-                                 self._framework(g, v), md.plan,
-                                 layer=g.layer_index[layer.layer_name])
+        out = g.backend.write_kv(md.plan, g.cache, key=self._framework(g, k), value=self._framework(g, v), layer=g.layer_index[layer.layer_name])
         if out is not g.cache and g.backend.framework == "jax":
             raise UnsupportedError(f"{g.backend.name}: a jax cache cannot live in vLLM's "
                                    f"torch memory")
@@ -348,9 +346,7 @@ class KvabiAttentionImpl(AttentionImpl):
             if self._np_sinks is None:
                 self._np_sinks = self.sinks.detach().float().cpu().numpy()
             sinks = self._np_sinks
-        res = g.backend.attention(self._framework(g, q), g.cache, g.layout, md.plan,
-                                  layer=g.layer_index[layer.layer_name], sinks=sinks,
-                                  out=self._framework(g, out))
+        res = g.backend.attention(md.plan, g.cache, query=self._framework(g, q), layer=g.layer_index[layer.layer_name], sinks=sinks, out=self._framework(g, out))
         if g.backend.framework != "numpy" and res is not None and \
                 res.data_ptr() != out.data_ptr():
             out.copy_(res)

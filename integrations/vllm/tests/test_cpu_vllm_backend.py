@@ -60,16 +60,16 @@ def test_bad_calls_raise_kvabi_errors():
     cache = b.allocate(layout)
     q = torch.zeros((meta.num_tokens, 2, 32))
     with pytest.raises(kvabi.KVABIError, match="query: 2 query heads, the plan was made for 4"):
-        b.attention(q, cache, layout, plan)
+        b.attention(plan, cache, query=q)
     q = torch.zeros((meta.num_tokens, 4, 32))
     with pytest.raises(kvabi.KVABIError, match="out:"):
-        b.attention(q, cache, layout, plan, out=torch.zeros((meta.num_tokens, 4, 32),
+        b.attention(plan, cache, query=q, out=torch.zeros((meta.num_tokens, 4, 32),
                                                             dtype=torch.float16))
     with pytest.raises(kvabi.KVABIError, match="sinks:"):
-        b.attention(q, cache, layout, plan, sinks=np.zeros(3))
+        b.attention(plan, cache, query=q, sinks=np.zeros(3))
     other = kvabi.get_backend("reference").plan(meta, spec, layout)
     with pytest.raises(kvabi.KVABIError, match="plan:"):
-        b.attention(q, cache, layout, other)
+        b.attention(other, cache, query=q)
 
 
 class _NoZeroing(CpuVllmBackend):
@@ -130,6 +130,6 @@ def test_same_bits_as_the_kernels_called_the_way_vllm_calls_them(dtype, bs, hd, 
         layout = kvabi.Layout.preset(name, spec, num_blocks=6)
         cache = b.allocate(layout)
         plan = b.plan(meta, spec, layout, num_q_heads=4, scale=0.3)
-        b.write_kv(cache, layout, k, v, plan)
-        got = b.attention(q, cache, layout, plan)
+        b.write_kv(plan, cache, key=k, value=v)
+        got = b.attention(plan, cache, query=q)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
