@@ -186,7 +186,7 @@ def test_a_checked_object_changed_later_is_refused_or_harmless(setup):
     cache = KVCache.wrap(layout, g.planes)
     backend = BACKENDS[fw]
     meta = _step(layout)
-    plan = backend.plan(meta, SPEC, layout)
+    plan = backend.plan(meta, SPEC, layout, num_q_heads=1)
     t = meta.num_tokens
     rng = np.random.default_rng(t)
     key = rng.standard_normal((t, 1, 4)).astype(np.float32)

@@ -165,7 +165,7 @@ class TorchSDPABackend(kvabi.Backend):
                 logits = plan.softcap * torch.tanh(logits / plan.softcap)
             logits = torch.where(w.mask[:, None, None], logits, float("-inf"))
             if sink is not None:  # one extra logit per head in the denominator only
-                s = torch.as_tensor(sink, dtype=torch.float32).reshape(1, h, g, 1, 1)
+                s = torch.tensor(sink, dtype=torch.float32).reshape(1, h, g, 1, 1)
                 logits = torch.cat([logits, s.expand(*logits.shape[:-1], 1)], dim=-1)
             top = logits.amax(dim=-1, keepdim=True)
             p = torch.exp(logits - top)
