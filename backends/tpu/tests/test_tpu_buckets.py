@@ -172,7 +172,7 @@ def test_beyond_the_limits_is_refused_after_warmup():
     meta = kvabi.CommonAttentionMetadata.from_lengths([1, 1, 1], [0, 0, 0],
                                                       [[0], [1], [2]], 8, num_blocks=12)
     with pytest.raises(KVABIError, match="num_reqs: 3 exceeds .*max_reqs = 2"):
-        be.plan(meta, spec, layout)
+        be.plan(meta, spec, layout, num_q_heads=1)
     # another layout (or spec) was not declared: its plans keep the unbounded buckets
     other = kvabi.Layout.preset("tpu.combined", spec, 13)
-    assert be.plan(meta, spec, other).bucket is None
+    assert be.plan(meta, spec, other, num_q_heads=1).prepared.bucket is None
