@@ -176,10 +176,10 @@ class Backend:
         """Write the step's new K/V into ``layer`` of ``cache`` at the plan's slots (slot
         -1 skipped); returns the cache.  numpy and torch caches are written in place; a
         jax cache is consumed (its buffers donated to the update): use the returned one."""
-        cache = self._cache(plan, cache)
+        cache = self.__cache(plan, cache)
         layer = check_layer(layer, plan.layout)
-        key = self._array(key, "key")
-        value = None if value is None else self._array(value, "value")
+        key = self.__array(key, "key")
+        value = None if value is None else self.__array(value, "value")
         check_kv(key, value, plan.meta, plan.spec)
         return self.write(plan=plan, cache=cache, key=key, value=value, layer=layer)
 
@@ -198,16 +198,20 @@ class Backend:
         plan's for this call; ``out`` ([T, Hq, Dv], the query's dtype, sharing no memory
         with the query or the cache) receives the output in place where the framework
         allows (numpy, torch) and is returned (jax: a new array is returned)."""
-        cache = self._cache(plan, cache)
+        cache = self.__cache(plan, cache)
         layer = check_layer(layer, plan.layout)
         if return_lse is not False and return_lse is not True:
             return_lse = as_bool(return_lse, "return_lse")
-        query = self._array(query, "query")
+        query = self.__array(query, "query")
         hq = check_query(query, plan.meta, plan.spec)
         if hq != plan.num_q_heads:
             raise KVABIError(f"query: the plan was made for num_q_heads={plan.num_q_heads}, "
                              f"got {hq} query heads")
-        sinks = plan.sinks if sinks is None else self._sinks(sinks, hq)
+        if sinks is None:
+            sinks = plan.sinks
+        else:
+            self.check_supported(plan.spec, sinks=sinks)  # a backend without sinks
+            sinks = self.__sinks(sinks, hq)
         if out is not None:
             check_out(out, (plan.meta.num_tokens, hq, plan.spec.head_dim_v), query,
                       self.framework, () if self.framework == "jax" else
@@ -223,7 +227,7 @@ class Backend:
         return (res, lse) if return_lse else res
 
     # -- the checks behind them ----------------------------------------------------------
-    def _cache(self, plan, cache) -> KVCache:
+    def __cache(self, plan, cache) -> KVCache:
         """``plan`` is one this backend made; ``cache`` a handle of its layout, of this
         backend's framework and kind of device."""
         if type(plan) is not StepPlan or _ISSUED.get(plan) is not self:
@@ -241,14 +245,14 @@ class Backend:
             raise KVABIError(f"cache: {self.name} takes {self.framework} planes, got a cache "
                              f"of {cache.framework} planes (kvabi.tensors.convert copies "
                              f"them)")
-        dev = self._device()
+        dev = self.__device()
         if dev is not None and self.framework == "torch" and len(cache) and \
                 cache[0].device.type != dev.type:
             raise KVABIError(f"cache: planes are on {cache[0].device}, {self.name} runs on "
                              f"{dev}")
         return cache
 
-    def _device(self):
+    def __device(self):
         """:meth:`device`, asked once."""
         try:
             return self.__dict__["_kvabi_device"]
@@ -256,21 +260,21 @@ class Backend:
             dev = self.__dict__["_kvabi_device"] = self.device()
             return dev
 
-    def _array(self, x, field: str):
+    def __array(self, x, field: str):
         """``x`` (real numbers) in this backend's framework, on its device."""
         fw = framework(x)
         if fw != self.framework:
             if fw is None:
                 x = real_array(x, field)
-            x = convert(x, self.framework, device=self._device())
+            x = convert(x, self.framework, device=self.__device())
         elif fw == "torch":
-            dev = self._device()
+            dev = self.__device()
             if dev is not None and x.device.type != dev.type:
                 x = x.to(dev)
         real_dtype(x, field)
         return x
 
-    def _sinks(self, sinks, hq: int):
+    def __sinks(self, sinks, hq: int):
         """Per-call sinks, checked; a torch or jax tensor once per tensor (and per in-place
         change): an engine passes each layer's learned sinks, the same tensor every step,
         and checking a device tensor costs a host copy."""

@@ -10,14 +10,13 @@ around them (layer planes, cross-layer stores, buckets, compiles) lives here.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import numpy as np
 
 import kvabi
 from kvabi import KVABIError
 from kvabi.dtypes import numpy_dtype
-from kvabi.tensors import to_jax
+from kvabi.tensors import ConvertOnce, to_jax
 
 from .cache_format import CacheFormat
 from .dtype import SUPPORTED
@@ -271,15 +270,9 @@ class TPUBackendBase(kvabi.Backend):
         array for the same sinks tensor)."""
         if sinks is None or sinks is plan.sinks:
             return plan.prepared.sinks_device
-        memo = self.__dict__.setdefault("_device_sink_memo", {})
-        hit = memo.get(id(sinks))
-        if hit is not None and hit[0]() is sinks:
-            return hit[1]
-        dev = to_jax(sinks.astype(np.float32))
-        if len(memo) >= 4096:
-            memo.clear()
-        memo[id(sinks)] = (weakref.ref(sinks), dev)
-        return dev
+        if "_sinks_on_device" not in self.__dict__:
+            self._sinks_on_device = ConvertOnce("jax", dtype="float32")
+        return self._sinks_on_device(sinks)
 
     # -- the computations ----------------------------------------------------------------
     def _cheap_compile(self) -> bool:
