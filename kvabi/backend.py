@@ -38,7 +38,8 @@ from .coerce import as_bool, real_array
 from .errors import KVABIError, UnsupportedError
 from .spec import KVSpec
 from .step_checks import (AttentionOptions, check_kv, check_layer, check_num_q_heads,
-                          check_out, check_query, check_sinks, check_step, real_dtype)
+                          check_out, check_query, check_sinks, check_step, dtype_class,
+                          real_dtype)
 from .step_plan import StepPlan
 from .tensors import convert, framework
 from .version import ABI_VERSION
@@ -177,10 +178,13 @@ class Backend:
         -1 skipped); returns the cache.  numpy and torch caches are written in place; a
         jax cache is consumed (its buffers donated to the update): use the returned one."""
         cache = self.__cache(plan, cache)
-        layer = check_layer(layer, plan.layout)
+        if type(layer) is not int or not 0 <= layer < plan.num_layers:
+            layer = check_layer(layer, plan.layout)
         key = self.__array(key, "key")
         value = None if value is None else self.__array(value, "value")
-        check_kv(key, value, plan.meta, plan.spec)
+        kshape, vshape = plan.shapes[:2]
+        if key.shape != kshape or (None if value is None else value.shape) != vshape:
+            check_kv(key, value, plan.meta, plan.spec)  # names what is wrong
         return self.write(plan=plan, cache=cache, key=key, value=value, layer=layer)
 
     @overload
@@ -199,23 +203,24 @@ class Backend:
         with the query or the cache) receives the output in place where the framework
         allows (numpy, torch) and is returned (jax: a new array is returned)."""
         cache = self.__cache(plan, cache)
-        layer = check_layer(layer, plan.layout)
+        if type(layer) is not int or not 0 <= layer < plan.num_layers:
+            layer = check_layer(layer, plan.layout)
         if return_lse is not False and return_lse is not True:
             return_lse = as_bool(return_lse, "return_lse")
         query = self.__array(query, "query")
-        hq = check_query(query, plan.meta, plan.spec)
-        if hq != plan.num_q_heads:
+        if query.shape != plan.shapes[2] or dtype_class(query.dtype) != "float":
+            hq = check_query(query, plan.meta, plan.spec)  # names what is wrong
             raise KVABIError(f"query: the plan was made for num_q_heads={plan.num_q_heads}, "
                              f"got {hq} query heads")
+        hq = plan.num_q_heads
         if sinks is None:
             sinks = plan.sinks
         else:
             self.check_supported(plan.spec, sinks=sinks)  # a backend without sinks
             sinks = self.__sinks(sinks, hq)
         if out is not None:
-            check_out(out, (plan.meta.num_tokens, hq, plan.spec.head_dim_v), query,
-                      self.framework, () if self.framework == "jax" else
-                      cache.layer_spans(layer))
+            check_out(out, plan.shapes[3], query, self.framework,
+                      () if self.framework == "jax" else cache.layer_spans(layer))
         res, lse = self.attend(plan=plan, cache=cache, query=query, layer=layer, sinks=sinks,
                                out=out, return_lse=return_lse)
         if out is not None and res is not out and self.framework != "jax":
@@ -229,7 +234,12 @@ class Backend:
     # -- the checks behind them ----------------------------------------------------------
     def __cache(self, plan, cache) -> KVCache:
         """``plan`` is one this backend made; ``cache`` a handle of its layout, of this
-        backend's framework and kind of device."""
+        backend's framework and kind of device.  The last pair that passed is remembered
+        (both immutable; held, so neither address can be reused): an engine passes the
+        same plan and cache to every layer of a step."""
+        last = self.__dict__.get("_kvabi_last")
+        if last is not None and last[0] is plan and last[1] is cache:
+            return cache
         if type(plan) is not StepPlan or _ISSUED.get(plan) is not self:
             got = type(plan).__name__ if type(plan) is not StepPlan else \
                 f"a plan of {plan.backend!r} not made by this backend object"
@@ -250,6 +260,7 @@ class Backend:
                 cache[0].device.type != dev.type:
             raise KVABIError(f"cache: planes are on {cache[0].device}, {self.name} runs on "
                              f"{dev}")
+        self.__dict__["_kvabi_last"] = (plan, cache)
         return cache
 
     def __device(self):
@@ -271,7 +282,8 @@ class Backend:
             dev = self.__device()
             if dev is not None and x.device.type != dev.type:
                 x = x.to(dev)
-        real_dtype(x, field)
+        if dtype_class(x.dtype) == "other":
+            real_dtype(x, field)
         return x
 
     def __sinks(self, sinks, hq: int):

@@ -156,26 +156,49 @@ def _check_block_ids(bt, meta, spec, n) -> None:
                              f"outside the layout's {n} blocks")
 
 
+# dtype -> "float", "real" (integers) or "other": str() of a numpy dtype costs microseconds,
+# and a step's few dtypes are classified once
+_DTYPE_CLASS: dict = {}
+
+
+def dtype_class(dt) -> str:
+    """``"float"``, ``"real"`` (integers) or ``"other"`` for a numpy, torch or jax dtype."""
+    try:
+        return _DTYPE_CLASS[dt]
+    except (KeyError, TypeError):
+        pass
+    name = str(dt).replace("torch.", "")
+    if getattr(dt, "kind", None) in ("c", "b", "U", "S", "O") or "complex" in name or \
+            name.endswith("bool"):
+        c = "other"
+    else:
+        c = "float" if name.startswith(("float", "bfloat")) else "real"
+    try:
+        if len(_DTYPE_CLASS) < 256:
+            _DTYPE_CLASS[dt] = c
+    except TypeError:  # an unhashable dtype-like object: classified every time
+        pass
+    return c
+
+
 def real_dtype(x, field: str) -> None:
     """``x`` holds real numbers (any framework): complex, bool, string and object arrays
     would lose data or fail deep inside a kernel."""
     dt = getattr(x, "dtype", None)
     if dt is None:
         raise KVABIError(f"{field}: must be an array, got {type(x).__name__}")
-    kind = getattr(dt, "kind", None)
-    name = str(dt)
-    if kind in ("c", "b", "U", "S", "O") or "complex" in name or name.endswith("bool"):
-        raise KVABIError(f"{field}: must hold real numbers, got dtype {name}")
+    if dtype_class(dt) == "other":
+        raise KVABIError(f"{field}: must hold real numbers, got dtype {dt}")
 
 
 def check_query(query, meta, spec) -> int:
     """Check a query tensor [T, Hq, D] (any framework; a floating dtype, which the output
     takes); returns Hq."""
-    name = str(getattr(query, "dtype", "")).replace("torch.", "")
-    if not name.startswith(("float", "bfloat")):
+    dt = getattr(query, "dtype", None)
+    if dt is None or dtype_class(dt) != "float":
         real_dtype(query, "query")
         raise KVABIError(f"query.dtype: must be a floating-point dtype (the output has the "
-                         f"query's), got {name}")
+                         f"query's), got {_dtype(query)}")
     t, h = meta.num_tokens, spec.num_kv_heads
     shape = tuple(query.shape)
     if len(shape) != 3 or shape[0] != t or shape[2] != spec.head_dim:

@@ -35,6 +35,17 @@ class StepPlan:
     softcap: float | None
     sinks: np.ndarray | None
     prepared: object = None
+    #: derived once, for the per-layer checks: the step's array shapes (key, value or None
+    #: for MLA, query, output) and the layout's layer count
+    shapes: tuple = attrs.field(init=False, repr=False)
+    num_layers: int = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self):
+        t, h, s = self.meta.num_tokens, self.spec.num_kv_heads, self.spec
+        object.__setattr__(self, "shapes", (
+            (t, h, s.head_dim), None if s.is_mla else (t, h, s.head_dim_v),
+            (t, self.num_q_heads, s.head_dim), (t, self.num_q_heads, s.head_dim_v)))
+        object.__setattr__(self, "num_layers", self.layout.num_layers)
 
     @property
     def num_tokens(self) -> int:
