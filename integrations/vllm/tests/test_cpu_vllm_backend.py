@@ -56,11 +56,17 @@ def test_unclaimed_specs_are_refused(change, field):
         CpuVllmBackend().plan(meta, spec, layout, num_q_heads=2)
 
 
-def test_bad_calls_raise_kvabi_errors():
+def _planned(hq: int):
+    """(backend, plan for ``hq`` query heads, cache, a zero query of ``hq`` heads)."""
     b = CpuVllmBackend()
     spec, layout, meta = _step()
-    plan = b.plan(meta, spec, layout, num_q_heads=4)
-    cache = b.allocate(layout)
+    plan = b.plan(meta, spec, layout, num_q_heads=hq)
+    return b, plan, b.allocate(layout), torch.zeros((meta.num_tokens, hq, 32))
+
+
+def test_bad_calls_raise_kvabi_errors():
+    b, plan, cache, _ = _planned(4)
+    spec, layout, meta = plan.spec, plan.layout, plan.meta
     q = torch.zeros((meta.num_tokens, 2, 32))
     with pytest.raises(kvabi.KVABIError, match="query: the plan was made for num_q_heads=4, "
                                                "got 2"):
@@ -80,17 +86,13 @@ def test_a_plan_cannot_be_changed_after_plan():
     """Block entries pointed past the cache after ``plan`` once reached the kernels (a
     segfault): the prepared arrays cannot be rebound, and a plan rebuilt around changed
     ones is not this backend's."""
-    b = CpuVllmBackend()
-    spec, layout, meta = _step()
-    plan = b.plan(meta, spec, layout, num_q_heads=2)
-    cache = b.allocate(layout)
+    b, plan, cache, q = _planned(2)
     far = torch.full_like(plan.prepared.entries, 10**9)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         plan.prepared.entries = far
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        plan.meta = meta
+        plan.meta = plan.meta
     forged = attrs.evolve(plan, prepared=attrs.evolve(plan.prepared, entries=far))
-    q = torch.zeros((meta.num_tokens, 2, 32))
     with pytest.raises(kvabi.KVABIError, match="plan: must come from cpu.vllm.plan"):
         b.attention(forged, cache, query=q)
 
@@ -103,11 +105,7 @@ def test_a_head_dim_other_than_the_layouts_is_refused_at_plan():
 
 
 def test_an_out_over_the_cache_is_refused():
-    b = CpuVllmBackend()
-    spec, layout, meta = _step()
-    plan = b.plan(meta, spec, layout, num_q_heads=2)
-    cache = b.allocate(layout)
-    q = torch.zeros((meta.num_tokens, 2, 32))
+    b, plan, cache, q = _planned(2)
     over = cache[0].view(-1)[:q.numel()].view(q.shape)
     with pytest.raises(kvabi.KVABIError, match="out: shares memory with the cache"):
         b.attention(plan, cache, query=q, out=over)
