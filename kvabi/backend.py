@@ -234,16 +234,15 @@ class Backend:
     # -- the checks behind them ----------------------------------------------------------
     def __cache(self, plan, cache) -> KVCache:
         """``plan`` is one this backend made; ``cache`` a handle of its layout, of this
-        backend's framework and kind of device.  The last pair that passed is remembered
-        (both immutable; held, so neither address can be reused): an engine passes the
-        same plan and cache to every layer of a step."""
-        last = self.__dict__.get("_kvabi_last")
-        if last is not None and last[0] is plan and last[1] is cache:
-            return cache
-        if type(plan) is not StepPlan or _ISSUED.get(plan) is not self:
-            got = type(plan).__name__ if type(plan) is not StepPlan else \
-                f"a plan of {plan.backend!r} not made by this backend object"
-            raise KVABIError(f"plan: must come from {self.name}.plan(), got {got}")
+        backend's framework and kind of device.  The last plan that passed is remembered
+        (held, so its address cannot be reused; a plan is small): every layer of a step
+        passes the same one.  The cache is not held (it may be all of a device's memory)."""
+        if plan is not self.__dict__.get("_kvabi_plan"):
+            if type(plan) is not StepPlan or _ISSUED.get(plan) is not self:
+                got = type(plan).__name__ if type(plan) is not StepPlan else \
+                    f"a plan of {plan.backend!r} not made by this backend object"
+                raise KVABIError(f"plan: must come from {self.name}.plan(), got {got}")
+            self.__dict__["_kvabi_plan"] = plan
         if type(cache) is not KVCache:
             raise KVABIError(f"cache: must be a kvabi.KVCache (KVCache.wrap(layout, planes) "
                              f"checks planes once), got {type(cache).__name__}")
@@ -260,7 +259,6 @@ class Backend:
                 cache[0].device.type != dev.type:
             raise KVABIError(f"cache: planes are on {cache[0].device}, {self.name} runs on "
                              f"{dev}")
-        self.__dict__["_kvabi_last"] = (plan, cache)
         return cache
 
     def __device(self):
