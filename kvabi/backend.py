@@ -30,8 +30,6 @@ from __future__ import annotations
 import weakref
 from typing import Any, Literal, overload
 
-import attrs
-
 from .cache import KVCache
 from .capabilities import Capabilities
 from .coerce import as_bool, real_array
@@ -168,7 +166,8 @@ class Backend:
         opts = AttentionOptions.resolve(spec, scale, softcap, sinks, num_q_heads=hq)
         plan = StepPlan(self.name, meta, spec, layout, hq, opts.scale, opts.softcap,
                         opts.sinks)
-        plan = attrs.evolve(plan, prepared=self.prepare(plan=plan))
+        # set once, before anyone else holds the plan (prepare sees prepared=None)
+        object.__setattr__(plan, "prepared", self.prepare(plan=plan))
         _ISSUED[plan] = self
         return plan
 
