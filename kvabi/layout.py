@@ -26,7 +26,7 @@ from .layout_json import layout_from_json
 from .planes import check_planes
 from .presets import build_preset
 from .shard import Shard, check_layout_shard, shard_field
-from .version import ABI_VERSION
+from .version import WIRE_VERSION
 
 AXES = ("L", "B", "KV", "N", "H", "D")
 PLANE_AXES = ("L", "KV")
@@ -520,7 +520,7 @@ class Layout:
     def to_dict(self) -> dict:
         shard = {} if self.shard is None else {"shard": self.shard.to_dict()}
         return shard | {
-            "kvabi_abi": list(ABI_VERSION),
+            "kvabi_abi": list(WIRE_VERSION),
             "name": self.name,
             "dtype": self.dtype,
             "order": list(self.order),

@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import KVABIError
 from ..layout import Layout
 from ..shard import shard_of
-from ..version import ABI_VERSION
+from ..version import WIRE_VERSION
 from .handshake import Handshake
 from .shards import HeadRun, _check, assign, plan_shard_transfer
 from .staging import STAGE_BELOW
@@ -96,7 +96,7 @@ def _side(x, field: str):
     if isinstance(x, Handshake):
         return x.layout, x.abi, x.model
     if isinstance(x, Layout):
-        return x, ABI_VERSION, None
+        return x, WIRE_VERSION, None
     raise KVABIError(f"{field}: must be a kvabi.Layout or a Handshake (parse_handshake), "
                      f"got {type(x).__name__}")
 
