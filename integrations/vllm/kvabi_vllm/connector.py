@@ -25,6 +25,10 @@ The decode side reads the image if both serve the same, else ``kv``, else ``k`` 
   producer rank frees a request's blocks once every consumer rank is done (or gave up).
   ``kv_role="kv_both"`` serves both sides; ``"pull_timeout_s"`` (default 30) bounds
   connecting to and reading from a peer.
+  A consumer negotiates (``kvabi.transfer.negotiate``) with each producer group before
+  its first READ: the handshakes carry the model's identity (``"model_id"``, else a digest
+  of the model's configuration), and another model, dtype, head dim... is refused naming
+  every field.
 - ``kv_connector_extra_config={"host_blocks": N}`` (any role): a host tier on
   ``kvabi.transfer.HostPool`` (cross-layer blocks): full blocks of a finished request are
   saved, and a later request whose prompt starts with them loads them instead of computing.
@@ -51,8 +55,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, SupportsHMA)
 
 from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, interior_of,
-                               is_kvabi_backend, kvabi_backend_part, part_cache, split_kv,
-                               tp_shard_info, verify_part, with_shard)
+                               is_kvabi_backend, kvabi_backend_part, model_identity,
+                               part_cache, split_kv, tp_shard_info, verify_part, with_shard)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata, Pull,
                              paired_slots, prefix_keys, usable_prefix)
 
@@ -135,6 +139,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
         self._pull_timeout = float(extra.get("pull_timeout_s", 30.0))
         self._host_blocks = int(extra.get("host_blocks", 0))
         self._nixl_host = str(extra.get("nixl_host", "127.0.0.1"))
+        self._extra = extra
         self._engine = cfg.engine_id or uuid.uuid4().hex[:8]
         self._block_size = int(vllm_config.cache_config.block_size)
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
@@ -157,6 +162,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             self._agent = None
             self._own_handshakes: list[str] = []
             self._peers: dict[str, object] = {}
+            # (group, part, the producer ranks' messages) -> kvabi.transfer.Negotiation
+            self._negotiated: dict[tuple, object] = {}
             self._pools: list[HostPool] = []
             self._host_ids: list[dict[int, int]] = []
             self._recved: set[str] = set()
@@ -180,6 +187,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
         ctx = self._vllm_config.compilation_config.static_forward_context
         layout_name = self._vllm_config.cache_config.kv_cache_layout
         self._tp = tp_shard_info(self._vllm_config)
+        self._model_id = model_identity(self._vllm_config, self._extra)
         for gi, group in enumerate(self._groups):
             names = [n for n in group.layer_names if n in kv_caches]
             tensors = [kv_caches[n] for n in names]
@@ -214,7 +222,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                     self._agent.register(c)
             if self._producer:
                 self._own_handshakes = [
-                    {part: self._agent.handshake(c, include_metadata=True) for part, c in parts}
+                    {part: self._agent.handshake(c, include_metadata=True,
+                                                 model=self._model_id) for part, c in parts}
                     for parts in self._caches]
         if self._host_blocks:
             for parts in self._caches:
@@ -272,6 +281,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                 connected.append((g, part, cache, peers))
                 for m in msgs:
                     peers.append(self._peer(m))
+                self._negotiate(g, part, cache, msgs, peers)  # refused before any READ
             for i, (g, part, cache, peers) in enumerate(connected):
                 if part.startswith(IMAGE):  # same interior and block size: whole blocks
                     s, d = _block_pairs(p.src_blocks[g], p.dst_blocks[g], self._block_size,
@@ -300,6 +310,31 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                 self._load_errors.update(int(b) for b in blocks if b != NULL_BLOCK)
             self._release_peers(p, connected)
         self._recved.add(p.req_id)
+
+    def _negotiate(self, g: int, part: str, cache, msgs, peers):
+        """Whether this rank can read ``part`` of group ``g`` from the producer ranks
+        ``peers`` (``kvabi.transfer.negotiate``: the model's identity, ABI, dtype, K/V or
+        latent, head dim, KV heads and layers compared at once; the producer group's shards
+        checked), once per producer group: raises ``Refused`` naming every field that
+        differs; logs how the bytes move (the same bytes, or a relayout and its cost)."""
+        from kvabi.transfer import negotiate
+        from kvabi.transfer.handshake import parse_handshake
+
+        key = (g, part, tuple(msgs))
+        got = self._negotiated.get(key)
+        if got is None:
+            mine = parse_handshake(self._agent.handshake(cache, model=self._model_id))
+            got = negotiate(mine, [x.handshake for x in peers])
+            cost = got.cost()
+            log.info("KvabiConnector: group %d part %s reads ranks %s of %d producer rank(s): "
+                     "%s%s, %d regions and %d staging bytes per block", g, part,
+                     list(got.sources), len(peers), got.kind,
+                     f" ({', '.join(got.differences)})" if got.differences else "",
+                     cost.regions, cost.staging_bytes)
+            if len(self._negotiated) >= 256:  # bounded: producer groups come and go
+                self._negotiated.pop(next(iter(self._negotiated)))
+            self._negotiated[key] = got
+        return got
 
     def _done(self, p: Pull) -> str:
         """The final notification of a pull: the producer's, then this consumer rank and

@@ -291,3 +291,26 @@ def with_shard(cache: KVCache, tp) -> KVCache:
     import attrs
 
     return KVCache.wrap(attrs.evolve(cache.layout, shard=shard), list(cache))
+
+
+#: configuration keys that name where a checkpoint sits, not what the model is
+_NOT_IDENTITY = ("_name_or_path", "transformers_version")
+
+
+def model_identity(vllm_config, extra: dict) -> str:
+    """The model's identity a producer's handshakes carry and a consumer compares
+    (``kvabi.transfer.negotiate`` refuses a peer serving another model): ``extra["model_id"]``
+    when set, else a digest of the model's Hugging Face configuration (the same checkpoint
+    under any path, on any host, at any TP size gives the same digest)."""
+    import hashlib
+    import json
+
+    if extra.get("model_id") is not None:
+        from kvabi.transfer.handshake import check_model
+
+        return check_model(extra["model_id"], "kv_connector_extra_config.model_id")
+    cfg = vllm_config.model_config.hf_config.to_dict()
+    for k in _NOT_IDENTITY:
+        cfg.pop(k, None)
+    text = json.dumps(cfg, sort_keys=True, default=str)
+    return "config:" + hashlib.sha256(text.encode()).hexdigest()[:32]
