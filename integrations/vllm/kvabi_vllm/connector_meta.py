@@ -11,11 +11,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvabi import KVABIError
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
+                                                               KVConnectorMetadata)
 
 #: vLLM's null block (``BlockPool`` block 0): a placeholder in a group's block list for a
 #: block the request does not hold (sliding-window blocks out of the window)
 NULL_BLOCK = 0
+
+#: notifications a decode engine sends the prefill engine once it has read a request's KV
+NOTIFY_PREFIX = "kvabi.pull:"
 
 
 def token_slots(blocks, block_size: int, start: int, num_tokens: int) -> np.ndarray:
@@ -108,3 +112,9 @@ class KvabiConnectorMetadata(KVConnectorMetadata):
     pulls: list[Pull] = field(default_factory=list)
     saves: list[HostSave] = field(default_factory=list)
     loads: list[HostLoad] = field(default_factory=list)
+
+
+@dataclass
+class KvabiHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """The producer worker's handshake messages (JSON), per KV cache group one per part."""
+    handshakes: list[dict[str, str]] = field(default_factory=list)

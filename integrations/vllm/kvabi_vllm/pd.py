@@ -87,7 +87,8 @@ def _prompts(path: str):
 def _worker_connector():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()
+    conn = get_kv_transfer_group()
+    return getattr(conn, "connector_worker", conn)
 
 
 def _nixl_side_channel(a) -> None:

@@ -8,6 +8,7 @@ import os
 import torch
 
 from kvabi_vllm.connector import KvabiConnector as _Base
+from kvabi_vllm.connector_worker import KvabiConnectorWorker
 
 
 def _corrupt(req_id: str, cache, block: int) -> bool:
@@ -25,15 +26,20 @@ def _corrupt(req_id: str, cache, block: int) -> bool:
     return True
 
 
-class KvabiConnector(_Base):
+class CorruptingWorker(KvabiConnectorWorker):
     """Corrupts the first block of each received part (see the module docstring)."""
     corrupted = 0
 
     def _after_pull(self, pull, group, part, cache, dst_slots):
         if len(dst_slots):
-            KvabiConnector.corrupted += _corrupt(pull.req_id, cache,
-                                                 int(dst_slots[0]) // cache.layout.size("N"))
+            CorruptingWorker.corrupted += _corrupt(pull.req_id, cache,
+                                                   int(dst_slots[0]) // cache.layout.size("N"))
 
     def _after_load(self, load, group, part, cache, blocks):
         if len(blocks):
-            KvabiConnector.corrupted += _corrupt(load.req_id, cache, int(blocks[0]))
+            CorruptingWorker.corrupted += _corrupt(load.req_id, cache, int(blocks[0]))
+
+
+class KvabiConnector(_Base):
+    """KvabiConnector with the corrupting worker side."""
+    worker_class = CorruptingWorker

@@ -64,9 +64,9 @@ def test_usable_prefix_is_the_longest_restorable(present, data):
 
 
 def test_block_pairs_move_the_blocks_holding_the_range():
-    from kvabi_vllm.connector import _block_pairs
+    from kvabi_vllm.connector_worker import block_pairs
 
-    s, d = _block_pairs([5, 6, 7, 8], [9, NULL_BLOCK, 11, 12], 32, 32, 70)
+    s, d = block_pairs([5, 6, 7, 8], [9, NULL_BLOCK, 11, 12], 32, 32, 70)
     # positions 32..101 lie in blocks 1..3; block 1 is null on the destination
     assert s.tolist() == [7, 8] and d.tolist() == [11, 12]
 
@@ -75,17 +75,17 @@ def test_matching_parts_prefers_the_same_block_image_and_refuses_other_parts():
     import pytest
 
     from kvabi import KVABIError
-    from kvabi_vllm.connector import _matching_parts
+    from kvabi_vllm.connector_worker import matching_parts
 
     mine = [("k", "K"), ("v", "V"), ("image.kt_v.n32.d32", "I")]
-    assert _matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n32.d32": "c"}, 0) == \
+    assert matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n32.d32": "c"}, 0) == \
         [("image.kt_v.n32.d32", "I", "c")]
-    assert _matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n64.d32": "c"}, 0) == \
+    assert matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n64.d32": "c"}, 0) == \
         [("k", "K", "a"), ("v", "V", "b")]
     with pytest.raises(KVABIError, match=r"kvabi_handshakes\[0\]: the peer serves parts \['kv'\]"):
-        _matching_parts(mine, {"kv": "a"}, 0)
+        matching_parts(mine, {"kv": "a"}, 0)
     both = [("kv", "KV"), ("k", "K"), ("v", "V")]
-    assert _matching_parts(both, {"kv": "a", "k": "b", "v": "c"}, 0) == [("kv", "KV", "a")]
-    assert _matching_parts(both, {"k": "b", "v": "c"}, 0) == [("k", "K", "b"), ("v", "V", "c")]
+    assert matching_parts(both, {"kv": "a", "k": "b", "v": "c"}, 0) == [("kv", "KV", "a")]
+    assert matching_parts(both, {"k": "b", "v": "c"}, 0) == [("k", "K", "b"), ("v", "V", "c")]
     with pytest.raises(KVABIError, match=r"kvabi_handshakes\[2\]: must be an object"):
-        _matching_parts(mine, ["k"], 2)
+        matching_parts(mine, ["k"], 2)
