@@ -15,6 +15,7 @@ type); jax CPU arrays register their own buffer, without a copy.  nixl is import
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -288,21 +289,23 @@ class NixlAgent:
             raise KVABIError("peer: not connected to this agent (use connect(message))")
 
     def pull(self, peer: Peer, dst: KVCache, src_slots, dst_slots, *, layers=None,
-             timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None) -> KVCache:
+             timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None,
+             guard=None) -> KVCache:
         """READ the peer's tokens ``src_slots`` into ``dst_slots`` of ``dst`` (layouts may
         differ: the plan relayouts).  Returns ``dst`` once every byte has arrived (a new
         handle for jax); KVABIError if the transfer fails or times out (the destination
-        slots then hold undefined data and must not be used).  ``staged``: see
+        slots then hold undefined data and must not be used).  ``staged``, ``guard``: see
         :meth:`pull_plan`."""
         self._connected(peer)
         if not isinstance(dst, KVCache):
             raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
         plan = plan_transfer(peer.layout, dst.layout, src_slots, dst_slots, layers=layers)
-        return self.pull_plan(peer, plan, dst, timeout=timeout, notify=notify, staged=staged)
+        return self.pull_plan(peer, plan, dst, timeout=timeout, notify=notify, staged=staged,
+                              guard=guard)
 
     def pull_plan(self, peer: Peer, plan: TransferPlan, dst: KVCache, *,
                   timeout: float = 30.0, notify: bytes = b"kvabi.pull",
-                  staged=None) -> KVCache:
+                  staged=None, guard=None) -> KVCache:
         """Run ``plan`` (source: the peer's layout) as one NIXL READ into ``dst``.
 
         ``staged`` (default: when the plan's regions average under 64 KiB, as in a
@@ -311,7 +314,12 @@ class NixlAgent:
         relayout locally (:mod:`kvabi.transfer.staging`).  Unstaged, the READ lands in
         ``dst`` directly, which must then be registered.  Every region is checked
         against the peer's registered planes and ``dst``'s (registered) planes at each
-        call, before anything is posted."""
+        call, before anything is posted.
+
+        ``guard`` (a context manager; implies ``staged``) is entered once the READ has
+        completed and held while the bytes are copied into ``dst``: a caller that gives up
+        on a pull (a timeout) makes its ``__enter__`` raise, and no byte reaches ``dst``
+        after that, whenever the READ completes."""
         timeout = as_float(timeout, "timeout", positive=True)
         notify = _message(notify, "notify")
         self._connected(peer)
@@ -324,6 +332,12 @@ class NixlAgent:
         if plan.dst_layout != dst.layout:
             raise KVABIError("plan.dst_layout: is not the destination cache's layout")
         reg = self._find(dst)
+        if guard is not None:
+            if staged is not None and as_bool(staged, "staged") is False:
+                raise KVABIError("staged: a guarded pull is staged (its READ must not land "
+                                 "in dst)")
+            staged = True
+        guard = contextlib.nullcontext() if guard is None else guard
         if staged is None:
             staged = reg is None or dst.framework == "jax" or worth_staging(plan.regions)
         elif as_bool(staged, "staged") is False and (reg is None or dst.framework == "jax"):
@@ -337,7 +351,7 @@ class NixlAgent:
             return dst
         r = plan.regions
         if staged and plan.pattern is not None:
-            out = self._pull_blocks(peer, plan, dst, timeout, notify)
+            out = self._pull_blocks(peer, plan, dst, timeout, notify, guard)
             if out is not None:
                 return out
         if staged:
@@ -349,7 +363,8 @@ class NixlAgent:
                                h.planes[sp[:, 0], 2]], axis=1)
             self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64),
                        h.memory, timeout, notify)
-            return copy_from_staging([buf], st.local, None, None, dst, dst)
+            with guard:
+                return copy_from_staging([buf], st.local, None, None, dst, dst)
         _, _, rows, mem = reg
         local = np.stack([rows[r[:, 2], 0] + r[:, 3], r[:, 4], rows[r[:, 2], 2]], axis=1)
         remote = np.stack([h.planes[r[:, 0], 0] + r[:, 1], r[:, 4], h.planes[r[:, 0], 2]],
@@ -391,7 +406,8 @@ class NixlAgent:
         addr = buf.data_ptr() if cuda else buf.__array_interface__["data"][0]
         return buf, addr, key[1], key[0]
 
-    def _pull_blocks(self, peer: Peer, plan: TransferPlan, dst: KVCache, timeout, notify):
+    def _pull_blocks(self, peer: Peer, plan: TransferPlan, dst: KVCache, timeout, notify,
+                     guard):
         """A staged pull of a whole-block plan (:func:`~kvabi.transfer.staging.stage_blocks`):
         one READ of the source blocks touched into the staging buffer, then strided copies
         into ``dst``.  None when the source layout cannot be cut down (the caller stages
@@ -414,7 +430,8 @@ class NixlAgent:
         self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64), h.memory,
                    timeout, notify)
         planes = [buf[i * n:(i + 1) * n] for i in range(lay.num_planes)]
-        return copy_from_staging(planes, None, piece.local, lay, dst, dst)
+        with guard:
+            return copy_from_staging(planes, None, piece.local, lay, dst, dst)
 
     def _read(self, peer, local, local_mem, remote, remote_mem, timeout, notify):
         handle = self._post(peer, local, local_mem, remote, remote_mem, notify)
@@ -492,6 +509,16 @@ class NixlAgent:
                 raise KVABIError(f"notification: none starting with {prefix!r} within "
                                  f"{timeout:g} s")
             time.sleep(0.001)
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        """Every notification that arrived and was not taken yet, as (sender, message),
+        removed from the agent (a server polling for its own kind of message calls this,
+        so that other messages from any peer cannot pile up)."""
+        out = []
+        for sender, msgs in self._agent.update_notifs().items():
+            out += [(sender, m) for m in msgs]
+            msgs.clear()
+        return out
 
     def close(self) -> None:
         """Forget peers and deregister memory (the agent itself goes with the object)."""
