@@ -481,3 +481,25 @@ def test_drain_notifications_takes_every_message_once(agents):
     assert sorted(m for _, m in got) == [b"drain 1", b"kvabi.pull:x"]
     assert {s for s, _ in got} == {"dst-agent"}
     assert a_agent.drain_notifications() == []
+
+
+def test_disconnect_forgets_the_peer():
+    a, b = kv_nixl.NixlAgent("disc-src"), kv_nixl.NixlAgent("disc-dst")
+    try:
+        lay = Layout.preset("vllm.BLNHC", SPEC, 4, 2)
+        src = a.register(_random(lay, 9))
+        dst = b.register(KVCache.allocate(lay, "numpy"))
+        msg = a.handshake(src, include_metadata=True)
+        p1, p2 = b.connect(msg), b.connect(msg)
+        b.disconnect(p1)
+        b.pull(p2, dst, [0], [1])  # the agent's other peer still works
+        with pytest.raises(KVABIError, match="not connected"):
+            b.pull(p1, dst, [0], [1])
+        b.disconnect(p2)
+        with pytest.raises(KVABIError, match="not connected"):
+            b.disconnect(p2)
+        p3 = b.connect(msg)  # the metadata is loaded again
+        b.pull(p3, dst, [2], [3])
+    finally:
+        a.close()
+        b.close()

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 
 import attrs
@@ -164,8 +165,12 @@ class NixlAgent:
         except Exception as e:  # noqa: BLE001 - nixl raises plain exceptions
             raise KVABIError(f"nixl: could not create agent {name!r}: {e}") from None
         self._regs = []  # (cache, descs, rows [n, 3] address/nbytes/device, memory)
-        # staging buffers of staged pulls, per (memory type, device): (buffer, descs)
+        # staging buffers of staged pulls, per (memory type, device, thread): (buffer,
+        # descs); threads pulling at once never share one
         self._staging: dict = {}
+        # staging buffers a READ that could not be stopped may still write: kept alive
+        # (and registered) until close, never reused
+        self._retired: list = []
         # templates of staged whole-block pulls (see staging.stage_blocks)
         self._templates: list = []
         # agent name -> the peers (one per handshake, i.e. per served cache) it stands for
@@ -280,6 +285,19 @@ class NixlAgent:
         self._peers.setdefault(peer.name, []).append(peer)
         return peer
 
+    def disconnect(self, peer: Peer) -> None:
+        """Forget a peer :meth:`connect` returned (its agent's metadata too, once no other
+        peer of that agent is left); a caller that caches peers keeps this table bounded."""
+        self._connected(peer)
+        held = self._peers[peer.name]
+        held[:] = [p for p in held if p is not peer]
+        if not held:
+            del self._peers[peer.name]
+            try:
+                self._agent.remove_remote_agent(peer.name)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
     # -- transfers -------------------------------------------------------------------------
     def _connected(self, peer) -> None:
         """KVABIError unless ``peer`` is a Peer this agent's connect() returned (trusted by
@@ -379,6 +397,7 @@ class NixlAgent:
         memory type)."""
         cuda = dst.framework == "torch" and dst[0].device.type == "cuda"
         key = ("VRAM", dst[0].device.index or 0) if cuda else ("DRAM", 0)
+        key += (threading.get_ident(),)
         held = self._staging.get(key)
         if held is None or held[0].shape[0] < nbytes:
             size = max(nbytes, 2 * held[0].shape[0] if held is not None else 0)
@@ -395,12 +414,8 @@ class NixlAgent:
             except Exception as e:  # noqa: BLE001
                 raise KVABIError(f"nixl: registering a {size}-byte staging buffer failed: "
                                  f"{e}") from None
-            if held is not None:
-                self._staging.pop(key)
-                try:
-                    self._agent.deregister_memory(held[1])
-                except Exception:  # noqa: BLE001
-                    pass
+            if held is not None:  # kept: an abandoned READ may still land in it
+                self._retired.append(self._staging.pop(key))
             held = self._staging[key] = (buf, descs)
         buf = held[0]
         addr = buf.data_ptr() if cuda else buf.__array_interface__["data"][0]
@@ -438,8 +453,13 @@ class NixlAgent:
         try:
             self._wait(peer, handle, int(local[:, 1].sum()), time.monotonic() + timeout,
                        timeout)
-        finally:
-            self._release([handle])
+        except KVABIError:
+            if not self._release([handle]):  # it may still land: use fresh staging
+                ident = threading.get_ident()
+                for key in [k for k in self._staging if k[2] == ident]:
+                    self._retired.append(self._staging.pop(key))
+            raise
+        self._release([handle])
 
     def _post(self, peer, local, local_mem, remote, remote_mem, notify):
         """Post one READ; its handle (release with :meth:`_release`)."""
@@ -483,12 +503,15 @@ class NixlAgent:
             raise KVABIError(f"transfer: READ from {peer.name!r} failed: {e}; the destination "
                              "slots hold undefined data") from None
 
-    def _release(self, handles) -> None:
+    def _release(self, handles) -> bool:
+        """Release transfer handles; False when NIXL refused one (still active)."""
+        ok = True
         for handle in handles:
             try:
                 self._agent.release_xfer_handle(handle)
             except Exception:  # noqa: BLE001 - an active transfer may refuse release
-                pass
+                ok = False
+        return ok
 
     def wait_notification(self, prefix: bytes = b"kvabi.pull", *, timeout: float = 30.0,
                           peer: str | None = None) -> tuple[str, bytes]:
@@ -534,12 +557,13 @@ class NixlAgent:
             except Exception:  # noqa: BLE001
                 pass
         self._regs.clear()
-        for _, descs in self._staging.values():
+        for _, descs in list(self._staging.values()) + self._retired:
             try:
                 self._agent.deregister_memory(descs)
             except Exception:  # noqa: BLE001
                 pass
         self._staging.clear()
+        self._retired.clear()
 
     def __enter__(self):
         return self
