@@ -82,6 +82,9 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids):
         return self.connector_worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids):
+        return self.connector_worker.get_transfer_results(finished_req_ids)
+
     def get_block_ids_with_load_errors(self):
         return self.connector_worker.get_block_ids_with_load_errors()
 

@@ -10,6 +10,7 @@
 | ``hold_timeout_s`` | 120 | prefill side: blocks held for a decode engine are released after this |
 | ``max_held`` | 256 | prefill side: requests holding blocks for decode engines at once |
 | ``max_pulls`` | 64 | decode side: pulls queued or running at once (more are refused) |
+| ``pull_threads`` | 4 | decode side: pulls running at once (a frozen peer holds one) |
 | ``max_peers`` | 16 | decode side: prefill engines kept connected (least recently used dropped) |
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kvabi.coerce import as_float, as_int
 
 #: kv_connector_extra_config keys and their defaults
 DEFAULTS = {"host_blocks": 0, "nixl_host": "127.0.0.1", "pull_timeout_s": 30.0,
-            "hold_timeout_s": 120.0, "max_held": 256, "max_pulls": 64, "max_peers": 16}
+            "hold_timeout_s": 120.0, "max_held": 256, "max_pulls": 64, "pull_threads": 4,
+            "max_peers": 16}
 
 
 def window_blocks(spec, block_size: int) -> int | None:
@@ -70,6 +72,7 @@ class ConnectorConfig:
     hold_timeout_s: float = 120.0
     max_held: int = 256
     max_pulls: int = 64
+    pull_threads: int = 4
     max_peers: int = 16
 
     @classmethod

@@ -104,7 +104,7 @@ def encode(record: GrantRecord) -> bytes:
     data = b"".join(body)
     head = MAGIC + struct.pack("<B7x", record.state) + record.nonce + \
         hashlib.blake2b(data, digest_size=16).digest() + struct.pack("<Q", len(data))
-    return head + data
+    return head.ljust(HEADER, b"\0") + data
 
 
 def read_header(buf) -> tuple[int, bytes] | None:

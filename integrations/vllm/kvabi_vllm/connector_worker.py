@@ -1,26 +1,49 @@
 """KvabiConnector's worker side: describes the cache vLLM hands it with kvabi layouts,
-registers it with NIXL, pulls prompts' KV from a prefill engine, saves to and loads from
-the host tier, and tells vLLM which transfers finished (it lives in the worker process,
-next to the cache)."""
+registers it with NIXL, publishes grants (prefill side) and pulls prompts' KV from a
+prefill engine off the engine's thread (decode side), saves to and loads from the host
+tier, and tells vLLM which transfers finished or failed (it lives in the worker process,
+next to the cache).
+
+A pull (:meth:`KvabiConnectorWorker._pull`, on a pull thread) believes nothing its
+parameters claim until the producer's own grant record confirms it: the record must hold
+this request's grant nonce, live, for this request's prompt tokens and block ids, and the
+fingerprint of each part's layout and the digest of its planes must equal those of the
+handshakes it was given; after the READs every token's checksum must equal the
+producer's.  Only then does vLLM learn that the load finished; otherwise it learns that it
+failed, with the reason in the log and in :attr:`KvabiConnectorWorker.refusals`.
+"""
 from __future__ import annotations
 
+import collections
+import hashlib
 import logging
 import time
 import uuid
 
 import numpy as np
 
-from kvabi import KVABIError
-from kvabi.transfer import HostPool, plan_transfer
+from kvabi import KVABIError, KVCache
+from kvabi.transfer import HostPool, plan_block_transfer, plan_transfer
+from kvabi.transfer.handshake import parse_handshake
 
+from .connector_checksum import layout_fingerprint, planes_digest, token_checksums
 from .connector_config import ConnectorConfig
+from .connector_grants import (LIVE, STATES, GrantRecord, GrantTable, PartClaim, decode,
+                               notify_message, parse_notification, read_header, record_bytes,
+                               table_layout)
 from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, interior_of,
                                is_kvabi_backend, kvabi_backend_part, part_cache, split_kv,
                                verify_part)
-from .connector_meta import (NOTIFY_PREFIX, NULL_BLOCK, HostLoad, HostSave,
-                             KvabiConnectorMetadata, KvabiHandshakeMetadata, Pull, paired_slots)
+from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata,
+                             KvabiHandshakeMetadata, PullWork, paired_slots, token_slots)
+from .connector_pulls import Puller
 
 log = logging.getLogger(__name__)
+
+#: largest grant record a decode engine reads from a producer (bytes)
+MAX_RECORD = 64 * 2**20
+#: seconds between reads of a grant record the producer has not written yet
+GRANT_POLL_S = 0.005
 
 
 def host_parts(parts):
@@ -28,6 +51,17 @@ def host_parts(parts):
     no relayout), else all."""
     image = [(n, c) for n, c in parts if n.startswith(IMAGE)]
     return image or parts
+
+
+def token_parts(parts):
+    """(key view, value view) per layer of a group, from its token parts (``kv``, or
+    ``k`` and ``v``), for checksums."""
+    by = dict(parts)
+    if "kv" in by:
+        c = by["kv"]
+        return [(c.kv_view(i, 0), c.kv_view(i, 1)) for i in range(c.layout.num_layers)]
+    k, v = by["k"], by["v"]
+    return [(k.kv_view(i, 0), v.kv_view(i, 0)) for i in range(k.layout.num_layers)]
 
 
 def block_pairs(src, dst, block_size: int, start: int, num_tokens: int):
@@ -70,20 +104,30 @@ class KvabiConnectorWorker:
         self._vllm_config = vllm_config
         self._caches = []
         self._agent = None
-        self._own_handshakes: list[str] = []
-        self._peers: dict[str, object] = {}
-        self._pools: list[HostPool] = []
-        self._host_ids: list[dict[int, int]] = []
-        self._recved: set[str] = set()
-        self._saved: set[str] = set()
-        self._sent: set[str] = set()
-        self._finished_seen: set[str] = set()
-        self._load_errors: set[int] = set()
+        self._own_handshakes: list[dict[str, str]] = []
+        self._grants: GrantTable | None = None
+        self._grants_msg = ""
+        self._claims: list[tuple[PartClaim, ...]] = []
+        self._peers = collections.OrderedDict()  # digest of a message -> connected Peer
+        self._puller = Puller(self._pull, config.max_pulls, config.pull_timeout_s,
+                              config.pull_threads) if config.consumer else None
+        self._pools: list = []
+        self._host_ids: list[dict[bytes, dict]] = []
+        self._host_seed = b""
+        self._refused: list[tuple[str, str]] = []   # refused where they entered
+        self._saved: set[str] = set()                # host saves done, blocks not yet freed
+        self._sent: set[str] = set()                 # grants read, blocks not yet freed
+        self._finished: set[str] = set()             # of those, ids vLLM said finished
         #: per pull: (request id, seconds, regions, bytes, seconds in READs), for benchmarks
-        self.pull_stats: list[tuple[str, float, int, int]] = []
+        self.pull_stats: collections.deque = collections.deque(maxlen=4096)
         #: host tier: blocks saved and loaded (per group, all parts), for tests and benchmarks
-        self.host_stats = {"saved": 0, "loaded": 0}
+        self.host_stats = {"saved": 0, "loaded": 0, "evicted": 0}
+        #: notifications a producer ignored (not a live grant's slot and nonce)
+        self.ignored_notifications = 0
+        #: (request id, reason) of the latest failed loads
+        self.refusals: collections.deque = collections.deque(maxlen=256)
 
+    # -- start ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches):
         """Describe each KV cache group's memory with kvabi layouts (one, or a K and a V
         part), check them against the engine's own write, register them with NIXL for P/D
@@ -116,96 +160,269 @@ class KvabiConnectorWorker:
                 parts += halves or []
             self._caches.append(parts)
         if cfg.producer or cfg.consumer:
-            from kvabi.transfer.nixl import NixlAgent
-
-            self._agent = NixlAgent(f"kvabi-{cfg.engine}-{uuid.uuid4().hex[:8]}",
-                                    host=cfg.nixl_host)
-            for parts in self._caches:
-                for _, c in parts:
-                    self._agent.register(c)
-            if cfg.producer:
-                self._own_handshakes = [
-                    {part: self._agent.handshake(c, include_metadata=True) for part, c in parts}
-                    for parts in self._caches]
+            self._start_nixl()
         if cfg.host_blocks:
+            seed = hashlib.blake2b(cfg.model.encode(), digest_size=16)
             for parts in self._caches:
                 self._pools.append({part: HostPool(c.layout, cfg.host_blocks,
                                                    preset="cross_layer", framework="torch")
                                     for part, c in host_parts(parts)})
                 self._host_ids.append({})
+                for part, c in host_parts(parts):
+                    seed.update(part.encode() + layout_fingerprint(c.layout))
+            self._host_seed = seed.digest()
         log.info("KvabiConnector: %d KV cache group(s): %s", len(self._caches), "; ".join(
             f"{c.layout.name} {c.layout.order} N={c.layout.size('N')}"
             for parts in self._caches for _, c in parts))
+
+    def _start_nixl(self) -> None:
+        from kvabi.transfer.nixl import NixlAgent
+
+        cfg = self.config
+        self._agent = NixlAgent(f"kvabi-{cfg.engine}-{uuid.uuid4().hex[:8]}",
+                                host=cfg.nixl_host)
+        for parts in self._caches:
+            for _, c in parts:
+                self._agent.register(c)
+        if not cfg.producer:
+            return
+        self._own_handshakes = [
+            {part: self._agent.handshake(c, include_metadata=True) for part, c in parts}
+            for parts in self._caches]
+        self._claims = [tuple(PartClaim(part, layout_fingerprint(c.layout),
+                                        planes_digest(parse_handshake(msgs[part])))
+                              for part, c in parts)
+                        for parts, msgs in zip(self._caches, self._own_handshakes)]
+        size = record_bytes(len(self._caches), max(cfg.max_model_len, 1), cfg.block_size)
+        self._grants = GrantTable(cfg.max_held, size)
+        self._agent.register(self._grants.cache)
+        self._grants_msg = self._agent.handshake(self._grants.cache, include_metadata=True)
 
     def part_layouts(self) -> list[dict[str, str]]:
         """Per KV cache group, each part's layout name (what this engine serves and reads)."""
         return [{part: c.layout.name for part, c in parts} for parts in self._caches]
 
     def get_handshake_metadata(self):
-        if not self._own_handshakes:
+        if not (self._own_handshakes or self._host_seed):
             return None
-        return KvabiHandshakeMetadata(handshakes=list(self._own_handshakes))
+        return KvabiHandshakeMetadata(handshakes=list(self._own_handshakes),
+                                      grants=self._grants_msg, host_seed=self._host_seed)
 
+    # -- each step ---------------------------------------------------------------------------
     def start_load_kv(self, meta) -> None:
-        """The step's work from the scheduler side: pulls, then host saves and loads."""
+        """The step's work from the scheduler side, in its order."""
         if not isinstance(meta, KvabiConnectorMetadata):
             return
+        self._refused += [(f.req_id, f.reason) for f in meta.fails]
         for p in meta.pulls:
-            self._pull(p)
-        for s in meta.saves:
-            self._save(s)
+            why = self._puller.submit(p.req_id, p) if self._puller is not None else \
+                "kv_role: this engine is not a kv_consumer"
+            if why is not None:
+                self._refused.append((p.req_id, why))
+        for g in meta.grants:
+            self._publish(g)
         for ld in meta.loads:
             self._load(ld)
+        for key in meta.evicts:
+            self._evict(key)
+        for s in meta.saves:
+            self._save(s)
 
-    def _peer(self, message: str):
-        peer = self._peers.get(message)
+    def get_transfer_results(self, finished_req_ids):
+        """(finished sending, finished receiving, failed receiving) request ids: grants
+        read by a decode engine or expired, host saves done; pulls that ended (a failed
+        one is in both receiving sets, as vLLM expects)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import \
+            KVConnectorTransferResults
+
+        if self._grants is not None:
+            self._poll_notifications()
+            self._sent.update(self._grants.expire())
+        # vLLM frees blocks for ids it has told this side finished (this step or before);
+        # ids of no interest here are not kept
+        pending = self._sent | self._saved
+        held = {r for r, _, _ in self._grants.live.values()} if self._grants else set()
+        self._finished |= set(finished_req_ids) & (pending | held)
+        done = pending & self._finished
+        self._finished -= done
+        self._sent -= done
+        self._saved -= done
+        ended = self._puller.collect() if self._puller is not None else []
+        ended += [(r, why) for r, why in self._refused]
+        self._refused = []
+        failed = set()
+        for req_id, why in ended:
+            if why is not None:
+                log.error("KvabiConnector: load of request %s failed: %s", req_id, why)
+                self.refusals.append((req_id, why))
+                failed.add(req_id)
+        return KVConnectorTransferResults(finished_sending=done,
+                                          finished_recving={r for r, _ in ended},
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids):
+        r = self.get_transfer_results(finished_req_ids)
+        return (r.finished_sending or None), (r.finished_recving or None)
+
+    def get_block_ids_with_load_errors(self):
+        return set()  # failed loads are reported per request (failed_recving)
+
+    # -- prefill side: grants -------------------------------------------------------------
+    def _publish(self, g) -> None:
+        """Write grant ``g``'s record: what the producer holds, and a checksum per token."""
+        bs = self.config.block_size
+        sums = [token_checksums(token_parts(parts), token_slots(b, bs, 0, g.num_tokens), bs)
+                for parts, b in zip(self._caches, g.blocks)]
+        record = GrantRecord(LIVE, g.nonce, g.num_tokens, g.tokens,
+                             tuple(np.asarray(b, np.int64) for b in g.blocks),
+                             tuple(self._claims), tuple(sums))
+        self._grants.write(g.slot, record, g.req_id,
+                           time.monotonic() + self.config.hold_timeout_s)
+
+    def _poll_notifications(self) -> None:
+        for sender, msg in self._agent.drain_notifications():
+            got = parse_notification(msg)
+            req_id = None if got is None else self._grants.release(*got)
+            if req_id is not None:
+                self._sent.add(req_id)
+            elif msg:  # empty: a grant record read
+                self.ignored_notifications += 1
+                if self.ignored_notifications <= 16 or self.ignored_notifications % 1024 == 0:
+                    log.warning("KvabiConnector: ignored a notification from %s that names "
+                                "no live grant (%d so far)", sender,
+                                self.ignored_notifications)
+
+    # -- decode side: pulls (on a pull thread) ---------------------------------------------
+    def _peer(self, message: str, job):
+        key = hashlib.blake2b(message.encode(), digest_size=16).digest()
+        peer = self._peers.get(key)
         if peer is None:
-            peer = self._peers[message] = self._agent.connect(message)
+            peer = self._agent.connect(message, timeout=job.left())
+            self._peers[key] = peer
+            while len(self._peers) > self.config.max_peers:
+                _, old = self._peers.popitem(last=False)
+                self._agent.disconnect(old)
+        else:
+            self._peers.move_to_end(key)
         return peer
 
-    def _pull(self, p: Pull) -> None:
-        t0, regions, nbytes, read_s = time.perf_counter(), 0, 0, 0.0
-        bs = self.config.block_size
-        try:
-            if self._agent is None:
-                raise KVABIError("kv_role: this engine is not a kv_consumer (no NIXL agent)")
-            if not isinstance(p.handshakes, list) or len(p.handshakes) != len(self._caches):
-                got = len(p.handshakes) if isinstance(p.handshakes, list) else "no list"
-                raise KVABIError(f"kvabi_handshakes: the peer must serve "
-                                 f"{len(self._caches)} KV cache groups, got {got}")
-            todo = [(g, part, cache, peer_msg) for g, parts in enumerate(self._caches)
-                    for part, cache, peer_msg in matching_parts(parts, p.handshakes[g], g)]
-            for i, (g, part, cache, msg) in enumerate(todo):
-                peer = self._peer(msg)
-                if part.startswith(IMAGE):  # same interior and block size: whole blocks
-                    s, d = block_pairs(p.src_blocks[g], p.dst_blocks[g], bs, p.start,
-                                       p.num_tokens)
-                else:
-                    s, d = paired_slots(p.src_blocks[g], peer.layout.size("N"),
-                                        p.dst_blocks[g], cache.layout.size("N"), p.start,
-                                        p.num_tokens)
-                plan = plan_transfer(peer.layout, cache.layout, s, d)
-                r0 = time.perf_counter()
-                # the last READ's notification tells the peer it may free the blocks
-                last = i == len(todo) - 1
-                self._agent.pull_plan(peer, plan, cache, notify=(
-                    p.notify if last else f"kvabi.part:{p.notify}:{i}").encode())
-                read_s += time.perf_counter() - r0
-                regions, nbytes = regions + len(plan), nbytes + plan.nbytes
-                self._after_pull(p, g, part, cache, d)
-            self.pull_stats.append((p.req_id, time.perf_counter() - t0, regions, nbytes,
-                                    read_s))
-        except KVABIError as e:
-            log.error("KvabiConnector: pull of request %s failed: %s", p.req_id, e)
-            for blocks in p.dst_blocks:
-                self._load_errors.update(int(b) for b in blocks if b != NULL_BLOCK)
-        self._recved.add(p.req_id)
+    def _read_grant(self, peer, remote, job) -> GrantRecord:
+        """The producer's record for this grant, once it is written (a grant is written the
+        step after its request finished); KVABIError naming why it cannot be used."""
+        lay = peer.layout
+        if lay.size("D") > MAX_RECORD or lay.num_blocks <= remote.slot:
+            raise KVABIError(f"kvabi_grants: a table of {lay.num_blocks} slots of "
+                             f"{lay.size('D')} bytes (at most {MAX_RECORD} a slot)")
+        local = KVCache.allocate(table_layout(1, lay.size("D")), "numpy")
+        plan = plan_block_transfer(lay, local.layout, [remote.slot], [0])
+        why = "the producer published no grant with this nonce"
+        while True:
+            self._agent.pull_plan(peer, plan, local, timeout=job.left(), notify=b"",
+                                  staged=True)
+            row = local[0].reshape(-1).view(np.uint8)
+            head = read_header(row)
+            if head is not None and head[1] == remote.nonce:
+                if head[0] != LIVE:
+                    raise KVABIError(f"kvabi_grant: {STATES.get(head[0], 'closed')} (a replay, "
+                                     f"or hold_timeout_s passed on the producer)")
+                try:
+                    return decode(row)
+                except KVABIError as e:  # read while being written? read again
+                    why = str(e).removeprefix("kvabi_grant: ")
+            elif head is not None and head[0] == LIVE:
+                raise KVABIError(f"kvabi_grant: slot {remote.slot} holds another request's "
+                                 "grant (forged or replayed parameters)")
+            if time.monotonic() + GRANT_POLL_S >= job.deadline:
+                raise KVABIError(f"kvabi_grant: slot {remote.slot}: {why} (until "
+                                 f"pull_timeout_s passed)")
+            time.sleep(GRANT_POLL_S)
 
-    def _after_pull(self, pull: Pull, group: int, part: str, cache, dst_slots) -> None:
+    def _check_record(self, rec: GrantRecord, remote) -> None:
+        if rec.tokens != remote.tokens:
+            raise KVABIError("kvabi_grant: issued for other tokens than this request's prompt "
+                             "(another request's grant)")
+        if rec.num_tokens != remote.num_tokens:
+            raise KVABIError(f"remote_num_tokens: {remote.num_tokens}, the producer holds "
+                             f"{rec.num_tokens} for this grant")
+        if len(rec.blocks) != len(remote.blocks):
+            raise KVABIError(f"kvabi_grant: {len(rec.blocks)} KV cache groups, this engine "
+                             f"has {len(remote.blocks)}")
+        for g, (mine, theirs) in enumerate(zip(remote.blocks, rec.blocks)):
+            if not np.array_equal(mine, theirs):
+                raise KVABIError(f"remote_block_ids[{g}]: not the blocks the producer holds "
+                                 "for this grant")
+
+    @staticmethod
+    def _check_claim(rec: GrantRecord, g: int, part: str, peer) -> None:
+        claim = next((c for c in rec.parts[g] if c.name == part), None)
+        field = f"kvabi_handshakes[{g}].{part}"
+        if claim is None:
+            raise KVABIError(f"{field}: the producer serves no such part")
+        if claim.layout != layout_fingerprint(peer.layout):
+            raise KVABIError(f"{field}: its layout is not the one the producer registered "
+                             "(fingerprint differs)")
+        if claim.planes != planes_digest(peer.handshake):
+            raise KVABIError(f"{field}: its planes (agent, addresses, sizes) are not the ones "
+                             "the producer registered")
+
+    def _pull(self, job) -> None:
+        """One request's pull (see the module docstring); KVABIError with the reason."""
+        p: PullWork = job.work
+        r = p.remote
+        t0, regions, nbytes, read_s = time.perf_counter(), 0, 0, 0.0
+        if len(r.handshakes) != len(self._caches):
+            raise KVABIError(f"kvabi_handshakes: the peer must serve {len(self._caches)} KV "
+                             f"cache groups, got {len(r.handshakes)}")
+        rec = self._read_grant(self._peer(r.grants, job), r, job)
+        self._check_record(rec, r)
+        todo = [(g, part, cache, msg) for g, parts in enumerate(self._caches)
+                for part, cache, msg in matching_parts(parts, r.handshakes[g], g)]
+        peers = []
+        for g, part, _, msg in todo:
+            peer = self._peer(msg, job)
+            self._check_claim(rec, g, part, peer)
+            peers.append(peer)
+        bs = self.config.block_size
+        for i, ((g, part, cache, _), peer) in enumerate(zip(todo, peers)):
+            if part.startswith(IMAGE):  # same interior and block size: whole blocks
+                s, d = block_pairs(r.blocks[g], p.dst_blocks[g], bs, p.start, p.num_tokens)
+            else:
+                s, d = paired_slots(r.blocks[g], peer.layout.size("N"), p.dst_blocks[g],
+                                    cache.layout.size("N"), p.start, p.num_tokens)
+            plan = plan_transfer(peer.layout, cache.layout, s, d)
+            r0 = time.perf_counter()
+            # the last READ's notification tells the producer it may free the blocks
+            note = notify_message(r.slot, r.nonce) if i == len(todo) - 1 else b""
+            self._agent.pull_plan(peer, plan, cache, notify=note, timeout=job.left(),
+                                  staged=True, guard=job.commit)
+            read_s += time.perf_counter() - r0
+            regions, nbytes = regions + len(plan), nbytes + plan.nbytes
+            self._after_pull(p, g, part, cache, d)
+        self._verify(p, rec)
+        self.pull_stats.append((p.req_id, time.perf_counter() - t0, regions, nbytes, read_s))
+
+    def _verify(self, p: PullWork, rec: GrantRecord) -> None:
+        """Every pulled token's checksum equals the producer's (before any token is
+        generated from it: vLLM learns the load finished only after this)."""
+        bs, rbs = self.config.block_size, p.remote.block_size
+        for g, parts in enumerate(self._caches):
+            src = token_slots(p.remote.blocks[g], rbs, p.start, p.num_tokens)
+            dst = token_slots(p.dst_blocks[g], bs, p.start, p.num_tokens)
+            keep = (src >= 0) & (dst >= 0)
+            mine = token_checksums(token_parts(parts), dst[keep], bs)
+            theirs = rec.checksums[g][p.start + np.flatnonzero(keep)]
+            bad = np.flatnonzero(mine != theirs)
+            if bad.size:
+                pos = p.start + int(np.flatnonzero(keep)[bad[0]])
+                raise KVABIError(f"kvabi_grant: the KV read for token {pos} of group {g} is "
+                                 f"not what the producer computed (checksum differs; "
+                                 f"{bad.size} tokens differ)")
+
+    def _after_pull(self, pull: PullWork, group: int, part: str, cache, dst_slots) -> None:
         """Called once a part of a group has arrived (a place for checks; nothing here)."""
 
+    # -- host tier ------------------------------------------------------------------------
     def _save(self, s: HostSave) -> None:
-        keys = np.asarray(s.keys, np.int64)
         for g, parts in enumerate(self._caches):
             blocks = np.asarray(s.blocks[g], np.int64)
             keep = blocks != NULL_BLOCK
@@ -214,18 +431,25 @@ class KvabiConnectorWorker:
             ids = {part: self._pools[g][part].offload(c, blocks[keep])
                    for part, c in host_parts(parts)}
             self.host_stats["saved"] += int(keep.sum())
-            for j, key in enumerate(keys[keep].tolist()):
+            for j, key in enumerate(k for k, kp in zip(s.keys, keep) if kp):
                 self._host_ids[g][key] = {part: int(i[j]) for part, i in ids.items()}
         self._saved.add(s.req_id)
 
+    def _evict(self, key: bytes) -> None:
+        for g, held in enumerate(self._host_ids):
+            ids = held.pop(key, None)
+            if ids is not None:
+                for part, i in ids.items():
+                    self._pools[g][part].free([i])
+                self.host_stats["evicted"] += 1
+
     def _load(self, ld: HostLoad) -> None:
-        keys = np.asarray(ld.keys, np.int64)
         for g, parts in enumerate(self._caches):
             blocks = np.asarray(ld.blocks[g], np.int64)
             keep = blocks != NULL_BLOCK
             if not keep.any():
                 continue
-            held = [self._host_ids[g][k] for k in keys[keep].tolist()]
+            held = [self._host_ids[g][k] for k, kp in zip(ld.keys, keep) if kp]
             self.host_stats["loaded"] += int(keep.sum())
             for part, c in host_parts(parts):
                 self._pools[g][part].onload(c, [h[part] for h in held], blocks[keep])
@@ -234,31 +458,22 @@ class KvabiConnectorWorker:
     def _after_load(self, load: HostLoad, group: int, part: str, cache, blocks) -> None:
         """Called once a part of a group's host blocks are back (nothing here)."""
 
-    def get_finished(self, finished_req_ids):
-        self._finished_seen |= set(finished_req_ids)
-        if self.config.producer and self._agent is not None:
-            self._poll_notifications()
-        done_send = {r for r in self._sent | self._saved if r in self._finished_seen}
-        self._sent -= done_send
-        self._saved -= done_send
-        self._finished_seen -= done_send
-        recved, self._recved = self._recved, set()
-        return (done_send or None), (recved or None)
-
-    def _poll_notifications(self) -> None:
-        while True:
-            try:
-                _, msg = self._agent.wait_notification(NOTIFY_PREFIX.encode(), timeout=1e-4)
-            except KVABIError:
-                return
-            rest = msg.decode(errors="replace")[len(NOTIFY_PREFIX):]
-            self._sent.add(rest.split(":", 1)[1] if ":" in rest else rest)
-
-    def get_block_ids_with_load_errors(self):
-        errs, self._load_errors = self._load_errors, set()
-        return errs
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of every per-request table (for tests and monitoring)."""
+        return {"pulls": len(self._puller) if self._puller is not None else 0,
+                "peers": len(self._peers), "saved": len(self._saved), "sent": len(self._sent),
+                "finished": len(self._finished),
+                "grants": len(self._grants.live) if self._grants is not None else 0,
+                "host_blocks": sum(len(h) for h in self._host_ids),
+                "pull_stats": len(self.pull_stats), "refusals": len(self.refusals)}
 
     def shutdown(self):
+        if self._puller is not None:
+            self._puller.stop()
         if self._agent is not None:
             self._agent.close()
             self._agent = None
+
+
+__all__ = ["KvabiConnectorWorker", "block_pairs", "host_parts", "matching_parts",
+           "token_parts"]

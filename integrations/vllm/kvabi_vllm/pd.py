@@ -230,6 +230,7 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
                             "--max-tokens", str(max_tokens)],
                            env={**penv, **decode.get("env", {})}, capture_output=True,
                            text=True, timeout=timeout)
+        (work / "decode.log").write_text(d.stdout + d.stderr)
         if d.returncode:
             raise RuntimeError("decode process failed:\n" + (d.stdout + d.stderr)[-4000:])
         return json.loads(out.read_text())
