@@ -78,10 +78,15 @@ class HostIndex:
         if not keys or not self._entries:
             return 0
         k = usable_prefix(self.present(keys, parents, blocks), need_back)
-        for key in reversed(keys[:k]):
+        self.touch(keys[:k])
+        return k
+
+    def touch(self, keys) -> None:
+        """Make a prefix's entries the most recently used, its first block last: a prefix
+        loses its deepest blocks first (a block is of no use without those before it)."""
+        for key in reversed(list(keys)):
             if key in self._entries:
                 self._entries.move_to_end(key)
-        return k
 
     def add(self, key, parent, tokens, held, keep=()) -> list | None:
         """Index a block to save, evicting least recently used entries (not those in

@@ -99,11 +99,6 @@ class Puller:
         self._queue.put(job)
         return None
 
-    def fail_now(self, req_id: str, reason: str) -> None:
-        """Report ``req_id`` failed at the next :meth:`collect` (refused before any pull)."""
-        with self._lock:
-            self._done.append((req_id, reason))
-
     def collect(self) -> list[tuple[str, str | None]]:
         """The pulls that ended since the last call, and those given up now (past their
         deadline): (request id, None when it succeeded, else the reason)."""

@@ -244,6 +244,7 @@ class KvabiConnectorScheduler:
             save_keys.append(key)
             for g, b in enumerate(row):
                 rows[g].append(b)
+        self._host.touch(keys)
         if not save_keys:
             return False
         self._saves.append(HostSave(request.request_id, save_keys, rows))
