@@ -21,6 +21,8 @@ from kvabi import KVABIError
 log = logging.getLogger(__name__)
 
 _STOP = object()
+#: seconds before its deadline a pull's own stages stop waiting
+GRACE = 0.5
 
 
 class Commit:
@@ -58,8 +60,10 @@ class Job:
         self.started = None
 
     def left(self) -> float:
-        """Seconds before the deadline (KVABIError once it has passed)."""
-        t = self.deadline - time.monotonic()
+        """Seconds a stage of the pull may still take: up to a little before the deadline,
+        so that a stage that times out reports its own reason before the engine gives up
+        (KVABIError once that time has passed)."""
+        t = self.deadline - time.monotonic() - GRACE
         if t <= 0 or self.commit.abandoned:
             raise KVABIError("pull: past its deadline (pull_timeout_s)")
         return t

@@ -4,7 +4,7 @@ save to the host tier, publish a grant for a decode engine, or report it refused
 lives in the process of vLLM's scheduler and reaches the worker side only through the
 step's :class:`~kvabi_vllm.connector_meta.KvabiConnectorMetadata`.
 
-A refused request (bad parameters, a replayed grant, no grant slot) is failed alone
+A refused request (bad parameters, no grant slot) is failed alone
 through vLLM's own path for a failed KV load: the scheduler side reports it as an
 asynchronous load, the worker side reports that load failed, and vLLM finishes the
 request with an error (``kv_load_failure_policy="fail"``, the default) or computes it
@@ -30,8 +30,6 @@ from .connector_params import Entry, ParamsReader
 
 log = logging.getLogger(__name__)
 
-#: grants this engine has used, remembered to refuse a replay to it
-USED_GRANTS = 65536
 #: refusals kept for inspection (the log has every one)
 REFUSALS = 256
 
@@ -47,7 +45,6 @@ class KvabiConnectorScheduler:
         # per live request: what it asked (an Entry), or why it is refused (a str)
         self._entries: dict[str, Entry | str] = {}
         self._pulled: set[str] = set()      # live requests whose KV came from a peer
-        self._used = collections.OrderedDict()  # grant nonce -> request id
         self._book = GrantBook(config.max_held) if config.producer else None
         self._host: HostIndex | None = None
         self._saving: set[str] = set()
@@ -127,15 +124,6 @@ class KvabiConnectorScheduler:
             self._schedule_load(request, blocks, num_external_tokens)
 
     def _schedule_pull(self, req_id: str, remote, blocks, num_external: int) -> None:
-        other = self._used.get(remote.nonce)
-        if other is not None:
-            reason = f"kvabi_grant: already used by request {other} on this engine (a replay)"
-            self._refuse(req_id, reason)
-            self._fails.append(Fail(req_id, reason))
-            return
-        self._used[remote.nonce] = req_id
-        if len(self._used) > USED_GRANTS:
-            self._used.popitem(last=False)
         self._pulled.add(req_id)
         self._pulls.append(PullWork(req_id, remote, [list(b) for b in blocks.get_block_ids()],
                                     remote.num_tokens - num_external, num_external))
@@ -263,7 +251,7 @@ class KvabiConnectorScheduler:
     def table_sizes(self) -> dict[str, int]:
         """Entries of every per-request table (for tests and monitoring)."""
         return {"entries": len(self._entries), "pulled": len(self._pulled),
-                "used_grants": len(self._used), "saving": len(self._saving),
+                "saving": len(self._saving),
                 "held": len(self._book) if self._book is not None else 0,
                 "host_entries": len(self._host) if self._host is not None else 0,
                 "refusals": len(self.refusals)}

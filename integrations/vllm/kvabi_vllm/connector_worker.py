@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import threading
 import time
 import uuid
 
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 MAX_RECORD = 64 * 2**20
 #: seconds between reads of a grant record the producer has not written yet
 GRANT_POLL_S = 0.005
+#: grants this engine pulled, remembered to refuse a replay to it
+USED_GRANTS = 65536
 
 
 def host_parts(parts):
@@ -109,6 +112,8 @@ class KvabiConnectorWorker:
         self._grants_msg = ""
         self._claims: list[tuple[PartClaim, ...]] = []
         self._peers = collections.OrderedDict()  # digest of a message -> connected Peer
+        self._used = collections.OrderedDict()   # grant nonces pulled here -> request id
+        self._used_lock = threading.Lock()
         self._puller = Puller(self._pull, config.max_pulls, config.pull_timeout_s,
                               config.pull_threads) if config.consumer else None
         self._pools: list = []
@@ -352,6 +357,18 @@ class KvabiConnectorWorker:
                 raise KVABIError(f"remote_block_ids[{g}]: not the blocks the producer holds "
                                  "for this grant")
 
+    def _use(self, nonce: bytes, req_id: str) -> None:
+        """Remember a grant this request may use (its record names this request's tokens);
+        KVABIError when a request pulled it here before (a replay)."""
+        with self._used_lock:
+            other = self._used.get(nonce)
+            if other is not None:
+                raise KVABIError(f"kvabi_grant: already used by request {other} on this "
+                                 "engine (a replay)")
+            self._used[nonce] = req_id
+            if len(self._used) > USED_GRANTS:
+                self._used.popitem(last=False)
+
     @staticmethod
     def _check_claim(rec: GrantRecord, g: int, part: str, peer) -> None:
         claim = next((c for c in rec.parts[g] if c.name == part), None)
@@ -375,6 +392,7 @@ class KvabiConnectorWorker:
                              f"cache groups, got {len(r.handshakes)}")
         rec = self._read_grant(self._peer(r.grants, job), r, job)
         self._check_record(rec, r)
+        self._use(r.nonce, p.req_id)
         todo = [(g, part, cache, msg) for g, parts in enumerate(self._caches)
                 for part, cache, msg in matching_parts(parts, r.handshakes[g], g)]
         peers = []
@@ -465,7 +483,8 @@ class KvabiConnectorWorker:
                 "finished": len(self._finished),
                 "grants": len(self._grants.live) if self._grants is not None else 0,
                 "host_blocks": sum(len(h) for h in self._host_ids),
-                "pull_stats": len(self.pull_stats), "refusals": len(self.refusals)}
+                "pull_stats": len(self.pull_stats), "refusals": len(self.refusals),
+                "used_grants": len(self._used)}
 
     def shutdown(self):
         if self._puller is not None:

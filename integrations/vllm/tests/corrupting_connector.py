@@ -1,6 +1,7 @@
 """The negative control's connector: KvabiConnector that overwrites one block of what it
 received (pulled from the peer, or loaded from the host tier) with noise, for requests from
-index ``KVABI_TEST_CORRUPT_FROM`` on (``LLM.generate`` numbers them ``"<index>-..."``).
+index ``KVABI_TEST_CORRUPT_FROM`` on (``LLM.generate`` numbers them ``"<index>-..."``) and
+requests whose id starts with ``corrupt-``.
 Loaded by the engine through ``kv_connector_module_path`` (the tests put this directory on
 PYTHONPATH)."""
 import os
@@ -13,12 +14,13 @@ from kvabi_vllm.connector_worker import KvabiConnectorWorker
 
 def _corrupt(req_id: str, cache, block: int) -> bool:
     start = int(os.environ.get("KVABI_TEST_CORRUPT_FROM", "1000000000"))
-    try:
-        index = int(req_id.split("-")[0])
-    except ValueError:
+    head = req_id.split("-")[0]
+    if head == "corrupt":
+        index = 0
+    elif not head.isdigit() or int(head) < start:
         return False
-    if index < start:
-        return False
+    else:
+        index = int(head)
     gen = torch.Generator().manual_seed(index)
     for layer in range(cache.layout.num_layers):
         view = cache.kv_view(layer, 0)  # [B, N, H, D]: keys, or this part's elements

@@ -1,12 +1,11 @@
 """KvabiConnector's step arithmetic against direct formulas: token slots of a block list (null
-blocks left out), slot pairs across block sizes, prefix keys, the restorable prefix of a
-host tier with sliding-window groups."""
+blocks left out), slot pairs across block sizes, the restorable prefix of a host tier with
+sliding-window groups."""
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvabi_vllm.connector_meta import (NULL_BLOCK, paired_slots, prefix_keys, token_slots,
-                                       usable_prefix)
+from kvabi_vllm.connector_meta import NULL_BLOCK, paired_slots, token_slots, usable_prefix
 
 block_lists = st.lists(st.one_of(st.just(NULL_BLOCK), st.integers(1, 50)), max_size=8)
 
@@ -33,21 +32,6 @@ def test_paired_slots_keep_tokens_both_sides_hold(src, dst, sizes, start, n):
     want = [(slot_of(src, sb, p), slot_of(dst, db, p)) for p in range(start, start + n)]
     want = [(a, b) for a, b in want if a >= 0 and b >= 0]
     assert list(zip(s.tolist(), d.tolist())) == want
-
-
-@given(st.lists(st.integers(0, 9), min_size=0, max_size=40), st.sampled_from([1, 4, 8]),
-       st.integers(0, 39))
-def test_prefix_keys_change_exactly_from_the_first_differing_block(toks, bs, where):
-    keys = prefix_keys(toks, bs)
-    assert len(keys) == len(toks) // bs
-    if where >= len(toks):
-        return
-    other = list(toks)
-    other[where] += 1
-    k2 = prefix_keys(other, bs)
-    first = where // bs
-    assert keys[:first] == k2[:first]
-    assert all(a != b for a, b in zip(keys[first:], k2[first:]))
 
 
 @given(st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=3),
