@@ -6,13 +6,16 @@ kv_connector_module_path="kvabi_vllm.connector", kv_role=...)``:
 
 - ``kv_producer`` (prefill engine): a request sent with ``kv_transfer_params=
   {"do_remote_decode": True}`` keeps its blocks when it finishes; its output's
-  ``kv_transfer_params`` carry the block ids and this engine's kvabi handshakes (per KV cache
+  ``kv_transfer_params`` carry the block ids, this engine's kvabi handshakes (per KV cache
   group, one per *part*: the layout descriptor, the registered planes, the NIXL agent's
-  metadata).
-- ``kv_consumer`` (decode engine): a request carrying those params reads the prompt's KV
-  with one NIXL READ per part, planned by ``kvabi.transfer`` from the two layouts (relayout
-  included), after validating the peer's handshakes as untrusted input; the last READ's
-  notification frees the producer's blocks.
+  metadata) and a grant (:mod:`.connector_grants`): what it holds, published where the
+  decode engine reads it first.
+- ``kv_consumer`` (decode engine): a request carrying those params, validated where it
+  enters (:mod:`.connector_params`), reads the grant, then the prompt's KV with one NIXL
+  READ per part off the engine's thread (:mod:`.connector_pulls`), planned by
+  ``kvabi.transfer`` from the two layouts (relayout included), and checks every token's
+  checksum; the last READ's notification (the grant's slot and nonce) frees the producer's
+  blocks.  A refusal fails that request alone (``specs/security.md`` section 5).
 
 Parts (``connector_layout``): a cache whose K and V share one layout serves it as ``kv``;
 vLLM's CPU backend, whose keys are stored transposed, serves ``k`` and ``v``; every cache
@@ -23,7 +26,8 @@ The decode side reads the image if both serve the same, else ``kv``, else ``k`` 
   ``kvabi.transfer.HostPool`` (cross-layer blocks): full blocks of a finished request are
   saved, and a later request whose prompt starts with them loads them instead of computing.
   Sliding-window groups keep (and need) only the blocks inside the window.  A request
-  with ``kv_transfer_params={"kvabi_host": False}`` neither loads nor saves.
+  with ``kv_transfer_params={"kvabi_host": False}`` neither loads nor saves
+  (:mod:`.connector_host`).  Timeouts and bounds: :mod:`.connector_config`.
 
 The layouts of the cache vLLM allocates are derived from its views (or taken from the kvabi
 attention-backend plugin) and checked against the engine's own cache write at start with
