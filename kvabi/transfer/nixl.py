@@ -38,6 +38,8 @@ from .plan import TransferPlan, plan_transfer
 from .staging import stage, stage_blocks, worth_staging
 
 INSTALL_HINT = "nixl is not installed: pip install 'kvabi[nixl]'"
+#: staging buffers an agent keeps for READs it could not stop (memory stays bounded)
+MAX_RETIRED = 64
 
 
 def nixl_api():
@@ -398,6 +400,9 @@ class NixlAgent:
         cuda = dst.framework == "torch" and dst[0].device.type == "cuda"
         key = ("VRAM", dst[0].device.index or 0) if cuda else ("DRAM", 0)
         key += (threading.get_ident(),)
+        if len(self._retired) > MAX_RETIRED:
+            raise KVABIError(f"nixl: {len(self._retired)} staging buffers are held by READs "
+                             "that could not be stopped; no more are made (close the agent)")
         held = self._staging.get(key)
         if held is None or held[0].shape[0] < nbytes:
             size = max(nbytes, 2 * held[0].shape[0] if held is not None else 0)
