@@ -3,8 +3,6 @@ reference passes, and a backend that zeroes rows per step (not per query) fails 
 passing ``poisoned_rows``."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 import kvabi
@@ -77,9 +75,9 @@ def test_reference_passes():
 
 
 class ZeroesPerStep(ReferenceBackend):
-    """Dense attention over each request's blocks that zeroes the rows no query of the
-    step sees (so ``poisoned_rows`` passes) and masks each query's logits by selection,
-    but multiplies the masked probabilities (0) by every value row: a NaN value that
+    """Dense attention per request that zeroes the rows no query of the step sees (so
+    ``poisoned_rows`` passes) and masks each query's logits by selection, but multiplies
+    the masked probabilities (0) by every value row of its request: a NaN value that
     another query sees turns this query's output into NaN."""
 
     name = "planted.zeroes_per_step"
@@ -88,36 +86,37 @@ class ZeroesPerStep(ReferenceBackend):
                   return_lse=False):
         spec, meta = plan.spec, plan.meta
         c = kvabi.as_cache(cache, layout)
-        q = np.asarray(query, np.float64)
-        t, hq, _ = q.shape
         h, bs = spec.num_kv_heads, spec.block_size
-        g = hq // h
+        q = np.asarray(query, np.float64)
+        g = q.shape[1] // h
         seen_any = visible_slots(meta, spec, layout.num_blocks * bs)
         kv = c.kv_view(layer, 0).astype(np.float64).reshape(-1, h, spec.head_dim)
         vv = c.kv_view(layer, 1).astype(np.float64).reshape(-1, h, spec.head_dim_v)
-        kv[~seen_any] = 0.0
-        vv[~seen_any] = 0.0  # per step: rows some query sees keep their value
+        kv[~seen_any], vv[~seen_any] = 0.0, 0.0  # per step: the rows some query sees stay
         s = plan.sinks if sinks is None else np.asarray(sinks, np.float64)
-        res = np.zeros((t, hq, spec.head_dim_v))
-        lse = np.full((t, hq), -np.inf)
-        for i in range(meta.num_actual_tokens):  # a test oracle: one token at a time
-            r = int(meta.token_request[i])
-            p = int(meta.positions[i])
-            n = int(meta.seq_lens[r])
+        res = np.zeros((q.shape[0], q.shape[1], spec.head_dim_v))
+        lse = np.full(q.shape[:2], -np.inf)
+        qsl = meta.query_start_loc
+        for r in range(meta.num_reqs):  # a test oracle: one request at a time
+            t0, t1, n = int(qsl[r]), int(qsl[r + 1]), int(meta.seq_lens[r])
+            if t0 == t1:
+                continue
             j = np.arange(n)
             slots = meta.block_table[r, j // bs].astype(np.int64) * bs + j % bs
-            vis = (j >= int(spec.first_visible_key(np.array(p)))) & (j <= p)
-            for head in range(hq):
-                kh = head // g
-                x = kv[slots, kh] @ q[i, head] * plan.scale
-                if plan.softcap is not None:
-                    x = plan.softcap * np.tanh(x / plan.softcap)
-                x = np.where(vis, x, -np.inf)  # selected: NaN logits are masked
-                m = max(np.max(x), s[head] if s is not None else -np.inf)
-                e = np.exp(x - m)
-                z = e.sum() + (math.exp(s[head] - m) if s is not None else 0.0)
-                res[i, head] = (e @ vv[slots, kh]) / z  # the bug: 0 * NaN is NaN
-                lse[i, head] = m + math.log(z)
+            pos = meta.positions[t0:t1].astype(np.int64)[:, None]
+            vis = (j[None, :] <= pos) & (j[None, :] >= spec.first_visible_key(pos))
+            qr = q[t0:t1].reshape(t1 - t0, h, g, -1)
+            x = np.einsum("thgd,nhd->thgn", qr, kv[slots]) * plan.scale
+            if plan.softcap is not None:
+                x = plan.softcap * np.tanh(x / plan.softcap)
+            x = np.where(vis[:, None, None, :], x, -np.inf)  # selected: NaN logits masked
+            sink = np.full((h, g), -np.inf) if s is None else s.reshape(h, g)
+            m = np.maximum(x.max(axis=-1), sink)
+            e = np.exp(x - m[..., None])
+            z = e.sum(axis=-1) + np.exp(sink - m)
+            o = np.einsum("thgn,nhd->thgd", e, vv[slots]) / z[..., None]  # 0 * NaN is NaN
+            res[t0:t1] = o.reshape(t1 - t0, h * g, -1)
+            lse[t0:t1] = (m + np.log(z)).reshape(t1 - t0, -1)
         if out is not None:
             out[...] = res
             res = out

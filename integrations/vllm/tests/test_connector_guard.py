@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvabi_vllm.tools.checkpoints import write_checkpoint
-from kvabi_vllm.tools.pd import ENV, KVABI_DECODE
+from kvabi_vllm.tools.pd import ENV, KVABI_DECODE, stop_process
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -63,12 +63,7 @@ def run(tmp_path_factory):
         out["log"] = d.stdout + d.stderr
         return out
     finally:
-        (work / "stop").touch()
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop_process(p, work / "stop")
         plog.close()
 
 

@@ -19,25 +19,14 @@ from hypothesis import strategies as st
 from ..harness import Runner, step_inputs
 from .attention import compare_outputs
 from .base import KitOptions, WithExtra, attention_cases
-from .poison import poison_values, variants
+from .poison import poison_values, seen_pairs, variants
 
 
 def seen_rows(meta, spec, num_slots: int) -> np.ndarray:
     """bool [real tokens, num_slots]: ``[t, s]`` when real query token ``t`` sees slot
-    ``s`` (its own request's keys from ``spec.first_visible_key`` to its position)."""
-    t = meta.num_actual_tokens
-    seen = np.zeros((t, num_slots), bool)
-    if not t:
-        return seen
-    pos = meta.positions[:t].astype(np.int64)
-    req = meta.token_request[:t].astype(np.int64)
-    lo = np.asarray(spec.first_visible_key(pos), np.int64)
-    n = pos - lo + 1
-    owner = np.repeat(np.arange(t), n)
-    key = np.repeat(lo, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
-    bs = spec.block_size
-    slots = meta.block_table[req[owner], key // bs].astype(np.int64) * bs + key % bs
-    seen[owner, slots] = True
+    ``s``."""
+    seen = np.zeros((meta.num_actual_tokens, num_slots), bool)
+    seen[seen_pairs(meta, spec)] = True
     return seen
 
 

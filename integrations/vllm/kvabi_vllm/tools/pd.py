@@ -235,13 +235,18 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
             raise RuntimeError("decode process failed:\n" + (d.stdout + d.stderr)[-4000:])
         return json.loads(out.read_text())
     finally:
-        stop.touch()
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop_process(p, stop)
         plog.close()
+
+
+def stop_process(p: subprocess.Popen, stop: Path, timeout: float = 60.0) -> None:
+    """Ask a prefill process to exit (its ``stop`` file), killing it after ``timeout``."""
+    stop.touch()
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
 
 
 if __name__ == "__main__":
