@@ -58,6 +58,7 @@ class Job:
         self.deadline = deadline
         self.commit = Commit()
         self.started = None
+        self.peers: list = []  # what the pull holds (the worker side's connected peers)
 
     def left(self) -> float:
         """Seconds a stage of the pull may still take: up to a little before the deadline,

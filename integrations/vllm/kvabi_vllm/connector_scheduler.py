@@ -44,7 +44,6 @@ class KvabiConnectorScheduler:
         self._grants_msg = ""
         # per live request: what it asked (an Entry), or why it is refused (a str)
         self._entries: dict[str, Entry | str] = {}
-        self._pulled: set[str] = set()      # live requests whose KV came from a peer
         self._book = GrantBook(config.max_held) if config.producer else None
         self._host: HostIndex | None = None
         self._saving: set[str] = set()
@@ -124,7 +123,6 @@ class KvabiConnectorScheduler:
             self._schedule_load(request, blocks, num_external_tokens)
 
     def _schedule_pull(self, req_id: str, remote, blocks, num_external: int) -> None:
-        self._pulled.add(req_id)
         self._pulls.append(PullWork(req_id, remote, [list(b) for b in blocks.get_block_ids()],
                                     remote.num_tokens - num_external, num_external))
 
@@ -141,8 +139,6 @@ class KvabiConnectorScheduler:
 
         req_id = request.request_id
         e = self._entries.pop(req_id, None)
-        pulled = req_id in self._pulled
-        self._pulled.discard(req_id)
         if e is None:  # finished before it was scheduled (aborted): read what it asked
             try:
                 e = self._reader.read(request.kv_transfer_params, [])
@@ -157,7 +153,7 @@ class KvabiConnectorScheduler:
             if not normal or not self._handshakes or not any(block_ids):
                 return False, None
             return self._grant(request, block_ids)
-        if self._host is not None and normal and e.host and not pulled:
+        if self._host is not None and normal and e.host:  # (never a pulled prompt)
             return self._schedule_save(request, block_ids), None
         return False, None
 
@@ -250,8 +246,7 @@ class KvabiConnectorScheduler:
 
     def table_sizes(self) -> dict[str, int]:
         """Entries of every per-request table (for tests and monitoring)."""
-        return {"entries": len(self._entries), "pulled": len(self._pulled),
-                "saving": len(self._saving),
+        return {"entries": len(self._entries), "saving": len(self._saving),
                 "held": len(self._book) if self._book is not None else 0,
                 "host_entries": len(self._host) if self._host is not None else 0,
                 "refusals": len(self.refusals)}

@@ -111,7 +111,9 @@ class KvabiConnectorWorker:
         self._grants: GrantTable | None = None
         self._grants_msg = ""
         self._claims: list[tuple[PartClaim, ...]] = []
-        self._peers = collections.OrderedDict()  # digest of a message -> connected Peer
+        # digest of a message -> [connected Peer, pulls using it]; pull threads share it
+        self._peers = collections.OrderedDict()
+        self._peers_lock = threading.Lock()
         self._used = collections.OrderedDict()   # grant nonces pulled here -> request id
         self._used_lock = threading.Lock()
         self._puller = Puller(self._pull, config.max_pulls, config.pull_timeout_s,
@@ -299,17 +301,40 @@ class KvabiConnectorWorker:
 
     # -- decode side: pulls (on a pull thread) ---------------------------------------------
     def _peer(self, message: str, job):
+        """The peer of a handshake message, connected once and shared by the pull threads
+        (held by ``job`` until :meth:`_release_peers`); the least recently used peers no
+        pull holds are forgotten past ``max_peers``."""
         key = hashlib.blake2b(message.encode(), digest_size=16).digest()
-        peer = self._peers.get(key)
-        if peer is None:
-            peer = self._agent.connect(message, timeout=job.left())
-            self._peers[key] = peer
-            while len(self._peers) > self.config.max_peers:
-                _, old = self._peers.popitem(last=False)
-                self._agent.disconnect(old)
-        else:
-            self._peers.move_to_end(key)
-        return peer
+        with self._peers_lock:
+            held = self._peers.get(key)
+            if held is not None:
+                held[1] += 1
+                self._peers.move_to_end(key)
+        if held is None:
+            peer = self._agent.connect(message, timeout=job.left())  # outside the lock
+            with self._peers_lock:
+                held = self._peers.get(key)
+                if held is None:
+                    held = self._peers[key] = [peer, 1]
+                else:  # another thread connected it meanwhile
+                    held[1] += 1
+                    self._agent.disconnect(peer)
+                self._evict_peers()
+        job.peers.append(key)
+        return held[0]
+
+    def _evict_peers(self) -> None:
+        idle = [k for k, (_, n) in self._peers.items() if n == 0]
+        for k in idle[:max(len(self._peers) - self.config.max_peers, 0)]:
+            self._agent.disconnect(self._peers.pop(k)[0])
+
+    def _release_peers(self, job) -> None:
+        with self._peers_lock:
+            for key in job.peers:
+                if key in self._peers:
+                    self._peers[key][1] -= 1
+            job.peers = []
+            self._evict_peers()
 
     def _read_grant(self, peer, remote, job) -> GrantRecord:
         """The producer's record for this grant, once it is written (a grant is written the
@@ -384,6 +409,12 @@ class KvabiConnectorWorker:
 
     def _pull(self, job) -> None:
         """One request's pull (see the module docstring); KVABIError with the reason."""
+        try:
+            self._pull_checked(job)
+        finally:
+            self._release_peers(job)
+
+    def _pull_checked(self, job) -> None:
         p: PullWork = job.work
         r = p.remote
         t0, regions, nbytes, read_s = time.perf_counter(), 0, 0, 0.0

@@ -98,7 +98,7 @@ def test_a_decode_scheduler_over_hundreds_of_requests():
             assert again == (0, False)
         seen[kind] += 1
         assert s.request_finished(req, ([1, 2],)) == (False, None)
-        assert s.table_sizes()["entries"] == 0 and s.table_sizes()["pulled"] == 0
+        assert s.table_sizes()["entries"] == 0
     assert all(v > 50 for v in seen.values())
     assert s.table_sizes()["refusals"] <= 256
 
