@@ -118,16 +118,22 @@ def _views(layers, blocks, bs, h, d, dtype, seed):
              torch.randn(blocks, bs, h, d, generator=g).to(dtype)) for _ in range(layers)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_token_checksums_follow_the_formula(dtype):
-    bs, h, d, layers = 4, 2, 8, 3
-    views = _views(layers, 6, bs, h, d, dtype, 1)
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 8), (torch.float16, 8),
+                                     (torch.bfloat16, 8), (torch.float16, 3)])
+def test_token_checksums_follow_the_formula(dtype, d):
+    """Per token: the 64-bit words of each layer's K and V row (the elements' own width
+    where a row is not a whole number of words), times fixed odd weights, summed modulo
+    2**64, folded to 32 bits; in views of any strides (keys transposed here)."""
+    bs, h, layers = 4, 2, 3
+    views = [(k.transpose(1, 3).contiguous().transpose(1, 3), v)
+             for k, v in _views(layers, 6, bs, h, d, dtype, 1)]
     slots = np.array([5, -1, 0, 23, 9])
     got = token_checksums(views, slots, bs)
     from kvabi_vllm.connector_checksum import _weights
 
-    w = _weights(layers, h, d).numpy()
-    bits = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.int16}[dtype]
+    row = h * d * torch.tensor([], dtype=dtype).element_size()
+    words = row // 8 if row % 8 == 0 else h * d
+    w = _weights(layers, words)
     for i, s in enumerate(slots):  # a test oracle: one token at a time, Python integers
         if s < 0:
             assert got[i] == 0
@@ -135,10 +141,18 @@ def test_token_checksums_follow_the_formula(dtype):
         total = 0
         for layer, (k, v) in enumerate(views):
             for kv, x in enumerate((k, v)):
-                raw = x[s // bs, s % bs].contiguous().view(torch.uint8).numpy().view(bits)
-                raw = raw.reshape(-1)
-                total += int((raw.astype(object) * w[layer, kv].reshape(-1).astype(object)).sum())
-        assert int(got[i]) == total % 2**32
+                raw = x[s // bs, s % bs].contiguous().view(torch.uint8).numpy().tobytes()
+                if row % 8 == 0:
+                    vals = [int.from_bytes(raw[j:j + 8], "little", signed=True)
+                            for j in range(0, row, 8)]
+                else:
+                    isz = row // (h * d)
+                    vals = [int.from_bytes(raw[j:j + isz], "little", signed=True)
+                            for j in range(0, row, isz)]
+                total += sum(a * int(b) for a, b in zip(vals, w[layer, kv]))
+        x = total % 2**64
+        x = x - 2**64 if x >= 2**63 else x  # as a signed 64-bit word
+        assert int(got[i]) == (x ^ (x >> 32)) & 0xFFFFFFFF
 
 
 def test_token_checksums_see_swaps_shifts_and_transposes():
