@@ -125,7 +125,8 @@ class KvabiConnectorWorker:
         self._saved: set[str] = set()                # host saves done, blocks not yet freed
         self._sent: set[str] = set()                 # grants read, blocks not yet freed
         self._finished: set[str] = set()             # of those, ids vLLM said finished
-        #: per pull: (request id, seconds, regions, bytes, seconds in READs), for benchmarks
+        #: per pull: (request id, seconds, regions, bytes, seconds in READs, seconds to the
+        #: grant record checked, seconds of the checksums), for benchmarks
         self.pull_stats: collections.deque = collections.deque(maxlen=4096)
         #: host tier: blocks saved and loaded (per group, all parts), for tests and benchmarks
         self.host_stats = {"saved": 0, "loaded": 0, "evicted": 0}
@@ -424,6 +425,7 @@ class KvabiConnectorWorker:
         rec = self._read_grant(self._peer(r.grants, job), r, job)
         self._check_record(rec, r)
         self._use(r.nonce, p.req_id)
+        grant_s = time.perf_counter() - t0
         todo = [(g, part, cache, msg) for g, parts in enumerate(self._caches)
                 for part, cache, msg in matching_parts(parts, r.handshakes[g], g)]
         peers = []
@@ -447,8 +449,10 @@ class KvabiConnectorWorker:
             read_s += time.perf_counter() - r0
             regions, nbytes = regions + len(plan), nbytes + plan.nbytes
             self._after_pull(p, g, part, cache, d)
+        v0 = time.perf_counter()
         self._verify(p, rec)
-        self.pull_stats.append((p.req_id, time.perf_counter() - t0, regions, nbytes, read_s))
+        t1 = time.perf_counter()
+        self.pull_stats.append((p.req_id, t1 - t0, regions, nbytes, read_s, grant_s, t1 - v0))
 
     def _verify(self, p: PullWork, rec: GrantRecord) -> None:
         """Every pulled token's checksum equals the producer's (before any token is

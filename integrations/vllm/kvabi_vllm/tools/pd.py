@@ -271,7 +271,7 @@ def demo_pair(workdir=None, *, progress=print) -> bool:
              "UCX over DRAM, relayout ...")
     r = run_pair(model, ps, work / "pd", prefill={"block_size": 32},
                  decode=KVABI_DECODE, max_tokens=12)
-    for (req, secs, regions, nbytes, read_s), toks in zip(r["pulls"], r["pd"]):
+    for (req, secs, regions, nbytes, read_s, *_), toks in zip(r["pulls"], r["pd"]):
         progress(f"  request {req.split('-')[0]}: {nbytes / 1024:.0f} KiB in {regions} "
                  f"regions, READs {read_s * 1e3:.1f} ms; tokens {toks[:6]}...")
     ok = r["pd"] == r["single"] and distinct_tokens(r["single"]) > 1
