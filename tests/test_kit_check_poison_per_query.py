@@ -82,10 +82,8 @@ class ZeroesPerStep(ReferenceBackend):
 
     name = "planted.zeroes_per_step"
 
-    def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, out=None,
-                  return_lse=False):
-        spec, meta = plan.spec, plan.meta
-        c = kvabi.as_cache(cache, layout)
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse):
+        spec, meta, layout, c = plan.spec, plan.meta, plan.layout, cache
         h, bs = spec.num_kv_heads, spec.block_size
         q = np.asarray(query, np.float64)
         g = q.shape[1] // h
@@ -93,7 +91,7 @@ class ZeroesPerStep(ReferenceBackend):
         kv = c.kv_view(layer, 0).astype(np.float64).reshape(-1, h, spec.head_dim)
         vv = c.kv_view(layer, 1).astype(np.float64).reshape(-1, h, spec.head_dim_v)
         kv[~seen_any], vv[~seen_any] = 0.0, 0.0  # per step: the rows some query sees stay
-        s = plan.sinks if sinks is None else np.asarray(sinks, np.float64)
+        s = sinks  # this call's, else the plan's (the base class resolves them)
         res = np.zeros((q.shape[0], q.shape[1], spec.head_dim_v))
         lse = np.full(q.shape[:2], -np.inf)
         qsl = meta.query_start_loc
@@ -117,10 +115,7 @@ class ZeroesPerStep(ReferenceBackend):
             o = np.einsum("thgn,nhd->thgd", e, vv[slots]) / z[..., None]  # 0 * NaN is NaN
             res[t0:t1] = o.reshape(t1 - t0, h * g, -1)
             lse[t0:t1] = (m + np.log(z)).reshape(t1 - t0, -1)
-        if out is not None:
-            out[...] = res
-            res = out
-        return (res, lse) if return_lse else res
+        return res, (lse if return_lse else None)
 
 
 def test_zeroing_per_step_passes_poisoned_rows_and_fails_per_query():

@@ -97,7 +97,7 @@ def poisoned_queries(plan, partial: PartialRows, scratch_rows, hq: int):
     if spec.kind == "sliding_window":
         i_hi = np.minimum(i_hi, j + spec.window - 1 - ctx[r])
     keep = i_lo <= i_hi
-    n = plan.num_tokens
+    n = plan.prepared.num_tokens  # real tokens
     diff = np.zeros((n + 1, h), np.int64)
     np.add.at(diff, (qsl[r][keep] + i_lo[keep], kh[keep]), 1)
     np.add.at(diff, (qsl[r][keep] + i_hi[keep] + 1, kh[keep]), -1)
