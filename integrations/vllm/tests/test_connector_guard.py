@@ -1,70 +1,24 @@
-"""P/D under attack, between two vLLM processes over NIXL (``pd_guard_run.py``): prefill on
-vLLM's CPU backend (LBHNC, 32-token blocks, keys stored transposed), decode on the kvabi
-backend example.torch (cross-layer BLHNC, 64-token blocks) with a host tier.  For each
+"""P/D under attack, between two vLLM processes over NIXL (``kvabi_vllm.tools.pd_guard``,
+the run of ``kvabi-vllm guard``): prefill on vLLM's CPU backend (LBHNC, 32-token blocks,
+keys stored transposed), decode on the kvabi backend example.torch (cross-layer BLHNC,
+64-token blocks) with a host tier.  For each
 class of issue 23, the attacked request fails with its reason, the honest requests beside
 it get their single-engine tokens, and the engine serves the next request; the tables of
 both engines are empty again after, and the prefill engine's blocks all come back.
 
 One pair of engines serves every test here (a module fixture): the decode process runs
 its phases once and every test reads what it wrote."""
-import json
-import os
 import re
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from kvabi_vllm.tools.checkpoints import write_checkpoint
-from kvabi_vllm.tools.pd import ENV, KVABI_DECODE, stop_process
-
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from pd_guard_run import HOLD_TIMEOUT, PULL_TIMEOUT  # noqa: E402
+from kvabi_vllm.tools.pd_guard import ATTACKS as TRIED
+from kvabi_vllm.tools.pd_guard import HONEST, PULL_TIMEOUT, attack_pair, summary
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("guard")
-    model = write_checkpoint("llama", work / "llama")
-    env = {**os.environ, **ENV, "PYTHONPATH": str(HERE)}
-    cmd = [sys.executable, str(HERE / "pd_guard_run.py")]
-    plog = open(work / "prefill.log", "w")
-    p = subprocess.Popen(cmd + ["prefill", str(work), str(model)], env=env, stdout=plog,
-                         stderr=subprocess.STDOUT)
-    try:
-        t0 = time.monotonic()
-        while not (work / "prefill.ready").exists():
-            if p.poll() is not None or time.monotonic() - t0 > 600:
-                raise RuntimeError("prefill: " + (work / "prefill.log").read_text()[-4000:])
-            time.sleep(0.2)
-        d = subprocess.run(cmd + ["decode", str(work), str(model), str(p.pid)],
-                           env={**env, **KVABI_DECODE["env"]}, capture_output=True, text=True,
-                           timeout=900)
-        (work / "decode.log").write_text(d.stdout + d.stderr)
-        if d.returncode:
-            raise RuntimeError("decode: " + (d.stdout + d.stderr)[-6000:])
-        out = json.loads((work / "decode.json").read_text())
-        # the prefill engine, after every grant was read or expired
-        deadline, i = time.monotonic() + HOLD_TIMEOUT + 60, 0
-        while True:
-            i += 1
-            (work / f"status-end{i}").touch()
-            while not (work / f"state-end{i}.json").exists():
-                time.sleep(0.05)
-            state = json.loads((work / f"state-end{i}.json").read_text())
-            if (state["held"] == 0 and state["free_blocks"] == state["total_blocks"]) or \
-                    time.monotonic() > deadline:
-                break
-            time.sleep(1.0)
-        out["prefill_end"] = state
-        out["log"] = d.stdout + d.stderr
-        return out
-    finally:
-        stop_process(p, work / "stop")
-        plog.close()
+    return attack_pair(tmp_path_factory.mktemp("guard"))
 
 
 def _tokens(run, rid):
@@ -73,10 +27,6 @@ def _tokens(run, rid):
 
 def _finish(run, rid):
     return run["results"][rid][1]
-
-
-HONEST = ["h1", "h2", "long", "v1", "v2", "plain-a", "plain-b", "plain-d", "plain-e",
-          "after"]
 
 
 def test_honest_requests_beside_attacks_get_their_single_engine_tokens(run):
@@ -124,6 +74,15 @@ ATTACKS = {
     # an unreachable producer
     "ghost": r"peer: agent 'kvabi-ghost' .* did not answer within",
 }
+
+
+def test_the_command_names_every_attack_and_says_every_rule_held(run):
+    """``kvabi-vllm guard``'s summary over the same run: a line per request, all held."""
+    assert set(ATTACKS) | {"frozen"} == set(TRIED)
+    lines, ok = summary(run)
+    assert ok, "\n".join(lines)
+    for rid in set(TRIED) | set(HONEST):
+        assert any(line.startswith(f"{rid} ") for line in lines), rid
 
 
 @pytest.mark.parametrize("rid", sorted(ATTACKS))

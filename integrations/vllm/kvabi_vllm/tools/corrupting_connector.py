@@ -1,9 +1,9 @@
-"""The negative control's connector: KvabiConnector that overwrites one block of what it
-received (pulled from the peer, or loaded from the host tier) with noise, for requests from
-index ``KVABI_TEST_CORRUPT_FROM`` on (``LLM.generate`` numbers them ``"<index>-..."``) and
-requests whose id starts with ``corrupt-``.
-Loaded by the engine through ``kv_connector_module_path`` (the tests put this directory on
-PYTHONPATH)."""
+"""The negative control's connector (bytes changed on the way): KvabiConnector that
+overwrites one block of what it received (pulled from the peer, or loaded from the host
+tier) with noise, for requests from index ``KVABI_TEST_CORRUPT_FROM`` on (``LLM.generate``
+numbers them ``"<index>-..."``) and requests whose id starts with ``corrupt-``.  Loaded by
+an engine through ``kv_connector_module_path = "kvabi_vllm.tools.corrupting_connector"``
+(the tests and ``kvabi-vllm guard``); never part of a served engine."""
 import os
 
 import torch

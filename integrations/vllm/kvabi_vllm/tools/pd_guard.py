@@ -1,23 +1,33 @@
-"""Both sides of the P/D pair the guard tests attack, each a process of its own:
-``python pd_guard_run.py prefill|decode WORKDIR MODEL [PREFILL_PID]``.
+"""``kvabi-vllm guard``: a P/D pair under attack, each side a vLLM process of its own.
 
-prefill: vLLM's CPU backend (LBHNC, 32-token blocks), ``kv_producer`` with a short hold.
-It prefills on demand: for each ``ask-K.json`` (a list of prompts) it writes the requests'
-``kv_transfer_params`` to ``params-K.json``; for each ``status-K`` it writes its state to
-``state-K.json``; it steps its engine in between (notifications, expiry) until ``stop``.
+The prefill side is vLLM's CPU backend (LBHNC, 32-token blocks), ``kv_producer`` with a
+short hold.  It prefills on demand: for each ``ask-K.json`` (a list of prompts) it writes
+the requests' ``kv_transfer_params`` to ``params-K.json``; for each ``status-K`` it writes
+its state to ``state-K.json``; it steps its engine in between (notifications, expiry)
+until ``stop``.
 
-decode: the kvabi backend ``example.torch`` (cross-layer BLHNC, 64-token blocks), the
-corrupting connector of the negative control, ``kv_consumer`` with a short pull timeout
-and a host tier.  It runs the phases below, each a batch of concurrent requests (honest
-and attacked mixed), and writes every request's tokens, finish reason, seconds and the
-reason it was refused, the single-engine reference tokens, and its tables, to
-``decode.json``.
+The decode side is the kvabi backend ``example.torch`` (cross-layer BLHNC, 64-token
+blocks) with the corrupting connector of the negative control
+(:mod:`kvabi_vllm.tools.corrupting_connector`), ``kv_consumer`` with a short pull timeout
+and a host tier.  It runs the phases of :func:`decode`, each a batch of concurrent
+requests (honest and attacked mixed: every class of hostile ``kv_transfer_params``,
+lying handshakes, changed bytes, replays, forged notifications, an unreachable and a
+frozen producer, host tier reuse across tenants), and writes every request's tokens,
+finish reason, seconds and the reason it was refused, the single-engine reference tokens,
+and its tables, to ``decode.json``.
+
+:func:`attack_pair` runs both (the tests of ``test_connector_guard`` read its result);
+``kvabi-vllm guard`` prints what happened to each request.  Internal roles:
+``python -m kvabi_vllm.tools.pd_guard prefill|decode WORKDIR MODEL [PREFILL_PID]``.
 """
+import argparse
 import copy
 import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +56,7 @@ def _scheduler_connector(llm):
 
 
 def prefill(work: Path, model: str) -> None:
-    from kvabi_vllm.tools.pd import _sampling, make_llm
+    from .pd import _sampling, make_llm
     from vllm.inputs import TokensPrompt
 
     llm = make_llm(model, block_size=32, role="kv_producer",
@@ -86,11 +96,11 @@ class Decoder:
     """The decode engine and its conversation with the prefill process."""
 
     def __init__(self, work: Path, model: str):
-        from kvabi_vllm.tools.pd import make_llm
+        from .pd import make_llm
 
         self.work = work
         self.llm = make_llm(model, block_size=64, role="kv_consumer",
-                            module="corrupting_connector",
+                            module="kvabi_vllm.tools.corrupting_connector",
                             extra={"pull_timeout_s": PULL_TIMEOUT, "host_blocks": 64})
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -112,7 +122,7 @@ class Decoder:
     def run(self, reqs) -> dict:
         """Run ``[(id, prompt, params, salt)]`` concurrently; per id (tokens, finish reason,
         seconds until it finished)."""
-        from kvabi_vllm.tools.pd import _sampling
+        from .pd import _sampling
         from vllm.inputs import TokensPrompt
 
         eng = self.llm.llm_engine
@@ -177,7 +187,8 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
         ("a-missing", "a1", edit("a1", lambda p: p.pop("kvabi_grant"))),
         ("a-type", "a2", edit("a2", lambda p: p.update(remote_block_ids="0,1,2"))),
         ("a-empty", "a3", edit("a3", lambda p: p.update(kvabi_handshakes=[]))),
-        ("a-nested", "a4", edit("a4", lambda p: p.update(remote_block_ids=[p["remote_block_ids"]]))),
+        ("a-nested", "a4", edit("a4", lambda p: p.update(
+            remote_block_ids=[p["remote_block_ids"]]))),
         # (a truthy non-object stops in vLLM's own front end, before any connector)
         ("a-notobject", "a5", []),
         ("a-null", "a6", edit("a6", lambda p: p["remote_block_ids"][0].__setitem__(0, 0))),
@@ -207,7 +218,7 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
 
 def decode(work: Path, model: str, prefill_pid: int) -> None:
     from kvabi.transfer.nixl import NixlAgent, free_port
-    from kvabi_vllm.tools.checkpoints import prompts as make_prompts
+    from .checkpoints import prompts as make_prompts
 
     d = Decoder(work, model)
     names = ["h1", "h2", "long", "corrupt", "v1", "v2"] + [f"a{i}" for i in range(1, 18)]
@@ -308,6 +319,162 @@ def decode(work: Path, model: str, prefill_pid: int) -> None:
         "victim_slots": [params["v1"]["kvabi_grant"]["slot"],
                          params["v2"]["kvabi_grant"]["slot"]],
         "corrupted": getattr(type(d.worker), "corrupted", 0)})
+
+
+#: the requests served honestly beside the attacks (their tokens must be the single engine's)
+HONEST = ("h1", "h2", "long", "v1", "v2", "plain-a", "plain-b", "plain-d", "plain-e",
+          "after")
+
+#: what each attacked request tries (issue 23's classes), for the summary
+ATTACKS = {
+    "a-missing": "kvabi_grant left out",
+    "a-type": "remote_block_ids a string",
+    "a-empty": "kvabi_handshakes empty",
+    "a-nested": "remote_block_ids nested one level too deep",
+    "a-notobject": "kv_transfer_params a list",
+    "a-null": "the null block as a remote block",
+    "a-repeated": "a remote block id twice",
+    "a-short": "one remote block short",
+    "a-negative": "a negative remote block id",
+    "a-int64": "a remote block id past int64 (wraps to a real block)",
+    "a-otherids": "another request's remote block ids",
+    "a-othergrant": "another request's whole parameters",
+    "a-forgednonce": "a live grant's slot with a forged nonce",
+    "a-shorterprompt": "a decode prompt shorter than the prefilled one",
+    "a-shifted": "the key plane's address shifted inside its memory",
+    "a-swapped": "keys and values swapped in the handshake",
+    "a-tileorder": "the key tiles' order misstated",
+    "corrupt-1": "bytes changed on the way (one pulled block overwritten)",
+    "replay": "h1's parameters again, after h1 read them",
+    "ghost": "a producer that is not there",
+    "frozen": "a producer frozen (SIGSTOP) during the pull",
+}
+
+
+def attack_pair(work: Path, model: str | None = None, progress=None) -> dict:
+    """Run both sides in ``work`` (a tiny llama checkpoint is written there unless
+    ``model``): the decode side's ``decode.json`` with ``prefill_end`` (the prefill
+    engine's state once every grant was read or expired) and ``log`` (the decode side's
+    output).  Raises RuntimeError with the log's tail when a side fails."""
+    from .checkpoints import write_checkpoint
+    from .pd import ENV, KVABI_DECODE, stop_process
+
+    say = progress or (lambda msg: None)
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = str(model or write_checkpoint("llama", work / "llama"))
+    env = {**os.environ, **ENV}
+    cmd = [sys.executable, "-m", "kvabi_vllm.tools.pd_guard"]
+    t0 = time.monotonic()
+    say("prefill engine starting (vLLM's CPU attention, LBHNC, 32-token blocks)")
+    with open(work / "prefill.log", "w") as plog:
+        p = subprocess.Popen(cmd + ["prefill", str(work), model], env=env, stdout=plog,
+                             stderr=subprocess.STDOUT)
+        try:
+            while not (work / "prefill.ready").exists():
+                if p.poll() is not None or time.monotonic() - t0 > 600:
+                    raise RuntimeError("prefill: " +
+                                       (work / "prefill.log").read_text()[-4000:])
+                time.sleep(0.2)
+            say(f"prefill engine ready ({time.monotonic() - t0:.0f} s); decode engine "
+                f"(example.torch, BLHNC, 64-token blocks) running the attacks")
+            d = subprocess.run(cmd + ["decode", str(work), model, str(p.pid)],
+                               env={**env, **KVABI_DECODE["env"]}, capture_output=True,
+                               text=True, timeout=900)
+            (work / "decode.log").write_text(d.stdout + d.stderr)
+            if d.returncode:
+                raise RuntimeError("decode: " + (d.stdout + d.stderr)[-6000:])
+            out = json.loads((work / "decode.json").read_text())
+            say(f"decode side done ({time.monotonic() - t0:.0f} s); waiting for the prefill "
+                f"engine's grants to be read or expire (hold_timeout_s {HOLD_TIMEOUT:g})")
+            deadline, i = time.monotonic() + HOLD_TIMEOUT + 60, 0
+            while True:
+                i += 1
+                (work / f"status-end{i}").touch()
+                state = _wait_file(work / f"state-end{i}.json")
+                if (state["held"] == 0 and state["free_blocks"] == state["total_blocks"]) \
+                        or time.monotonic() > deadline:
+                    break
+                time.sleep(1.0)
+        finally:
+            stop_process(p, work / "stop")
+    out["prefill_end"] = state
+    out["log"] = d.stdout + d.stderr
+    return out
+
+
+def summary(run: dict) -> tuple[list[str], bool]:
+    """Lines saying what happened to each request, and whether every honest one got its
+    single-engine tokens, every attacked one failed alone with a reason (``frozen``: right
+    tokens or a failure) and both engines' tables emptied."""
+    res, reasons, single = run["results"], run["reasons"], run["single"]
+    lines, ok = [], True
+    lines.append(f"{'request':<16} {'finish':<7} {'seconds':>7}  outcome")
+    for rid in HONEST:
+        tok, fin, sec = res[rid]
+        good = fin == "length" and tok == single[rid]
+        ok &= good
+        lines.append(f"{rid:<16} {fin:<7} {sec:7.1f}  honest: "
+                     f"{'the single engine' if good else 'NOT the single engine'}'s tokens")
+    for rid, what in ATTACKS.items():
+        tok, fin, sec = res[rid]
+        why = reasons.get(rid, "")
+        if rid == "frozen" and tok == single.get(rid):
+            good, said = True, "served: the READs completed without the peer's CPU"
+        else:
+            good = fin == "error" and not tok and bool(why)
+            said = f"refused: {why}" if good else f"NOT refused ({len(tok)} tokens)"
+        ok &= good
+        lines.append(f"{rid:<16} {fin:<7} {sec:7.1f}  {what}; {said}")
+    host = run["host"]
+    pulled_kept = host["mid"]["loaded"] != host["before"]["loaded"]
+    salt_crossed = host["after_b"]["loaded"] != host["mid"]["loaded"]
+    forged = run["prefill_after_forged"]
+    end, s, w = run["prefill_end"], run["scheduler_tables"], run["worker_tables"]
+    clean = end["held"] == 0 and end["free_blocks"] == end["total_blocks"] and \
+        s["entries"] == 0 and w["pulls"] == 0
+    ok &= not pulled_kept and not salt_crossed and clean and forged["ignored"] >= 3
+    lines += [
+        f"forged notifications: {forged['ignored']} ignored by the producer, "
+        f"{forged['held']} grants still held (the victims v1, v2 read them after)",
+        f"host tier: pulled KV served later: {'YES' if pulled_kept else 'no'}; "
+        f"a hit across cache_salt tenants: {'YES' if salt_crossed else 'no'}",
+        f"after: producer grants held {end['held']}, free blocks {end['free_blocks']} of "
+        f"{end['total_blocks']}; decode tables {s['entries']} scheduler entries, "
+        f"{w['pulls']} pulls, {w['peers']} peers"]
+    return lines, ok
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvabi-vllm guard",
+        description="A P/D pair of vLLM processes over NIXL (prefill on vLLM's CPU "
+                    "attention, decode on the kvabi backend example.torch) attacked the "
+                    "ways specs/security.md section 5 names: hostile kv_transfer_params, "
+                    "lying handshakes, changed bytes, replays, forged notifications, "
+                    "unreachable and frozen producers, the host tier across tenants; "
+                    "honest requests run beside the attacks. Prints what happened to each "
+                    "request; exit status 1 when a rule was broken. About 2 minutes on 2 "
+                    "cores.")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="where the checkpoint, the engines' logs and decode.json go "
+                        "(default: a new temporary directory)")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="also write the whole result (tokens, reasons, tables) as JSON")
+    return p
+
+
+def main(argv=None) -> int:
+    """``kvabi-vllm guard``: run :func:`attack_pair` and print :func:`summary`."""
+    args = _parser().parse_args(argv)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvabi-guard-"))
+    run = attack_pair(work, progress=lambda m: print(m, flush=True))
+    lines, ok = summary(run)
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps(run, indent=1))
+    print(f"{'every rule held' if ok else 'A RULE WAS BROKEN'} (logs in {work})")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
