@@ -15,9 +15,11 @@ type); jax CPU arrays register their own buffer, without a copy.  nixl is import
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 
 import attrs
@@ -41,6 +43,8 @@ from .staging import ALIGN, stage, stage_blocks, worth_staging
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "nixl is not installed: pip install 'kvabi[nixl]'"
+#: staging buffers an agent keeps for READs it could not stop (memory stays bounded)
+MAX_RETIRED = 64
 
 
 def nixl_api():
@@ -164,6 +168,16 @@ class _Read:
     memory: str = "DRAM"
 
 
+def _guarded_staged(staged, guard):
+    """``staged`` as a pull with ``guard`` needs it: staged (its READ must not land in
+    ``dst``); KVABIError when asked unstaged."""
+    if guard is None:
+        return staged
+    if staged is not None and as_bool(staged, "staged") is False:
+        raise KVABIError("staged: a guarded pull is staged (its READ must not land in dst)")
+    return True
+
+
 class NixlAgent:
     """This process's NIXL agent (UCX backend), listening on ``host:port`` for metadata
     requests (``port`` None: a free port)."""
@@ -183,8 +197,12 @@ class NixlAgent:
         except Exception as e:  # noqa: BLE001 - nixl raises plain exceptions
             raise KVABIError(f"nixl: could not create agent {name!r}: {e}") from None
         self._regs = []  # (cache, descs, rows [n, 3] address/nbytes/device, memory)
-        # staging buffers of staged pulls, per (memory type, device): (buffer, descs)
+        # staging buffers of staged pulls, per (memory type, device, thread): (buffer,
+        # descs); threads pulling at once never share one
         self._staging: dict = {}
+        # staging buffers a READ that could not be stopped may still write: kept alive
+        # (and registered) until close, never reused
+        self._retired: list = []
         # templates of staged whole-block pulls (see staging.stage_blocks)
         self._templates: list = []
         # agent name -> the peers (one per handshake, i.e. per served cache) it stands for
@@ -302,6 +320,19 @@ class NixlAgent:
         self._peers.setdefault(peer.name, []).append(peer)
         return peer
 
+    def disconnect(self, peer: Peer) -> None:
+        """Forget a peer :meth:`connect` returned (its agent's metadata too, once no other
+        peer of that agent is left); a caller that caches peers keeps this table bounded."""
+        self._connected(peer)
+        held = self._peers[peer.name]
+        held[:] = [p for p in held if p is not peer]
+        if not held:
+            del self._peers[peer.name]
+            try:
+                self._agent.remove_remote_agent(peer.name)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
     # -- transfers -------------------------------------------------------------------------
     def _connected(self, peer) -> None:
         """KVABIError unless ``peer`` is a Peer this agent's connect() returned (trusted by
@@ -311,21 +342,23 @@ class NixlAgent:
             raise KVABIError("peer: not connected to this agent (use connect(message))")
 
     def pull(self, peer: Peer, dst: KVCache, src_slots, dst_slots, *, layers=None,
-             timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None) -> KVCache:
+             timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None,
+             guard=None) -> KVCache:
         """READ the peer's tokens ``src_slots`` into ``dst_slots`` of ``dst`` (layouts may
         differ: the plan relayouts).  Returns ``dst`` once every byte has arrived (a new
         handle for jax); KVABIError if the transfer fails or times out (the destination
-        slots then hold undefined data and must not be used).  ``staged``: see
+        slots then hold undefined data and must not be used).  ``staged``, ``guard``: see
         :meth:`pull_plan`."""
         self._connected(peer)
         if not isinstance(dst, KVCache):
             raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
         plan = plan_transfer(peer.layout, dst.layout, src_slots, dst_slots, layers=layers)
-        return self.pull_plan(peer, plan, dst, timeout=timeout, notify=notify, staged=staged)
+        return self.pull_plan(peer, plan, dst, timeout=timeout, notify=notify, staged=staged,
+                              guard=guard)
 
     def pull_plan(self, peer: Peer, plan: TransferPlan, dst: KVCache, *,
                   timeout: float = 30.0, notify: bytes = b"kvabi.pull",
-                  staged=None) -> KVCache:
+                  staged=None, guard=None) -> KVCache:
         """Run ``plan`` (source: the peer's layout) as one NIXL READ into ``dst``.
 
         ``staged`` (default: when the plan's regions average under 64 KiB, as in a
@@ -334,7 +367,12 @@ class NixlAgent:
         relayout locally (:mod:`kvabi.transfer.staging`).  Unstaged, the READ lands in
         ``dst`` directly, which must then be registered.  Every region is checked
         against the peer's registered planes and ``dst``'s (registered) planes at each
-        call, before anything is posted."""
+        call, before anything is posted.
+
+        ``guard`` (a context manager; implies ``staged``) is entered once the READ has
+        completed and held while the bytes are copied into ``dst``: a caller that gives up
+        on a pull (a timeout) makes its ``__enter__`` raise, and no byte reaches ``dst``
+        after that, whenever the READ completes."""
         timeout = as_float(timeout, "timeout", positive=True)
         notify = _message(notify, "notify")
         self._connected(peer)
@@ -342,8 +380,9 @@ class NixlAgent:
             raise KVABIError(f"plan: must be a TransferPlan, got {type(plan).__name__}")
         if not isinstance(dst, KVCache):
             raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
+        staged = _guarded_staged(staged, guard)
         read = self._prepare(peer, plan, dst, staged)
-        return self._run_reads([read], dst, timeout, [notify])
+        return self._run_reads([read], dst, timeout, [notify], guard)
 
     def pull_shards(self, peers, dst: KVCache, src_slots, dst_slots, *, layers=None,
                     timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None,
@@ -380,7 +419,7 @@ class NixlAgent:
 
     def pull_shard_plan(self, peers, plan: ShardPlan, dst: KVCache, *,
                         timeout: float = 30.0, notify: bytes = b"kvabi.pull",
-                        staged=None) -> KVCache:
+                        staged=None, guard=None) -> KVCache:
         """Run a :class:`~kvabi.transfer.shards.ShardPlan`: one READ per peer rank read
         (each checked and laid out as by :meth:`pull_plan`), all posted before any is
         waited for, all within ``timeout``; each rank read gets ``notify`` with its READ,
@@ -388,7 +427,9 @@ class NixlAgent:
         notification, so every rank of the group learns that this rank is done (one that
         cannot be told is logged: it holds no byte this pull needs).  Returns
         ``dst`` once every byte has arrived (a new handle for jax); KVABIError if any READ
-        fails or times out (the destination slots then hold undefined data)."""
+        fails or times out (the destination slots then hold undefined data).  ``staged``,
+        ``guard``: see :meth:`pull_plan` (the guard is held while each rank's bytes are
+        copied into ``dst``)."""
         timeout = as_float(timeout, "timeout", positive=True)
         notify = _message(notify, "notify")
         self._peer_list(peers)
@@ -399,8 +440,9 @@ class NixlAgent:
             raise KVABIError("plan.src_layouts: are not the peers' layouts, in rank order")
         if not isinstance(dst, KVCache):
             raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
+        staged = _guarded_staged(staged, guard)
         reads = [self._prepare(peers[i], part, dst, staged) for i, part in plan.parts]
-        dst = self._run_reads(reads, dst, timeout, [notify] * len(reads))
+        dst = self._run_reads(reads, dst, timeout, [notify] * len(reads), guard)
         read = set(plan.sources)
         for i, p in enumerate(peers):
             if i not in read:
@@ -483,12 +525,15 @@ class NixlAgent:
 
         return _Read(peer, local, remote, piece.nbytes, finish)
 
-    def _run_reads(self, reads, dst: KVCache, timeout: float, notify) -> KVCache:
+    def _run_reads(self, reads, dst: KVCache, timeout: float, notify,
+                   guard=None) -> KVCache:
         """Post every READ (staged ones at their place in one staging buffer), then wait for
-        each in turn within ``timeout`` and relayout it into ``dst`` as soon as it is done,
-        while the later ones are still in flight; ``dst`` back (a new handle for jax).  On
-        any failure every posted READ is released and the error raised: the destination
-        slots then hold undefined data."""
+        each in turn within ``timeout`` and relayout it into ``dst`` as soon as it is done
+        (under ``guard``), while the later ones are still in flight; ``dst`` back (a new
+        handle for jax).  On any failure every posted READ is released and the error
+        raised: the destination slots then hold undefined data; a READ NIXL would not
+        release may still land, so this thread's staging buffers are retired."""
+        guard = contextlib.nullcontext() if guard is None else guard
         reads = [r for r in reads if len(r.local)]
         if not reads:
             return dst
@@ -511,9 +556,15 @@ class NixlAgent:
             for (r, handle), base in zip(handles, bases):
                 self._wait(r.peer, handle, int(r.local[:, 1].sum()), deadline, timeout)
                 if r.finish is not None:
-                    dst = r.finish(buf[int(base):int(base) + r.staging], dst)
-        finally:
-            self._release([h for _, h in handles])
+                    with guard:
+                        dst = r.finish(buf[int(base):int(base) + r.staging], dst)
+        except BaseException:
+            if not self._release([h for _, h in handles]):  # may still land: fresh staging
+                ident = threading.get_ident()
+                for key in [k for k in self._staging if k[2] == ident]:
+                    self._retired.append(self._staging.pop(key))
+            raise
+        self._release([h for _, h in handles])
         return dst
 
     def _staging_buffer(self, nbytes: int, dst: KVCache):
@@ -522,6 +573,10 @@ class NixlAgent:
         memory type)."""
         cuda = dst.framework == "torch" and dst[0].device.type == "cuda"
         key = ("VRAM", dst[0].device.index or 0) if cuda else ("DRAM", 0)
+        key += (threading.get_ident(),)
+        if len(self._retired) > MAX_RETIRED:
+            raise KVABIError(f"nixl: {len(self._retired)} staging buffers are held by READs "
+                             "that could not be stopped; no more are made (close the agent)")
         held = self._staging.get(key)
         if held is None or held[0].shape[0] < nbytes:
             size = max(nbytes, 2 * held[0].shape[0] if held is not None else 0)
@@ -538,12 +593,8 @@ class NixlAgent:
             except Exception as e:  # noqa: BLE001
                 raise KVABIError(f"nixl: registering a {size}-byte staging buffer failed: "
                                  f"{e}") from None
-            if held is not None:
-                self._staging.pop(key)
-                try:
-                    self._agent.deregister_memory(held[1])
-                except Exception:  # noqa: BLE001
-                    pass
+            if held is not None:  # kept: an abandoned READ may still land in it
+                self._retired.append(self._staging.pop(key))
             held = self._staging[key] = (buf, descs)
         buf = held[0]
         addr = buf.data_ptr() if cuda else buf.__array_interface__["data"][0]
@@ -591,12 +642,15 @@ class NixlAgent:
             raise KVABIError(f"transfer: READ from {peer.name!r} failed: {e}; the destination "
                              "slots hold undefined data") from None
 
-    def _release(self, handles) -> None:
+    def _release(self, handles) -> bool:
+        """Release transfer handles; False when NIXL refused one (still active)."""
+        ok = True
         for handle in handles:
             try:
                 self._agent.release_xfer_handle(handle)
             except Exception:  # noqa: BLE001 - an active transfer may refuse release
-                pass
+                ok = False
+        return ok
 
     def wait_notification(self, prefix: bytes = b"kvabi.pull", *, timeout: float = 30.0,
                           peer: str | None = None) -> tuple[str, bytes]:
@@ -618,6 +672,16 @@ class NixlAgent:
                                  f"{timeout:g} s")
             time.sleep(0.001)
 
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        """Every notification that arrived and was not taken yet, as (sender, message),
+        removed from the agent (a server polling for its own kind of message calls this,
+        so that other messages from any peer cannot pile up)."""
+        out = []
+        for sender, msgs in self._agent.update_notifs().items():
+            out += [(sender, m) for m in msgs]
+            msgs.clear()
+        return out
+
     def close(self) -> None:
         """Forget peers and deregister memory (the agent itself goes with the object)."""
         for name in list(self._peers):
@@ -632,12 +696,13 @@ class NixlAgent:
             except Exception:  # noqa: BLE001
                 pass
         self._regs.clear()
-        for _, descs in self._staging.values():
+        for _, descs in list(self._staging.values()) + self._retired:
             try:
                 self._agent.deregister_memory(descs)
             except Exception:  # noqa: BLE001
                 pass
         self._staging.clear()
+        self._retired.clear()
 
     def __enter__(self):
         return self

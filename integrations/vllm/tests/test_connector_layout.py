@@ -139,33 +139,3 @@ def test_split_kv_holds_the_keys_and_values_of_the_layout(name):
     for layer in range(2):
         for kv, part in enumerate((kc, vc)):
             assert torch.equal(part.kv_view(layer, 0), cache.kv_view(layer, kv))
-
-
-def test_model_identity_is_the_configuration_not_its_path():
-    import hashlib
-    import json
-    from types import SimpleNamespace
-
-    from transformers import LlamaConfig
-
-    from kvabi_vllm.connector_layout import model_identity
-
-    def engine(path, **kw):
-        cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                          num_key_value_heads=2, **kw)
-        cfg._name_or_path = path
-        return SimpleNamespace(model_config=SimpleNamespace(hf_config=cfg))
-
-    a = model_identity(engine("/models/llama"), {})
-    # the same checkpoint elsewhere: the same identity; another configuration: another
-    assert model_identity(engine("/srv/other/llama"), {}) == a
-    assert model_identity(engine("/models/llama", vocab_size=1000), {}) != a
-    # independently: the digest of the configuration without its path and version
-    d = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                    num_key_value_heads=2).to_dict()
-    d.pop("_name_or_path", None), d.pop("transformers_version", None)
-    text = json.dumps(d, sort_keys=True, default=str)
-    assert a == "config:" + hashlib.sha256(text.encode()).hexdigest()[:32]
-    assert model_identity(engine("x"), {"model_id": "llama-3@r2"}) == "llama-3@r2"
-    with pytest.raises(KVABIError, match="kv_connector_extra_config.model_id"):
-        model_identity(engine("x"), {"model_id": "llama 3"})

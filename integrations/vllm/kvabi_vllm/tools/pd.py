@@ -40,10 +40,8 @@ def allow_cpu_attn_layout(name: str) -> None:
 
 def make_llm(model: str, *, block_size: int, role: str | None, connector: str = "KvabiConnector",
              module: str | None = "kvabi_vllm.connector", extra: dict | None = None,
-             layout: str | None = None, prefix_caching: bool = False, blocks: int = 256,
-             tp: int = 1):
-    """An in-process vLLM engine (float32, no tokenizer) with a KV connector in ``role``;
-    ``tp`` > 1: tensor-parallel workers in processes of their own (one core each)."""
+             layout: str | None = None, prefix_caching: bool = False, blocks: int = 256):
+    """An in-process vLLM engine (float32, no tokenizer) with a KV connector in ``role``."""
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if layout:
@@ -60,13 +58,9 @@ def make_llm(model: str, *, block_size: int, role: str | None, connector: str = 
         if connector == "NixlConnector":
             kw["kv_buffer_device"] = "cpu"
         kv = KVTransferConfig(**kw)
-    par = {}
-    if tp > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
-        par = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
     return LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=block_size,
                max_model_len=1024, enforce_eager=True, num_gpu_blocks_override=blocks,
-               enable_prefix_caching=prefix_caching, kv_transfer_config=kv, **par)
+               enable_prefix_caching=prefix_caching, kv_transfer_config=kv)
 
 
 #: a decode side on another backend, layout and block size than vLLM's CPU backend: the
@@ -93,7 +87,8 @@ def _prompts(path: str):
 def _worker_connector():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()
+    conn = get_kv_transfer_group()
+    return getattr(conn, "connector_worker", conn)
 
 
 def _nixl_side_channel(a) -> None:
@@ -235,17 +230,23 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
                             "--max-tokens", str(max_tokens)],
                            env={**penv, **decode.get("env", {})}, capture_output=True,
                            text=True, timeout=timeout)
+        (work / "decode.log").write_text(d.stdout + d.stderr)
         if d.returncode:
             raise RuntimeError("decode process failed:\n" + (d.stdout + d.stderr)[-4000:])
         return json.loads(out.read_text())
     finally:
-        stop.touch()
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop_process(p, stop)
         plog.close()
+
+
+def stop_process(p: subprocess.Popen, stop: Path, timeout: float = 60.0) -> None:
+    """Ask a prefill process to exit (its ``stop`` file), killing it after ``timeout``."""
+    stop.touch()
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
 
 
 if __name__ == "__main__":
@@ -270,7 +271,7 @@ def demo_pair(workdir=None, *, progress=print) -> bool:
              "UCX over DRAM, relayout ...")
     r = run_pair(model, ps, work / "pd", prefill={"block_size": 32},
                  decode=KVABI_DECODE, max_tokens=12)
-    for (req, secs, regions, nbytes, read_s), toks in zip(r["pulls"], r["pd"]):
+    for (req, secs, regions, nbytes, read_s, *_), toks in zip(r["pulls"], r["pd"]):
         progress(f"  request {req.split('-')[0]}: {nbytes / 1024:.0f} KiB in {regions} "
                  f"regions, READs {read_s * 1e3:.1f} ms; tokens {toks[:6]}...")
     ok = r["pd"] == r["single"] and distinct_tokens(r["single"]) > 1
