@@ -167,7 +167,7 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
         p["kvabi_handshakes"][0][part] = json.dumps(msg)
 
     def shift_plane(m):
-        m["planes"][0]["address"] += 64
+        m["planes"]["address"][0] += 64  # the compact planes object: per-plane lists
 
     def tile_order(m):  # the keys stated token-major: the tile order of the values
         lay = m["layout"]
@@ -176,6 +176,11 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
         order = lay["order"]
         i, j = order.index("N"), order.index("D")
         order[i], order[j] = order[j], order[i]
+        # the message's own fingerprint restated for the new descriptor (else the handshake
+        # is refused before the grant is read): only the producer's grant can tell
+        from kvabi import Layout
+
+        m["fingerprint"] = Layout.from_json(json.dumps(lay)).fingerprint()
 
     def swap_kv(p):
         hs = p["kvabi_handshakes"][0]
