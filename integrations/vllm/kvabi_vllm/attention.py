@@ -32,11 +32,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWind
 
 from . import layouts as vl
 from .metadata import from_vllm, keep_indices
+from .startup import ENV_BACKEND, ENV_LAYOUT, ConfigError, backend_from_env, backend_of
 
-#: The kvabi backend vLLM's attention runs on (unset: the plugin changes nothing).
-ENV_BACKEND = "KVABI_VLLM_BACKEND"
-#: Optional: one of vLLM's six layout names to allocate (default: the backend's first fit).
-ENV_LAYOUT = "KVABI_VLLM_LAYOUT"
 
 #: Per process: kvabi plans made (one per step and attention group), and how many of them
 #: came from prefill skip and dropped tokens (``kv_sharing_fast_prefill``).  Read by tests,
@@ -48,16 +45,12 @@ _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 
 def kvabi_backend() -> kvabi.Backend:
     """The kvabi backend named by ``KVABI_VLLM_BACKEND``, available here (else
-    UnsupportedError with its reason)."""
-    name = os.environ.get(ENV_BACKEND, "")
-    if not name:
-        raise KVABIError(f"{ENV_BACKEND}: not set; name a kvabi backend "
-                         f"(`kvabi backends` lists them)")
-    backend = kvabi.get_backend(name)
-    ok, why = backend.available()
-    if not ok:
-        raise UnsupportedError(f"{ENV_BACKEND}={name}: not available here: {why}")
-    return backend
+    :class:`~kvabi_vllm.startup.ConfigError` naming the variable)."""
+    name = backend_from_env()
+    if name is None:
+        raise ConfigError(f"{ENV_BACKEND}: not set; name a kvabi backend "
+                          f"(`kvabi backends` lists them)")
+    return backend_of(name)
 
 
 def _forced_layout() -> str | None:
@@ -240,7 +233,7 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
         if ptrs != g.bound_to:
             layout, planes = vl.bind(g.choice, g.spec, views)
             if g.backend.framework == "numpy":
-                planes = [p.numpy() for p in planes]
+                planes = [kvabi.tensors.to_numpy(p) for p in planes]  # bf16: ml_dtypes
             g.layout, g.bound_to = layout, ptrs
             g.cache = kvabi.KVCache.wrap(layout, planes)
         return g
@@ -312,7 +305,7 @@ class KvabiAttentionImpl(AttentionImpl):
         self._np_sinks = None
 
     def _framework(self, g: KvabiGroup, x: torch.Tensor):
-        return x.numpy() if g.backend.framework == "numpy" else \
+        return kvabi.tensors.to_numpy(x) if g.backend.framework == "numpy" else \
             kvabi.tensors.convert(x, g.backend.framework)
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor,
