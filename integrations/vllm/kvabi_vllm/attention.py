@@ -32,7 +32,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWind
 
 from . import layouts as vl
 from .metadata import from_vllm, keep_indices
-from .startup import ENV_BACKEND, ENV_LAYOUT, ConfigError, backend_from_env, backend_of
+from .startup import (ENV_BACKEND, ENV_LAYOUT, ConfigError, backend_from_env, backend_of,
+                      say_once)
 
 
 #: Per process: kvabi plans made (one per step and attention group), and how many of them
@@ -232,6 +233,11 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
         ptrs = tuple(v.data_ptr() for v in views)
         if ptrs != g.bound_to:
             layout, planes = vl.bind(g.choice, g.spec, views)
+            fingerprint = getattr(layout, "fingerprint", None)  # a Layout method to come
+            say_once("kvabi-vllm: %s layers of kind %s on kvabi backend %s, kvabi layout %s%s "
+                     "in vLLM's layout %s", len(self._owners), g.spec.kind, g.backend.name,
+                     layout.name, f" (fingerprint {fingerprint()})" if fingerprint else "",
+                     g.choice.vllm_name)
             if g.backend.framework == "numpy":
                 planes = [kvabi.tensors.to_numpy(p) for p in planes]  # bf16: ml_dtypes
             g.layout, g.bound_to = layout, ptrs

@@ -49,6 +49,7 @@ from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, in
                                verify_part)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata, Pull,
                              paired_slots, prefix_keys, usable_prefix)
+from .connector_stats import KvabiConnectorStats, KvabiPromMetrics
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             self.pull_stats: list[tuple[str, float, int, int]] = []
             #: host tier: blocks saved and loaded (per group, all parts), for tests and benchmarks
             self.host_stats = {"saved": 0, "loaded": 0}
+            #: this interval's pulls and refusals, drained by vLLM (get_kv_connector_stats)
+            self.transfer_stats = KvabiConnectorStats()
 
     # ================================ worker side ================================
     def register_kv_caches(self, kv_caches):
@@ -265,10 +268,13 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                 read_s += time.perf_counter() - r0
                 regions, nbytes = regions + len(plan), nbytes + plan.nbytes
                 self._after_pull(p, g, part, cache, d)
-            self.pull_stats.append((p.req_id, time.perf_counter() - t0, regions, nbytes,
-                                    read_s))
+            secs = time.perf_counter() - t0
+            self.pull_stats.append((p.req_id, secs, regions, nbytes, read_s))
+            self.transfer_stats.record_pull(secs, read_s, nbytes, regions, relayout=any(
+                not part.startswith(IMAGE) for _, part, _, _ in todo))
         except KVABIError as e:
             log.error("KvabiConnector: pull of request %s failed: %s", p.req_id, e)
+            self.transfer_stats.record_refusal(str(e))
             for blocks in p.dst_blocks:
                 self._load_errors.update(int(b) for b in blocks if b != NULL_BLOCK)
         self._recved.add(p.req_id)
@@ -334,6 +340,20 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                 return
             rest = msg.decode(errors="replace")[len(NOTIFY_PREFIX):]
             self._sent.add(rest.split(":", 1)[1] if ":" in rest else rest)
+
+    def get_kv_connector_stats(self):
+        """This interval's transfer figures (worker side; None when there are none)."""
+        stats = getattr(self, "transfer_stats", None)
+        return None if stats is None or stats.is_empty() else stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return KvabiConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
+                           per_engine_labelvalues):
+        return KvabiPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self):
         errs, self._load_errors = self._load_errors, set()

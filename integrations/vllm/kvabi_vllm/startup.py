@@ -26,7 +26,8 @@ import kvabi
 from kvabi import UnsupportedError
 from kvabi.errors import KVABIError
 
-# under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL apply
+# a child of vLLM's logger: its handler, format and level apply, and vLLM's command line,
+# which reconfigures logging and disables the loggers it does not know, keeps it
 log = logging.getLogger("vllm.kvabi")
 
 #: The kvabi backend vLLM's attention runs on (unset: the plugin changes nothing).
@@ -226,6 +227,17 @@ def check_config(vllm_config) -> None:
         say_once("kvabi-vllm: attention on kvabi backend %s, kvabi layout %s in vLLM's "
                  "layout %s (vLLM's log names the entry it replaces, CPU_ATTN)", name,
                  choice.preset, choice.vllm_name)
+
+
+def log_with_vllm() -> None:
+    """Let kvabi-vllm's module loggers (``kvabi_vllm.*``, e.g. the connector's) write
+    through vLLM's handlers, in vLLM's format and at its level (``VLLM_LOGGING_LEVEL``): a
+    vLLM process configures only its own logger, so their INFO lines went nowhere."""
+    ours, theirs = logging.getLogger("kvabi_vllm"), logging.getLogger("vllm")
+    if theirs.handlers and not ours.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level)
 
 
 def install() -> None:

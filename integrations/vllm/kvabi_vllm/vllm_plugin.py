@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from .startup import backend_from_env, install
+from .startup import backend_from_env, install, log_with_vllm
 
 BACKEND_CLASS = "kvabi_vllm.attention.KvabiAttentionBackend"
 
@@ -20,6 +20,8 @@ def register() -> None:
     honour a selection); the backend is read again when an engine starts.  A kvabi variable
     set wrong raises :class:`~kvabi_vllm.startup.ConfigError` here, before vLLM builds its
     configuration."""
+    if "vllm.logger" in sys.modules:
+        log_with_vllm()
     if "vllm.engine.arg_utils" in sys.modules:  # this process builds an engine config
         install()
     if backend_from_env() is None:
