@@ -49,6 +49,7 @@ from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, in
                                verify_part)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata, Pull,
                              paired_slots, prefix_keys, usable_prefix)
+from .connector_fixes import with_fix
 from .connector_stats import KvabiConnectorStats, KvabiPromMetrics
 
 log = logging.getLogger(__name__)
@@ -273,7 +274,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             self.transfer_stats.record_pull(secs, read_s, nbytes, regions, relayout=any(
                 not part.startswith(IMAGE) for _, part, _, _ in todo))
         except KVABIError as e:
-            log.error("KvabiConnector: pull of request %s failed: %s", p.req_id, e)
+            log.error("KvabiConnector: pull of request %s failed: %s", p.req_id,
+                      with_fix(str(e)))
             self.transfer_stats.record_refusal(str(e))
             for blocks in p.dst_blocks:
                 self._load_errors.update(int(b) for b in blocks if b != NULL_BLOCK)
