@@ -12,22 +12,16 @@ requests, streamed or not, completions and chat, each get their own answer; requ
 servers or the proxy refuse fail alone, with a status and a message, and the next request is
 served; every call is bounded by a timeout."""
 import concurrent.futures as cf
-import json
-import os
 import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from kvabi.transfer.nixl import free_port
 from kvabi_vllm.tools.checkpoints import write_checkpoint
+from kvabi_vllm.tools.serving import MODEL, pd_servers
 
-MODEL = "tiny"
 START_TIMEOUT = 420.0  # two vLLM servers starting side by side on two shared cores
 CALL_TIMEOUT = 120.0
 PROMPTS = ["Hello there, how are you doing today?", "The quick brown fox jumps",
@@ -36,70 +30,15 @@ PROMPTS = ["Hello there, how are you doing today?", "The quick brown fox jumps",
 GREEDY = {"temperature": 0.0, "extra_body": {"return_token_ids": True, "ignore_eos": True}}
 
 
-def connector(role: str) -> str:
-    return json.dumps({"kv_connector": "KvabiConnector", "kv_role": role,
-                       "kv_connector_module_path": "kvabi_vllm.connector"})
-
-
-def start(cmd: list[str], log: Path, **env) -> subprocess.Popen:
-    """``kvabi-vllm CMD...`` (the command's own code) with this environment, less the kvabi
-    variables, plus ``env``; its output in ``log``."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("KVABI_VLLM")}
-    with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvabi_vllm.cli", *cmd], stdout=out,
-                                stderr=subprocess.STDOUT, env={**base, **env})
-
-
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     """{"proxy", "prefill", "decode": base URLs, "logs": {name: path}}, all serving."""
     root = tmp_path_factory.mktemp("serving")
     model = write_checkpoint("llama", root / "model", tokenizer=True)
-    ports = {k: free_port() for k in ("prefill", "decode", "proxy")}
-    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    logs = {k: root / f"{k}.log" for k in ports}
-    common = [str(model), "--served-model-name", MODEL, "--dtype", "float32",
-              "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager",
-              "--no-enable-prefix-caching"]
-    procs = {}
-    try:
-        procs["prefill"] = start(
-            ["serve", *common, "--port", str(ports["prefill"]), "--block-size", "32",
-             "--kv-transfer-config", connector("kv_producer")], logs["prefill"],
-            VLLM_CPU_KVCACHE_SPACE="1")
-        procs["decode"] = start(
-            ["serve", *common, "--port", str(ports["decode"]), "--block-size", "64",
-             "--kv-transfer-config", connector("kv_consumer")], logs["decode"],
-            VLLM_CPU_KVCACHE_SPACE="1", KVABI_VLLM_BACKEND="example.torch",
-            KVABI_VLLM_LAYOUT="BLHNC")
-        procs["proxy"] = start(
-            ["proxy", "--prefill", urls["prefill"], "--decode", urls["decode"],
-             "--port", str(ports["proxy"]), "--timeout", str(CALL_TIMEOUT)], logs["proxy"])
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            for name, p in procs.items():
-                if p.poll() is not None:
-                    pytest.fail(f"{name} exited {p.returncode}:\n"
-                                f"{logs[name].read_text()[-4000:]}")
-            try:
-                if httpx.get(urls["proxy"] + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"servers not up within {START_TIMEOUT:g} s:\n" + "\n".join(
-                    f"== {k}\n{v.read_text()[-2000:]}" for k, v in logs.items()))
-            time.sleep(2)
-        yield {**urls, "logs": logs}
-    finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    args = ["--max-model-len", "512", "--max-num-seqs", "8", "--no-enable-prefix-caching"]
+    with pd_servers(model, root, server_args=args, proxy_timeout=CALL_TIMEOUT,
+                    start_timeout=START_TIMEOUT) as urls:  # a start failure shows the logs
+        yield urls
 
 
 def client(url: str) -> openai.OpenAI:

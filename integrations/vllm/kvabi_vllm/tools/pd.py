@@ -5,8 +5,9 @@ vLLM's own NixlConnector), for the tests, ``kvabi bench vllm`` and the demo.
 process prefills each prompt (one token), writes the requests' ``kv_transfer_params`` to a
 JSON file and keeps its engine (and its cache, which the decode side reads) alive until told
 to stop.  The decode process generates from those params, then runs the same prompts again
-without them (the single-engine reference, prefix caching off) and writes both token lists
-and the connector's per-request pull figures.  :func:`run_pair` drives both.
+without them (the single-engine reference, prefix caching off) and writes both token lists,
+the connector's per-request pull figures and the batch timings (P/D; single engine with all
+tokens and with one).  :func:`run_pair` drives both.
 """
 from __future__ import annotations
 
@@ -142,18 +143,26 @@ def decode_main(a) -> int:
                    connector=a.connector, module=a.module, layout=a.layout, dtype=a.dtype)
     prompts = _prompts(a.prompts)
     params = json.loads(Path(a.params).read_text())
-    t0 = time.perf_counter()
-    pd = llm.generate(prompts, [_sampling(a.max_tokens, p) for p in params], use_tqdm=False)
-    pd_s = time.perf_counter() - t0
+
+    def timed(sampling):
+        t0 = time.perf_counter()
+        out = llm.generate(prompts, sampling, use_tqdm=False)
+        return out, time.perf_counter() - t0
+
+    timed([_sampling(1) for _ in prompts])  # warm-up: the first forward passes are slower
+    pd, pd_s = timed([_sampling(a.max_tokens, p) for p in params])
     conn = _worker_connector()
     stats = list(getattr(conn, "pull_stats", []))
     layouts = conn.part_layouts() if hasattr(conn, "part_layouts") else []
-    single = llm.generate(prompts, [_sampling(a.max_tokens) for _ in prompts], use_tqdm=False)
+    # the single-engine reference; its prefill alone (one token) gives its decode time
+    single, single_s = timed([_sampling(a.max_tokens) for _ in prompts])
+    _, prefill_s = timed([_sampling(1) for _ in prompts])
     Path(a.out).write_text(json.dumps({
         "pd": [list(o.outputs[0].token_ids) for o in pd],
         "finish": [str(o.outputs[0].finish_reason) for o in pd],
         "single": [list(o.outputs[0].token_ids) for o in single],
         "pulls": stats, "nixl": nixl, "generate_s": pd_s, "layouts": layouts,
+        "single_s": single_s, "single_prefill_s": prefill_s,
     }))
     return 0
 
