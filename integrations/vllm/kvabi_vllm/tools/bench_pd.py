@@ -118,9 +118,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvabi_vllm.tools.bench_pd",
                                  description="P/D KV transfer per request: KvabiConnector vs "
                                              "vLLM's NixlConnector, relayout, cross-layer")
-    ap.add_argument("--requests", type=int, default=6)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=6,
+                    help="prompts per pair, each one request (default 6)")
+    ap.add_argument("--prompt-len", type=int, default=256,
+                    help="tokens per prompt, all moved (default 256)")
+    ap.add_argument("--layers", type=int, default=32,
+                    help="layers of the Llama-like model (default 32: per-layer and "
+                         "cross-layer region counts differ as in a real model)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args(argv)
     out = run(requests=a.requests, prompt_len=a.prompt_len, layers=a.layers,
