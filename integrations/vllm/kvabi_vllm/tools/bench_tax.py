@@ -48,6 +48,8 @@ def _child(model: str, role: str | None, prompt_len: int, new_tokens: int) -> in
 def run(model, *, rounds: int = 3, requests: int = 5, prompt_len: int = 24,
         new_tokens: int = 16, progress=print) -> dict:
     """{label: {"per_request_s", "ratio"}} and the goal line (module docstring)."""
+    from .serving import reap
+
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_LOGGING_LEVEL": "ERROR"}
     env = {k: v for k, v in env.items() if not k.startswith("KVABI_VLLM")}
@@ -81,13 +83,8 @@ def run(model, *, rounds: int = 3, requests: int = 5, prompt_len: int = 24,
     finally:
         for p in procs.values():
             p.send_signal(signal.SIGCONT)
-            p.stdin.close()
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            p.stdin.close()  # a child exits at the end of its input
+        reap(procs)
     base = statistics.median(times["no connector"])
     out = {label: {"per_request_s": statistics.median(t),
                    "ratio": statistics.median(t) / base} for label, t in times.items()}

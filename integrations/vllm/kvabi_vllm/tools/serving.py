@@ -59,16 +59,22 @@ def wait_healthy(url: str, procs: dict, logs: dict, timeout: float) -> None:
         time.sleep(2)
 
 
-def stop(procs: dict) -> None:
-    """Terminate the processes started here, then kill those that do not exit in 60 s."""
-    for p in procs.values():
-        p.terminate()
+def reap(procs: dict, timeout: float = 60.0) -> None:
+    """Wait for the processes started here to exit; kill those that take over ``timeout``
+    seconds."""
     for p in procs.values():
         try:
-            p.wait(timeout=60)
+            p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def stop(procs: dict) -> None:
+    """Terminate the processes started here and :func:`reap` them."""
+    for p in procs.values():
+        p.terminate()
+    reap(procs)
 
 
 @contextlib.contextmanager
