@@ -61,10 +61,15 @@ def main(argv=None) -> int:
     _answer_vllm_version()
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    from .startup import ConfigError
+
     saved = sys.argv
     sys.argv = ["vllm", "serve", *argv]  # vLLM's command reads sys.argv
     try:
         vllm_main()
+    except ConfigError as e:  # refused at start: the reason, without a traceback
+        print(f"kvabi-vllm serve: error: {e}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved
     return 0

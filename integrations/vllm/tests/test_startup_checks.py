@@ -9,7 +9,6 @@ no engine process started."""
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -127,24 +126,20 @@ def test_without_kvabi_vllm_is_left_alone(llama, monkeypatch):
 
 
 # -- once, in the main process, before an engine process starts -----------------------------
-def test_refused_once_in_the_main_process_before_the_engine_core_starts(llama):
-    code = textwrap.dedent(f"""
-        from vllm import LLM
-        from kvabi_vllm.startup import ConfigError
-        if __name__ == "__main__":
-            try:
-                LLM(model={str(llama["llama"])!r}, skip_tokenizer_init=True,
-                    dtype="float32", block_size=8, max_model_len=256, enforce_eager=True)
-            except ConfigError as e:
-                print("REFUSED", e)
-    """)
-    env = {**os.environ, "KVABI_VLLM_BACKEND": "cpu.vllm", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=300)
+def test_the_server_command_refuses_once_before_the_engine_core_starts(llama):
+    """``kvabi-vllm serve`` (engine core in its own process) with a block size cpu.vllm does
+    not take: one line naming the variable, the size and the option, exit status 2, and no
+    engine process started."""
+    env = {**os.environ, "KVABI_VLLM_BACKEND": "cpu.vllm", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    out = subprocess.run([sys.executable, "-m", "kvabi_vllm.cli", "serve",
+                          str(llama["llama"]), "--dtype", "float32", "--block-size", "8",
+                          "--enforce-eager"],
+                         env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
-    assert "REFUSED KVABI_VLLM_BACKEND=cpu.vllm" in out.stdout, text[-3000:]
-    assert text.count("block_size 8 is not served") == 1, text[-3000:]
+    assert out.returncode == 2, text[-3000:]
+    line, = [x for x in text.splitlines() if "block_size 8" in x]
+    assert line.startswith("kvabi-vllm serve: error: KVABI_VLLM_BACKEND=cpu.vllm"), line
+    assert "--block-size" in line and "Traceback" not in text
     assert "EngineCore" not in text, "an engine process started before the refusal"
 
 
