@@ -44,12 +44,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorHandshakeMetadata,
                                                                KVConnectorRole, SupportsHMA)
 
+from .connector_fixes import with_fix
 from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, interior_of,
                                is_kvabi_backend, kvabi_backend_part, part_cache, split_kv,
                                verify_part)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata, Pull,
                              paired_slots, prefix_keys, usable_prefix)
-from .connector_fixes import with_fix
 from .connector_stats import KvabiConnectorStats, KvabiPromMetrics
 
 log = logging.getLogger(__name__)
