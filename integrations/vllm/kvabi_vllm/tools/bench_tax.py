@@ -45,7 +45,7 @@ def _child(model: str, role: str | None, prompt_len: int, new_tokens: int) -> in
     return 0
 
 
-def run(model, *, rounds: int = 3, requests: int = 5, prompt_len: int = 24,
+def run(model, *, rounds: int = 8, requests: int = 3, prompt_len: int = 24,
         new_tokens: int = 16, progress=print) -> dict:
     """{label: {"per_request_s", "ratio"}} and the goal line (module docstring)."""
     from .serving import reap
@@ -124,10 +124,10 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kvabi_vllm.tools.bench_tax",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int_arg(1, 1000), default=3,
-                    help="rounds of turns (default 3)")
-    ap.add_argument("--requests", type=int_arg(1, 1000), default=5,
-                    help="requests per engine per round (default 5)")
+    ap.add_argument("--rounds", type=int_arg(1, 1000), default=8,
+                    help="rounds of turns (default 8)")
+    ap.add_argument("--requests", type=int_arg(1, 1000), default=3,
+                    help="requests per engine per round (default 3)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args(argv)
     from .checkpoints import write_checkpoint
