@@ -25,7 +25,7 @@ from .frozen import FrozenDict
 from .layout_json import layout_from_json
 from .planes import check_planes
 from .presets import build_preset
-from .version import ABI_VERSION
+from .version import WIRE_VERSION
 
 AXES = ("L", "B", "KV", "N", "H", "D")
 PLANE_AXES = ("L", "KV")
@@ -515,7 +515,7 @@ class Layout:
     # -- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
-            "kvabi_abi": list(ABI_VERSION),
+            "kvabi_abi": list(WIRE_VERSION),
             "name": self.name,
             "dtype": self.dtype,
             "order": list(self.order),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from .coerce import as_int
 from .errors import KVABIError
 from .safe_json import loads
-from .version import ABI_VERSION, wire_version
+from .version import WIRE_VERSION, wire_version
 
 #: Size limit of a descriptor's text (a real one is well under 1 KiB).
 MAX_DESCRIPTOR_BYTES = 64 * 2**10
@@ -53,9 +53,9 @@ def layout_from_json(cls, text, *, max_bytes=None):
     if not isinstance(d, dict):
         raise KVABIError(f"descriptor: must be a JSON object, got {type(d).__name__}")
     ver = wire_version(d.get("kvabi_abi"))
-    if ver[0] != ABI_VERSION[0]:
+    if ver[0] != WIRE_VERSION[0]:
         raise KVABIError(f"kvabi_abi: descriptor is ABI {ver[0]}.{ver[1]}; this reader "
-                         f"understands major {ABI_VERSION[0]} only")
+                         f"understands major {WIRE_VERSION[0]} only")
     for f in ("dtype", "order", "sizes"):
         if f not in d:
             raise KVABIError(f"{f}: missing from descriptor")

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvabi import ABI_VERSION, KVABIError, KVSpec
+from kvabi import WIRE_VERSION, KVABIError, KVSpec
 from kvabi.layout import Layout
 from kvabi.transfer.handshake import MAX_HANDSHAKE_BYTES, make_handshake, parse_handshake
 
@@ -30,7 +30,7 @@ def message(**over):
 
 def test_round_trip():
     h = parse_handshake(json.dumps(message()))
-    assert h.layout == LAYOUT and h.abi == ABI_VERSION and h.port == 5600
+    assert h.layout == LAYOUT and h.abi == WIRE_VERSION and h.port == 5600
     assert h.agent_name == "prefill-0" and h.memory == "DRAM" and h.metadata == b"\x00agent-md"
     assert h.planes.dtype == np.int64 and h.planes.shape == (2, 3)
     assert list(h.plane_nbytes) == [LAYOUT.plane_nbytes] * 2
@@ -121,8 +121,8 @@ def test_a_parsed_handshake_cannot_change():
 
 
 def test_newer_minor_may_add_fields():
-    d = message(kvabi_abi=[ABI_VERSION[0], ABI_VERSION[1] + 1], future_field={"x": 1})
-    assert parse_handshake(json.dumps(d)).abi == (ABI_VERSION[0], ABI_VERSION[1] + 1)
+    d = message(kvabi_abi=[WIRE_VERSION[0], WIRE_VERSION[1] + 1], future_field={"x": 1})
+    assert parse_handshake(json.dumps(d)).abi == (WIRE_VERSION[0], WIRE_VERSION[1] + 1)
 
 
 def test_hostile_text():

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvabi import ABI_VERSION, KVABIError, KVSpec
+from kvabi import WIRE_VERSION, KVABIError, KVSpec
 from kvabi.layout import Layout
 from kvabi.transfer.handshake import MAX_ADDRESS, make_handshake, parse_handshake
 
@@ -73,7 +73,7 @@ def schema_accepts(d) -> bool:
     return VALIDATOR.is_valid(d)
 
 
-NEWER = [ABI_VERSION[0], ABI_VERSION[1] + 1]
+NEWER = [WIRE_VERSION[0], WIRE_VERSION[1] + 1]
 
 BOTH_ACCEPT = {
     "as sent": valid(),
@@ -271,9 +271,9 @@ def test_parser_and_schema_agree_on_mutations(d):
 
 def test_the_schema_closes_the_readers_own_minor():
     """Messages of the reader's own minor are closed in the schema as in the parser: the
-    schema's bound moves with ABI_VERSION (a minor bump that forgets it fails here)."""
-    from kvabi import ABI_VERSION
+    schema's bound moves with WIRE_VERSION (a minor bump that forgets it fails here)."""
+    from kvabi import WIRE_VERSION
 
     bound = SCHEMA["if"]["properties"]["kvabi_abi"]["prefixItems"][1]["maximum"]
-    assert bound == ABI_VERSION[1]
+    assert bound == WIRE_VERSION[1]
 

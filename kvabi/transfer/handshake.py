@@ -19,7 +19,7 @@ import re
 import attrs
 import numpy as np
 
-from ..abi import ABI_VERSION, wire_version
+from ..version import WIRE_VERSION, wire_version
 from ..coerce import as_int
 from ..errors import KVABIError
 from ..frozen import frozen_array
@@ -67,7 +67,7 @@ def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout
                    planes, metadata: bytes | None = None) -> str:
     """The JSON message for planes ``[(address, nbytes, device), ...]`` of ``layout``."""
     msg = {
-        "kvabi_abi": list(ABI_VERSION),
+        "kvabi_abi": list(WIRE_VERSION),
         "message": MESSAGE,
         "agent": {"name": agent_name, "host": host, "port": int(port)},
         "memory": memory,
@@ -94,7 +94,7 @@ def _obj(v, field, keys, *, closed=False):
         extra = sorted(set(v) - set(keys))
         if extra:
             raise KVABIError(f"{field}.{extra[0]}: unknown field in a message of ABI "
-                             f"{ABI_VERSION[0]}.{ABI_VERSION[1]} or older")
+                             f"{WIRE_VERSION[0]}.{WIRE_VERSION[1]} or older")
     return v
 
 
@@ -128,15 +128,15 @@ def parse_handshake(text) -> Handshake:
     d = loads(text, what="handshake", max_bytes=MAX_HANDSHAKE_BYTES, max_depth=MAX_DEPTH)
     _obj(d, "handshake", ("kvabi_abi",))
     ver = wire_version(d["kvabi_abi"])
-    if ver[0] != ABI_VERSION[0]:
+    if ver[0] != WIRE_VERSION[0]:
         raise KVABIError(f"kvabi_abi: the peer speaks ABI {ver[0]}.{ver[1]}; this reader "
-                         f"speaks {ABI_VERSION[0]}.x")
+                         f"speaks {WIRE_VERSION[0]}.x")
     if ver[1] < FIRST_MINOR:
         raise KVABIError(f"kvabi_abi: the handshake message exists since ABI "
-                         f"{ABI_VERSION[0]}.{FIRST_MINOR}, the peer says {ver[0]}.{ver[1]}")
+                         f"{WIRE_VERSION[0]}.{FIRST_MINOR}, the peer says {ver[0]}.{ver[1]}")
     # A message of our own or an older minor holds only the fields we know, at every level;
     # a newer minor's unknown fields are ignored.
-    closed = tuple(ver) <= ABI_VERSION
+    closed = tuple(ver) <= WIRE_VERSION
     _obj(d, "handshake", sorted(_FIELDS))
     if closed:
         extra = sorted(set(d) - _FIELDS - _OPTIONAL)

@@ -51,9 +51,9 @@ def values(rng, shape, dtype):
 
 
 def filled_cache(layout, spec, rng):
-    """Reference (numpy) planes: every byte POISON, then every slot of every layer written
-    with random K/V; returns the planes."""
-    planes = layout.allocate_numpy(POISON)
+    """A reference (numpy) KVCache: every byte POISON, then every slot of every layer
+    written with random K/V."""
+    planes = kvabi.KVCache.wrap(layout, layout.allocate_numpy(POISON))
     slots = layout.num_blocks * spec.block_size
     shape = (layout.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     for layer in range(layout.num_layers):
@@ -63,8 +63,10 @@ def filled_cache(layout, spec, rng):
     return planes
 
 
-def to_backend(backend, planes):
-    return [backend.asarray(np.array(p)) for p in planes]
+def to_backend(backend, cache):
+    """Copies of a numpy KVCache's planes as a KVCache in the backend's framework."""
+    return cache.replace(tuple(kvabi.tensors.convert(np.array(p), backend.framework)
+                               for p in cache))
 
 
 def same_bytes(a, b) -> bool:
@@ -117,7 +119,7 @@ def poison_invisible(layout, spec, planes, keep: set[int], rng) -> int:
     """Copies of numpy ``planes`` whose K and V rows of every slot not in ``keep`` (every
     layer) hold NaN, +inf or -inf (drawn per row), and whose padding bytes hold NaN; returns
     (planes, number of poisoned slots)."""
-    out = layout.allocate_numpy(np.nan)
+    out = kvabi.KVCache.wrap(layout, layout.allocate_numpy(np.nan))
     slots = layout.num_blocks * spec.block_size
     bad = np.array(sorted(set(range(slots)) - keep), np.int64)
     kinds = np.array([np.nan, np.inf, -np.inf])
