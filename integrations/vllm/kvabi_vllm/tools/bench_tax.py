@@ -6,7 +6,7 @@ as kv_both), each in its own process with the engine in that process, on the sam
 checkpoint.  They take turns: while one is timed, every other is stopped (SIGSTOP), so that
 a thread one of them keeps busy (NIXL's progress thread spun on a core until kvabi gave it a
 pause) slows that one only, as it would on its own machine.  Per round, each engine serves
-``--tax-requests`` identical requests back to back (one prompt, greedy, no KV moved);
+``--requests`` identical requests back to back (one prompt, greedy, no KV moved);
 reported: the median over rounds of each engine's median time per request, and its ratio
 to the engine without a connector.
 """
