@@ -8,7 +8,9 @@ a thread one of them keeps busy (NIXL's progress thread spun on a core until kva
 pause) slows that one only, as it would on its own machine.  Per round, each engine serves
 ``--requests`` identical requests back to back (one prompt, greedy, no KV moved);
 reported: the median over rounds of each engine's median time per request, and its ratio
-to the engine without a connector.
+to the engine without a connector; beside it the engine process's CPU time per request
+(all its threads: a spinning thread shows there even where other load on the machine
+blurs the wall-clock figure).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ CONFIGS = (("no connector", None), ("KvabiConnector kv_consumer", "kv_consumer")
 
 
 def _child(model: str, role: str | None, prompt_len: int, new_tokens: int) -> int:
-    """One engine; per line 'go' on stdin: one request, its seconds on stdout."""
+    """One engine; per line 'go' on stdin: one request, its wall-clock and process CPU
+    seconds on stdout."""
     from .checkpoints import prompts
     from .pd import _sampling, make_llm
 
@@ -39,9 +42,9 @@ def _child(model: str, role: str | None, prompt_len: int, new_tokens: int) -> in
     for line in sys.stdin:
         if line.strip() != "go":
             break
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         llm.generate(prompt, sp, use_tqdm=False)
-        print(time.perf_counter() - t, flush=True)
+        print(time.perf_counter() - t, time.process_time() - c, flush=True)
     return 0
 
 
@@ -67,6 +70,7 @@ def run(model, *, rounds: int = 8, requests: int = 3, prompt_len: int = 24,
                 raise RuntimeError(f"connector tax: the engine with {label} did not start")
             p.send_signal(signal.SIGSTOP)
         times = {label: [] for label in procs}
+        cpu = {label: [] for label in procs}
         order = list(procs)
         for r in range(rounds):
             for label in order[r % len(order):] + order[:r % len(order)]:  # rotate: drift
@@ -76,9 +80,10 @@ def run(model, *, rounds: int = 8, requests: int = 3, prompt_len: int = 24,
                 for _ in range(requests):
                     p.stdin.write("go\n")
                     p.stdin.flush()
-                    one.append(float(p.stdout.readline()))
+                    one.append(tuple(map(float, p.stdout.readline().split())))
                 p.send_signal(signal.SIGSTOP)
-                times[label].append(statistics.median(one))
+                times[label].append(statistics.median(w for w, _ in one))
+                cpu[label].append(statistics.median(c for _, c in one))
             progress(f"  connector tax: round {r + 1}/{rounds}")
     finally:
         for p in procs.values():
@@ -86,8 +91,12 @@ def run(model, *, rounds: int = 8, requests: int = 3, prompt_len: int = 24,
             p.stdin.close()  # a child exits at the end of its input
         reap(procs)
     base = statistics.median(times["no connector"])
+    base_cpu = statistics.median(cpu["no connector"])
     out = {label: {"per_request_s": statistics.median(t),
-                   "ratio": statistics.median(t) / base} for label, t in times.items()}
+                   "ratio": statistics.median(t) / base,
+                   "cpu_per_request_s": statistics.median(cpu[label]),
+                   "cpu_ratio": statistics.median(cpu[label]) / base_cpu}
+           for label, t in times.items()}
     worst = max(v["ratio"] for k, v in out.items() if k != "no connector")
     out["goal"] = ("a request that moves no KV, connector configured <= 1.05x without it "
                    "(worst role)", worst, 1.05)
@@ -102,10 +111,12 @@ def report(out: dict) -> str:
              f"stopped); one request of {s['prompt_len']} prompt tokens, {s['new_tokens']} "
              f"greedy tokens, no KV moved; median over {s['rounds']} rounds of "
              f"{s['requests']} requests:",
-             f"  {'engine':30s} {'ms/request':>10s} {'vs none':>8s}"]
+             f"  {'engine':30s} {'ms/request':>10s} {'vs none':>8s} {'CPU ms':>8s} "
+             f"{'vs none':>8s}"]
     for label, _ in CONFIGS:
         v = out[label]
-        lines.append(f"  {label:30s} {v['per_request_s'] * 1e3:10.1f} {v['ratio']:7.2f}x")
+        lines.append(f"  {label:30s} {v['per_request_s'] * 1e3:10.1f} {v['ratio']:7.2f}x "
+                     f"{v['cpu_per_request_s'] * 1e3:8.1f} {v['cpu_ratio']:7.2f}x")
     what, measured, goal = out["goal"]
     lines.append(f"  goal: {what}: <= {goal:g}x; measured: {measured:.2f}x")
     return "\n".join(lines)
