@@ -27,18 +27,24 @@ def test_pd_relayout_gives_the_single_engine_tokens_and_corruption_changes_them(
     model = write_checkpoint("llama", tmp_path / "llama")
     ps = prompts(3, lengths=(37, 70, 100), shared_prefix=0)
     n = len(ps)
-    # the decode side's connector corrupts the pulls of requests n.. (the repeated prompts)
-    r = run_pair(model, ps + ps + ps[:1], tmp_path / "pd", edit_params=tamper_last,
+    batch = ps + ps + ps[:1]
+    # the decode engine numbers its requests "<index>-...": first a warm-up (one request per
+    # prompt), then the P/D batch; its connector corrupts the pulls of the P/D requests n..
+    # (the repeated prompts)
+    first = len(batch)
+    r = run_pair(model, batch, tmp_path / "pd", edit_params=tamper_last,
                  prefill={"block_size": 32},
                  decode={**KVABI_DECODE, "module": "corrupting_connector"},
-                 max_tokens=12, env={"PYTHONPATH": str(HERE), "KVABI_TEST_CORRUPT_FROM": str(n)})
+                 max_tokens=12, env={"PYTHONPATH": str(HERE),
+                                     "KVABI_TEST_CORRUPT_FROM": str(first + n)})
+    assert [i.split("-")[0] for i in r["pd_ids"]] == [str(first + i) for i in range(len(batch))]
     assert min(len(set(t)) for t in r["single"]) > 1, "degenerate continuations compare nothing"
     # the decode side really ran the kvabi backend's cross-layer layout, read as K and V parts
     (g0,) = r["layouts"]
     assert "@vllm.BLHNC" in g0["kv"], g0
     assert {"k", "v"} <= set(g0)
     pulled = {p[0].split("-")[0] for p in r["pulls"]}
-    assert pulled == {str(i) for i in range(2 * n)}, r["pulls"]  # not the tampered one
+    assert pulled == {str(first + i) for i in range(2 * n)}, r["pulls"]  # not the tampered one
     assert all(p[2] > 0 and p[3] > 0 for p in r["pulls"])  # regions, bytes
     assert r["pd"][:n] == r["single"][:n]
     # negative control: the same prompts, one block per pulled part overwritten

@@ -165,6 +165,7 @@ def decode_main(a) -> int:
     single_s, prefill_s = statistics.median(fulls), statistics.median(ones)
     Path(a.out).write_text(json.dumps({
         "pd": [list(o.outputs[0].token_ids) for o in pd],
+        "pd_ids": [o.request_id for o in pd],  # numbered after the warm-up's requests
         "finish": [str(o.outputs[0].finish_reason) for o in pd],
         "single": [list(o.outputs[0].token_ids) for o in single],
         "pulls": stats, "nixl": nixl, "generate_s": pd_s, "layouts": layouts,
