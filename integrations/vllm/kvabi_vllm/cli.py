@@ -16,6 +16,9 @@ COMMANDS = {
     "demo": ("kvabi_vllm.tools.demo:main",
              "vLLM generating through kvabi backends, tokens compared with vLLM's own"),
     "bench": ("kvabi_vllm.tools.bench:main", "the same as `kvabi bench vllm`"),
+    "guard": ("kvabi_vllm.tools.pd_guard:main",
+              "a P/D pair under attack: every hostile request refused alone, honest ones "
+              "served beside them"),
 }
 
 

@@ -45,11 +45,15 @@ def _per_request(result: dict) -> dict:
         x = np.array(result["nixl"], float)  # post s, transfer s, bytes, descriptors
         secs, nbytes, regions = x[:, 0] + x[:, 1], x[:, 2], x[:, 3]
     else:
-        x = np.array([p[1:] for p in result["pulls"]], float)  # s, regions, bytes, read s
+        # s, regions, bytes, read s, grant record s, checksums s
+        x = np.array([p[1:] for p in result["pulls"]], float)
         secs, regions, nbytes = x[:, 3], x[:, 1], x[:, 2]
+        # the whole pull: connecting, the grant record, READs, checksums of every token
+        whole = [float(np.median(x[:, i])) for i in (0, 4, 5)]
     n = len(result["pd"])
     pulled = x[:, 0] + x[:, 1] if result.get("nixl") else x[:, 0]  # whole pull, per request
     return {"requests": int(len(secs)), "read_s": float(np.median(secs)),
+            "pull_s": None if result.get("nixl") else whole,
             "bytes": float(np.median(nbytes)), "regions": float(np.median(regions)),
             "gbps": float(np.median(nbytes) / np.median(secs) / 1e9),
             "tokens_equal": result["pd"] == result["single"],
@@ -98,16 +102,21 @@ def run(args=None, *, requests: int = 6, prompt_len: int = 256, layers: int = 32
 
 def report(out: dict) -> str:
     lines = ["P/D transfer per request (decode side's NIXL READs; medians over requests; "
-             "GB/s = median bytes / median time; P/D, pull and the engine's own decode: "
-             "the batch's times per request):",
-             f"  {'run':30s} {'read ms':>9s} {'MiB':>7s} {'regions':>8s} {'GB/s':>7s} "
-             f"{'P/D ms':>8s} {'pull ms':>8s} {'decode ms':>9s}  tokens"]
+             "GB/s = median bytes / median time; P/D, transfer and the engine's own "
+             "decode: the batch's times per request):",
+             f"  {'run':30s} {'read ms':>9s} {'pull ms':>20s} {'MiB':>7s} {'regions':>8s} "
+             f"{'GB/s':>7s} {'P/D ms':>8s} {'xfer ms':>8s} {'decode ms':>9s}  tokens"]
     for label, *_ in RUNS:
         r = out[label]
-        lines.append(f"  {label:30s} {r['read_s'] * 1e3:9.2f} {r['bytes'] / 2**20:7.2f} "
-                     f"{r['regions']:8.0f} {r['gbps']:7.2f} {r['pd_ms']:8.1f} "
-                     f"{r['transfer_ms']:8.1f} {r['decode_ms']:9.1f}  "
+        pull = "-" if r.get("pull_s") is None else \
+            "{:.1f} ({:.1f}, {:.1f})".format(*(v * 1e3 for v in r["pull_s"]))
+        lines.append(f"  {label:30s} {r['read_s'] * 1e3:9.2f} {pull:>20s} "
+                     f"{r['bytes'] / 2**20:7.2f} {r['regions']:8.0f} {r['gbps']:7.2f} "
+                     f"{r['pd_ms']:8.1f} {r['transfer_ms']:8.1f} {r['decode_ms']:9.1f}  "
                      f"{'= single engine' if r['tokens_equal'] else 'DIFFER'}")
+    lines.append("  (pull ms: a request's whole pull (of it: the grant record read and "
+                 "checked, the checksums of every token); xfer ms: the batch's pulls per "
+                 "request)")
     for what, measured, goal, sense in out["goals"]:
         # no verdict word: on a loaded machine a figure past its goal means slow here
         lines.append(f"  goal: {what}: {sense} {goal:g}x; measured: {measured:.2f}x")
