@@ -96,27 +96,4 @@ class ConnectorConfig:
                    max_model_len=int(getattr(mc, "max_model_len", 0) or 0), **extra)
 
 
-def tp_size() -> int:
-    """This worker's tensor-parallel world size (1 outside a TP group)."""
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
-
-        return int(get_tensor_model_parallel_world_size())
-    except (AssertionError, ImportError):  # no TP group initialized (tests, tools)
-        return 1
-
-
-def check_pd_tp(config: ConnectorConfig, tp: int) -> None:
-    """KVABIError at engine start for P/D under tensor parallelism, which this connector does
-    not serve yet: each rank's layouts hold its slice of the KV heads without stating it,
-    and the scheduler keeps one rank's handshakes, so a decode rank could read another
-    rank's heads (the host tier alone is per rank and fine)."""
-    if tp > 1 and (config.producer or config.consumer):
-        role = "kv_producer" if config.producer else "kv_consumer"
-        raise KVABIError(f"kv_role: {role} with tensor_parallel_size={tp}: KvabiConnector "
-                         "moves KV between engines at tensor_parallel_size=1 only (its "
-                         "layouts do not state a rank's shard of the KV heads yet); run P/D "
-                         "engines at TP 1, or use the host tier alone (kv_role=\"kv_both\")")
-
-
-__all__ = ["ConnectorConfig", "DEFAULTS", "check_pd_tp", "tp_size", "window_blocks"]
+__all__ = ["ConnectorConfig", "DEFAULTS", "window_blocks"]

@@ -163,16 +163,18 @@ def engine_writer(attn_layers, tensors, parts, part: str):
         s = torch.from_numpy(np.asarray(slots, np.int64))
         return view[s // bs, s % bs].clone()
 
+    def tensor(x):  # bfloat16 arrives as ml_dtypes, which torch.from_numpy refuses
+        return tensors_mod.to_torch(np.ascontiguousarray(x))
+
     def write(layer, slot_mapping, key, value):
         mod = attn_layers[layer]
-        k = torch.from_numpy(np.ascontiguousarray(key)) if part != "v" else \
-            current("k", layer, slot_mapping)
+        k = tensor(key) if part != "v" else current("k", layer, slot_mapping)
         if part == "kv":
-            v = torch.from_numpy(np.ascontiguousarray(value))
+            v = tensor(value)
         elif part == "k":
             v = current("v", layer, slot_mapping)
         else:
-            v = torch.from_numpy(np.ascontiguousarray(key))  # a part's own elements
+            v = tensor(key)  # a part's own elements
         mod.impl.do_kv_cache_update(mod, k, v, tensors[layer],
                                     torch.from_numpy(np.asarray(slot_mapping, np.int64)))
     return write

@@ -28,7 +28,8 @@ from kvabi.transfer import HostPool, plan_block_transfer, plan_transfer
 from kvabi.transfer.handshake import parse_handshake
 
 from .connector_checksum import layout_fingerprint, planes_digest, token_checksums
-from .connector_config import ConnectorConfig, check_pd_tp, tp_size
+from .connector_config import ConnectorConfig
+from .connector_fixes import with_fix
 from .connector_grants import (LIVE, STATES, GrantRecord, GrantTable, PartClaim, decode,
                                notify_message, parse_notification, read_header, record_bytes,
                                table_layout)
@@ -38,6 +39,7 @@ from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, in
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata,
                              KvabiHandshakeMetadata, PullWork, paired_slots, token_slots)
 from .connector_pulls import Puller
+from .connector_stats import KvabiConnectorStats
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,10 @@ class KvabiConnectorWorker:
         self.ignored_notifications = 0
         #: (request id, reason) of the latest failed loads
         self.refusals: collections.deque = collections.deque(maxlen=256)
+        #: this interval's pulls and refusals, drained by vLLM (kv_connector_stats); pull
+        #: threads queue their figures, the engine thread moves them in
+        self.transfer_stats = KvabiConnectorStats()
+        self._stat_pulls: collections.deque = collections.deque(maxlen=4096)
 
     # -- start ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches):
@@ -141,7 +147,6 @@ class KvabiConnectorWorker:
         part), check them against the engine's own write, register them with NIXL for P/D
         and make the host pools."""
         cfg = self.config
-        check_pd_tp(cfg, tp_size())  # before any cache is described or registered
         ctx = self._vllm_config.compilation_config.static_forward_context
         layout_name = self._vllm_config.cache_config.kv_cache_layout
         for gi, group in enumerate(cfg.groups):
@@ -262,8 +267,10 @@ class KvabiConnectorWorker:
         failed = set()
         for req_id, why in ended:
             if why is not None:
-                log.error("KvabiConnector: load of request %s failed: %s", req_id, why)
+                log.error("KvabiConnector: load of request %s failed: %s", req_id,
+                          with_fix(str(why)))
                 self.refusals.append((req_id, why))
+                self.transfer_stats.record_refusal(str(why))
                 failed.add(req_id)
         return KVConnectorTransferResults(finished_sending=done,
                                           finished_recving={r for r, _ in ended},
@@ -272,6 +279,13 @@ class KvabiConnectorWorker:
     def get_finished(self, finished_req_ids):
         r = self.get_transfer_results(finished_req_ids)
         return (r.finished_sending or None), (r.finished_recving or None)
+
+    def kv_connector_stats(self) -> KvabiConnectorStats | None:
+        """This interval's transfer figures (None when there are none)."""
+        while self._stat_pulls:
+            secs, read_s, nbytes, regions, relayout = self._stat_pulls.popleft()
+            self.transfer_stats.record_pull(secs, read_s, nbytes, regions, relayout=relayout)
+        return None if self.transfer_stats.is_empty() else self.transfer_stats.take()
 
     def get_block_ids_with_load_errors(self):
         return set()  # failed loads are reported per request (failed_recving)
@@ -454,6 +468,8 @@ class KvabiConnectorWorker:
         self._verify(p, rec)
         t1 = time.perf_counter()
         self.pull_stats.append((p.req_id, t1 - t0, regions, nbytes, read_s, grant_s, t1 - v0))
+        self._stat_pulls.append((t1 - t0, read_s, nbytes, regions,
+                                 any(not part.startswith(IMAGE) for _, part, _, _ in todo)))
 
     def _verify(self, p: PullWork, rec: GrantRecord) -> None:
         """Every pulled token's checksum equals the producer's (before any token is

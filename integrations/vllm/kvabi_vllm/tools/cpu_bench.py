@@ -149,7 +149,8 @@ def main(argv=None) -> int:
                    help="decoding requests (default 8)")
     p.add_argument("--context", type=int_arg(1, 1 << 17), default=512,
                    help="cached tokens per request (default 512)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="cache and query dtype (default float32)")
     p.add_argument("--repeat", type=int_arg(1, 100_000), default=30,
                    help="repetitions (default 30)")
     p.add_argument("--layers", type=int_arg(1, 10_000), default=8,
