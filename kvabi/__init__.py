@@ -3,6 +3,7 @@ from .abi import ABI_VERSION, Backend, Capabilities, UnsupportedError, abi_at_le
 from .cache import KVCache, as_cache
 from .errors import KVABIError
 from .metadata import CommonAttentionMetadata
+from .quant import check_scales
 from .step_limits import StepLimits
 from .spec import KVGroup, KVSpec, LayerKV, ModelKV
 from .step_checks import (AttentionOptions, check_kv, check_layer, check_num_q_heads, check_query, check_sinks,
@@ -33,5 +34,5 @@ def __getattr__(name):
 
 __all__ = ["ABI_VERSION", "AttentionOptions", "KVCache", "abi_at_least", "as_cache", "tensors", "Backend", "Capabilities", "CommonAttentionMetadata", "KVABIError",
            "KVGroup", "KVSpec", "LayerKV", "Layout", "ModelKV", "StepLimits", "UnsupportedError",
-           "backend_names", "check_kv", "check_layer", "check_num_q_heads", "check_query", "check_sinks", "check_step", "index_dtype", "get_backend", "hookimpl", "merge_attention", "transforms",
+           "backend_names", "check_kv", "check_scales", "check_layer", "check_num_q_heads", "check_query", "check_sinks", "check_step", "index_dtype", "get_backend", "hookimpl", "merge_attention", "transforms",
            "__version__"]

@@ -52,6 +52,10 @@ class Capabilities:
     sinks: bool = False
     layouts: tuple[str, ...] = ()
     notes: str = ""
+    #: the ``KVSpec.quant`` granularities computed (``specs/semantics.md`` section 11)
+    quant: tuple[str, ...] = ("none",)
+    #: the ``KVSpec.rounding`` modes a quantizing write implements
+    roundings: tuple[str, ...] = ("nearest_even",)
 
     def unsupported_reason(self, spec, *, softcap=None, sinks=None) -> str | None:
         """Why ``spec`` (with these options) is unsupported, or None when it is supported."""
@@ -59,6 +63,11 @@ class Capabilities:
             return f"kind {spec.kind!r} not in {self.kinds}"
         if spec.dtype not in self.dtypes:
             return f"dtype {spec.dtype!r} not in {self.dtypes}"
+        quant = getattr(spec, "quant", "none")
+        if quant not in self.quant:
+            return f"quant {quant!r} not in {self.quant}"
+        if quant != "none" and spec.rounding not in self.roundings:
+            return f"rounding {spec.rounding!r} not in {self.roundings}"
         for d in {spec.head_dim, spec.head_dim_v}:
             if self.head_dims is not None and d not in self.head_dims:
                 return f"head_dim {d} not in {self.head_dims}"

@@ -25,6 +25,7 @@ from .errors import KVABIError
 from .layout import Layout
 from .metadata import CommonAttentionMetadata
 from .presets import PRESETS
+from .quant import ROUNDINGS, check_scales, quantize_per_tensor
 from .reference_attention import Pieces, attend, step_work
 from .spec import KINDS, KVSpec
 from .step_checks import (AttentionOptions, check_kv, check_layer, check_query, check_sinks,
@@ -102,7 +103,8 @@ class ReferenceBackend(Backend):
         return Capabilities(kinds=KINDS, dtypes=DTYPES, head_dims=None, block_sizes=None,
                             softcap=True, sinks=True,
                             layouts=self.preferred_layouts(spec) if spec is not None else (),
-                            notes="numpy float64 oracle; any head dim, block size, layout")
+                            notes="numpy float64 oracle; any head dim, block size, layout",
+                            quant=("none", "per_tensor"), roundings=ROUNDINGS)
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
         """Every preset layout that can hold ``spec`` (MLA: those without a KV axis)."""
@@ -119,6 +121,7 @@ class ReferenceBackend(Backend):
     def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
              sinks=None):
         check_step(meta, spec, layout)
+        self.check_supported(spec)  # quantization granularities it does not compute
         opts = AttentionOptions.resolve(spec, scale, softcap, sinks, num_q_heads=num_q_heads)
         hq = None if num_q_heads is None else int(num_q_heads)
         plan = ReferencePlan(meta, spec, layout, opts.scale, opts.softcap, opts.sinks,
@@ -152,9 +155,14 @@ class ReferenceBackend(Backend):
         return handle, k, v
 
     # -- write -------------------------------------------------------------------------
-    def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
-        """Write new K/V at the plan's slots, in place; returns ``cache`` as given."""
+    def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0, k_scale=None,
+                 v_scale=None):
+        """Write new K/V at the plan's slots, in place; returns ``cache`` as given.
+
+        A ``per_tensor`` cache stores codes under the layer's static ``k_scale`` and
+        ``v_scale`` (float32 values, 1.0 when not given; semantics section 11)."""
         spec = plan.spec
+        scales = check_scales(spec, k_scale, v_scale)
         key = real_array(key, "key")
         value = None if value is None else real_array(value, "value")
         check_kv(key, value, plan.meta, spec)
@@ -162,19 +170,31 @@ class ReferenceBackend(Backend):
         if not (kview.flags.writeable and vview.flags.writeable):
             raise KVABIError(f"cache: the planes of layer {layer} are read-only")
         tokens, blk, off = plan.write_rows
-        dt = numpy_dtype(spec.dtype)
-        kview[blk, off] = to_cache_dtype(key if tokens is None else key[tokens], dt)
-        if not spec.is_mla:
-            vview[blk, off] = to_cache_dtype(value if tokens is None else value[tokens], dt)
+        k = key if tokens is None else key[tokens]
+        v = None if spec.is_mla else value if tokens is None else value[tokens]
+        if scales is None:
+            dt = numpy_dtype(spec.dtype)
+            kview[blk, off] = to_cache_dtype(k, dt)
+            if v is not None:
+                vview[blk, off] = to_cache_dtype(v, dt)
+            return cache
+        kq = quantize_per_tensor(k, scales[0], spec.dtype, spec.rounding, "key")
+        vq = None if v is None else \
+            quantize_per_tensor(v, scales[1], spec.dtype, spec.rounding, "value")
+        kview[blk, off] = kq  # both quantized before either lands: a refusal changes nothing
+        if vq is not None:
+            vview[blk, off] = vq
         return cache
 
     # -- attention ---------------------------------------------------------------------
     def attention(self, query, cache, layout, plan, *, layer: int = 0, sinks=None,
-                  out=None, return_lse=False):
+                  out=None, return_lse=False, k_scale=None, v_scale=None):
         """Attention in float64: returns float64 ``out`` [T, Hq, Dv] (and lse [T, Hq]),
         the oracle's precision; with ``out=`` the result is written there (in its dtype)
-        and ``out`` is returned.  ``sinks`` overrides the plan's for this call."""
+        and ``out`` is returned.  ``sinks`` overrides the plan's for this call; a
+        ``per_tensor`` cache is read as codes times the layer's ``k_scale``/``v_scale``."""
         spec, meta = plan.spec, plan.meta
+        scales = check_scales(spec, k_scale, v_scale) or (1.0, 1.0)
         query = real_array(query, "query")
         hq = check_query(query, meta, spec)
         if plan.num_q_heads is not None and hq != plan.num_q_heads:
@@ -194,7 +214,7 @@ class ReferenceBackend(Backend):
         res = np.zeros((t, hq, spec.head_dim_v), np.float64)
         lse = np.full((t, hq), -np.inf, np.float64)
         attend(query, kview, vview, spec, plan.work(hq), plan.scale, plan.softcap, sink,
-               res, lse)
+               res, lse, scales)
         if dst is not None:
             dst[...] = res
             res = out

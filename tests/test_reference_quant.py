@@ -1,0 +1,120 @@
+"""The reference on quantized caches against direct formulas: the codes a per-tensor write
+stores (ml_dtypes' conversion of the float32 recipe written out here), attention over them
+as a dense float64 softmax of codes times scales, and refusals by field."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvabi
+from kvabi import KVABIError, KVSpec, Layout
+from oracle_dense import dense_attention
+
+CODES = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+QMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0}
+
+
+def written(dtype, x, s):
+    """Codes of x under static scale s, nearest-even: fl32(x * fl32(1/s)), saturated."""
+    y = (np.asarray(x, np.float32) * (np.float32(1) / np.float32(s))).astype(np.float32)
+    if dtype == "int8":
+        return np.clip(np.round(y.astype(np.float64)), -128, 127).astype(np.int8)
+    return np.clip(y, -QMAX[dtype], QMAX[dtype]).astype(CODES[dtype])
+
+
+def step(spec, rng, ctx=(5, 0), q=(1, 6)):
+    bs = spec.block_size
+    table = np.arange(8).reshape(2, 4)
+    return kvabi.CommonAttentionMetadata.from_lengths(list(q), list(ctx), table, bs,
+                                                      num_blocks=8)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
+@pytest.mark.parametrize("kind", ["full", "sliding_window"])
+def test_per_tensor_write_and_attention(dtype, kind):
+    rng = np.random.default_rng(7)
+    spec = KVSpec(kind, 4, 2, 8, dtype=dtype, quant="per_tensor",
+                  window=3 if kind == "sliding_window" else None)
+    layout = Layout.preset("flashinfer.HND", spec, num_blocks=8, num_layers=2)
+    ref = kvabi.get_backend("reference")
+    ks, vs = 0.013, 0.021  # generic values: not powers of two
+    ks32, vs32 = float(np.float32(ks)), float(np.float32(vs))
+    # the whole history, written in two steps; values span the codes and saturate
+    hist = [rng.standard_normal((s, 2, 8)).astype(np.float32) * QMAX[dtype] * ks32 / 3
+            for s in (6, 6)]
+    vhist = [rng.standard_normal((s, 2, 8)).astype(np.float32) * QMAX[dtype] * vs32 / 3
+             for s in (6, 6)]
+    hist[0][0, 0, 0] = 1e4  # saturates
+    cache = ref.allocate(layout)
+    meta0 = step(spec, rng, ctx=(0, 0), q=(5, 0))
+    plan0 = ref.plan(meta0, spec, layout)
+    ref.write_kv(cache, layout, hist[0][:5], vhist[0][:5], plan0, layer=1, k_scale=ks,
+                 v_scale=vs)
+    meta = step(spec, rng)
+    key = np.concatenate([hist[0][5:6], hist[1][:6]])
+    val = np.concatenate([vhist[0][5:6], vhist[1][:6]])
+    plan = ref.plan(meta, spec, layout, num_q_heads=4)
+    ref.write_kv(cache, layout, key, val, plan, layer=1, k_scale=ks, v_scale=vs)
+    kview, vview = cache.kv_view(1, 0), cache.kv_view(1, 1)
+    # request 0: blocks 0, 1 (positions 0..5); request 1: blocks 4, 5 (positions 0..5)
+    kc = [np.concatenate([kview[0], kview[1]])[:6], np.concatenate([kview[4], kview[5]])[:6]]
+    vc = [np.concatenate([vview[0], vview[1]])[:6], np.concatenate([vview[4], vview[5]])[:6]]
+    for r in range(2):
+        want_k = written(dtype, hist[r], ks)
+        np.testing.assert_array_equal(kc[r].view(np.uint8), want_k.view(np.uint8))
+        np.testing.assert_array_equal(vc[r].view(np.uint8),
+                                      written(dtype, vhist[r], vs).view(np.uint8))
+    assert np.abs(kc[0][0, 0, 0].astype(np.float64)) == QMAX[dtype] if dtype != "int8" \
+        else kc[0][0, 0, 0] == 127
+    # the other layer is untouched
+    assert not np.asarray(cache.kv_view(0, 0)).view(np.uint8).any()
+
+    query = rng.standard_normal((meta.num_tokens, 4, 8))
+    out, lse = ref.attention(query, cache, layout, plan, layer=1, return_lse=True,
+                             k_scale=ks, v_scale=vs)
+    kd = np.stack([c.astype(np.float64) * ks32 for c in kc])
+    vd = np.stack([c.astype(np.float64) * vs32 for c in vc])
+    want, want_lse = dense_attention(meta, kd, vd, query,
+                                     window=spec.window if kind == "sliding_window" else None)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    # the scales matter: read with another scale, the output moves
+    other = ref.attention(query, cache, layout, plan, layer=1, k_scale=ks, v_scale=2 * vs)
+    np.testing.assert_allclose(other, 2 * out, rtol=1e-12, atol=1e-12)
+
+
+def test_mla_per_tensor_uses_k_scale():
+    spec = KVSpec("mla", 4, 1, 8, dtype="float8_e4m3fn", head_dim_v=6, quant="per_tensor")
+    layout = Layout.preset("vllm.LBHNC", spec, num_blocks=2)
+    ref = kvabi.get_backend("reference")
+    meta = kvabi.CommonAttentionMetadata.from_lengths([3], [0], [[1]], 4, num_blocks=2)
+    plan = ref.plan(meta, spec, layout)
+    lat = np.random.default_rng(0).standard_normal((3, 1, 8)).astype(np.float32)
+    cache = ref.write_kv(ref.allocate(layout), layout, lat, None, plan, k_scale=0.01)
+    np.testing.assert_array_equal(cache.kv_view(0, 0)[1, :3].view(np.uint8),
+                                  written("float8_e4m3fn", lat, 0.01).view(np.uint8))
+    with pytest.raises(KVABIError, match="^v_scale:"):
+        ref.attention(np.zeros((3, 2, 8)), cache, layout, plan, k_scale=0.01, v_scale=0.5)
+
+
+def test_scales_refused_by_field_and_cache_unchanged():
+    ref = kvabi.get_backend("reference")
+    plain = KVSpec("full", 4, 1, 8, dtype="float8_e4m3fn")
+    quant = KVSpec("full", 4, 1, 8, dtype="float8_e4m3fn", quant="per_tensor")
+    meta = kvabi.CommonAttentionMetadata.from_lengths([2], [0], [[0]], 4, num_blocks=1)
+    k = np.ones((2, 1, 8), np.float32)
+    lay = Layout.preset("vllm.LBHNC", plain, num_blocks=1)
+    with pytest.raises(KVABIError, match="^k_scale: static scales are for a per_tensor"):
+        ref.write_kv(ref.allocate(lay), lay, k, k, ref.plan(meta, plain, lay), k_scale=0.5)
+    lay = Layout.preset("vllm.LBHNC", quant, num_blocks=1)
+    plan = ref.plan(meta, quant, lay)
+    cache = ref.allocate(lay)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), "0.5"):
+        with pytest.raises(KVABIError, match="^v_scale:"):
+            ref.write_kv(cache, lay, k, k, plan, v_scale=bad)
+    bad_v = k.copy()
+    bad_v[1, 0, 3] = np.inf
+    with pytest.raises(KVABIError, match=r"^value: .*\(1, 0, 3\)"):
+        ref.write_kv(cache, lay, k, bad_v, plan)
+    assert not cache.planes[0].view(np.uint8).any()  # nothing written by a refused call
