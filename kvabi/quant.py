@@ -16,9 +16,9 @@ input is rounded to float32; per (token, head) ``s = max(fl32(absmax / QMAX), 1e
 ``nearest_even`` (IEEE), ``nearest_away`` (int8: half away from zero, as
 ``trunc(fl32(y + copysign(0.5, y)))``) or ``toward_zero`` (float8: magnitudes truncated; for
 e4m3fn a result below the smallest normal is first rounded to float32's grid of the
-smallest normal's binade, as the float32 addition of the smallest normal does).  The last two are the rounding of vLLM's
-int8 per-token-head writer and of vLLM's CPU fp8 writer; a spec states which one its
-cache was written with, so that a write is checked byte for byte.
+smallest normal's binade, as the float32 addition of the smallest normal does).  The last
+two are the rounding of vLLM's int8 per-token-head writer and of vLLM's CPU fp8 writer; a
+spec states which one its cache was written with, so that a write is checked byte for byte.
 """
 from __future__ import annotations
 

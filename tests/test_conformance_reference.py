@@ -37,8 +37,8 @@ class WrongSlot(ReferenceBackend):
 
     name = "planted.wrong_slot"
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = super().write_kv(cache, layout, key, value, plan, layer=layer)
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
+        cache = super().write_kv(cache, layout, key, value, plan, layer=layer, **scales)
         m, bs = plan.meta, plan.spec.block_size
         real = np.nonzero(m.slot_mapping >= 0)[0]
         if len(real):
@@ -53,8 +53,8 @@ class WritesPadding(ReferenceBackend):
 
     name = "planted.writes_padding"
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = super().write_kv(cache, layout, key, value, plan, layer=layer)
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
+        cache = super().write_kv(cache, layout, key, value, plan, layer=layer, **scales)
         pad = np.nonzero(plan.meta.slot_mapping < 0)[0]
         if len(pad):
             view = layout.kv_view(cache, layer, 0)
@@ -247,7 +247,60 @@ class NoCausalMask(ReferenceBackend):
                                  return_lse=return_lse, **kw)
 
 
+class _Quantized(ReferenceBackend):
+    """The reference on quantized per-tensor caches only (so every example is one)."""
+
+    def capabilities(self, spec=None):
+        return attrs.evolve(super().capabilities(spec), quant=("per_tensor",),
+                            dtypes=("float8_e4m3fn", "float8_e5m2", "int8"))
+
+
+class RoundsNearestAlways(_Quantized):
+    """Ignores ``spec.rounding``: codes always round to nearest, ties to even."""
+
+    name = "planted.rounds_nearest"
+
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
+        spec = plan.spec
+        if spec.rounding != "nearest_even":
+            plan = attrs.evolve(plan, spec=attrs.evolve(spec, rounding="nearest_even"))
+        return super().write_kv(cache, layout, key, value, plan, layer=layer, **scales)
+
+
+class NoSaturation(_Quantized):
+    """Converts scaled values without clamping them to the format's range first."""
+
+    name = "planted.no_saturation"
+
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, k_scale=None,
+                 v_scale=None):
+        spec = plan.spec
+        ks, vs = kvabi.check_scales(spec, k_scale, v_scale)
+        tokens, blk, off = plan.write_rows
+        dt = kvabi.dtypes.numpy_dtype(spec.dtype)
+        for kv, x, s in ((0, key, ks), (1, value, vs)):
+            x = np.asarray(x, np.float32) if tokens is None else np.asarray(x, np.float32)[tokens]
+            y = x * (np.float32(1) / np.float32(s))
+            with np.errstate(invalid="ignore", over="ignore"):
+                codes = np.rint(y).astype(dt) if dt == np.int8 else y.astype(dt)
+            layout.kv_view(cache, layer, kv)[blk, off] = codes
+        return cache
+
+
+class ValueScaleOfKeys(_Quantized):
+    """Attention reads values with the key scale (the per-call v_scale is dropped)."""
+
+    name = "planted.value_scale_of_keys"
+
+    def attention(self, query, cache, layout, plan, *, k_scale=None, v_scale=None, **kw):
+        return super().attention(query, cache, layout, plan, k_scale=k_scale,
+                                 v_scale=k_scale, **kw)
+
+
 PLANTED = [
+    (RoundsNearestAlways, "write_kv", KitOptions(), "slot(s) differ"),
+    (NoSaturation, "write_kv", KitOptions(), "slot(s) differ"),
+    (ValueScaleOfKeys, "attention", KitOptions(), "error"),
     (WrongSlot, "write_kv", KitOptions(), "slot(s) differ"),
     (WritesPadding, "write_kv", KitOptions(), "slot(s) differ"),
     (IgnoresLayer, "write_kv", KitOptions(), "layer"),
@@ -269,7 +322,7 @@ PLANTED = [
     (SwapsHeadOrder, "layouts", KitOptions(), ""),
     (PrefersImpossible, "layouts", KitOptions(kinds=("mla",)), "cannot hold"),
     (WrongSlot, "split_ubatches", KitOptions(), "split_ubatches"),
-    (WritesPadding, "pad", KitOptions(), "pad("),
+    (WritesPadding, "pad", KitOptions(), "pad"),
 ]
 
 

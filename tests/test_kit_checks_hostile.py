@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import attrs
+
 import numpy as np
 import pytest
 
@@ -79,7 +81,15 @@ def test_poisoned_pool_poisons_exactly_the_invisible_rows():
 
 
 # -- planted: masking by adding -inf --------------------------------------------------------
-class AddsNegInf(ReferenceBackend):
+class _Unquantized(ReferenceBackend):
+    """The reference without quantized caches (the planted bugs below write and read
+    unscaled values)."""
+
+    def capabilities(self, spec=None):
+        return attrs.evolve(super().capabilities(spec), quant=("none",))
+
+
+class AddsNegInf(_Unquantized):
     """Dense attention that masks by adding -inf to the logits of every slot of a
     request's blocks (instead of selecting the visible ones): NaN or inf in an invisible
     row turns the sum into NaN.  Correct on clean caches."""
@@ -148,7 +158,7 @@ def _unchecked_view(layout, plane_list, layer, kv):
     return np.lib.stride_tricks.as_strided(flat[base // isz:], shape, strides)
 
 
-class UncheckedWrite(ReferenceBackend):
+class UncheckedWrite(_Unquantized):
     """Writes through strided views of whatever planes it is handed: no check of their
     memory, dtype or block count against the layout."""
 
@@ -186,7 +196,7 @@ def test_guard_catches_a_write_past_the_memory():
 
 
 # -- planted: slots held in int32 ---------------------------------------------------------------
-class Int32Slots(ReferenceBackend):
+class Int32Slots(_Unquantized):
     """Plans without checking the block ids against the layout and holds slots in int32:
     a slot of 2**32 + s wraps onto slot s of another block."""
 

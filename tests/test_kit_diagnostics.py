@@ -38,7 +38,7 @@ class WrongSlot(ReferenceBackend):
 
     name = "planted.diag_wrong_slot"
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
         m = plan.meta
         s = m.slot_mapping.copy()
         s[0] += 1
@@ -46,7 +46,7 @@ class WrongSlot(ReferenceBackend):
             m.query_start_loc, m.seq_lens, m.context_lens, m.positions, s, m.block_table,
             m.block_size, m.num_blocks)
         p = super().plan(shifted, plan.spec, layout)
-        return super().write_kv(cache, layout, key, value, p, layer=layer)
+        return super().write_kv(cache, layout, key, value, p, layer=layer, **scales)
 
 
 class WritesPadding(ReferenceBackend):
@@ -54,8 +54,8 @@ class WritesPadding(ReferenceBackend):
 
     name = "planted.diag_writes_padding"
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = super().write_kv(cache, layout, key, value, plan, layer=layer)
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
+        cache = super().write_kv(cache, layout, key, value, plan, layer=layer, **scales)
         pad = np.nonzero(plan.meta.slot_mapping < 0)[0]
         c = kvabi.as_cache(cache, layout)
         c.kv_view(layer, 1)[-1, -1] = np.asarray(value[pad[-1]])

@@ -3,6 +3,7 @@ converted right) by every built-in backend here, and the check catches a backend
 it reach its kernels or refuses it without saying why."""
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -31,6 +32,9 @@ class _Blind(ReferenceBackend):
     """Skips the framework check: torch planes reach numpy's fancy indexing."""
     name = "planted.blind"
 
+    def capabilities(self, spec=None):  # writes unquantized values only
+        return attrs.evolve(super().capabilities(spec), quant=("none",))
+
     def write_kv(self, cache, layout, key, value, plan, *, layer=0):
         c = kvabi.as_cache(cache, layout)  # no framework: the planted bug
         view = c.kv_view(layer, 0)
@@ -42,21 +46,21 @@ class _Mute(ReferenceBackend):
     """Refuses, but without naming the frameworks."""
     name = "planted.mute"
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
         if kvabi.as_cache(cache, layout).framework != "numpy":
             raise KVABIError("cache: bad")
-        return super().write_kv(cache, layout, key, value, plan, layer=layer)
+        return super().write_kv(cache, layout, key, value, plan, layer=layer, **scales)
 
 
 class _Converts(ReferenceBackend):
     """Converts a foreign cache to numpy, writes, and returns the numpy handle: allowed."""
     name = "planted.converts"
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
         c = kvabi.as_cache(cache, layout)
         if c.framework != "numpy":
             c = kvabi.KVCache.wrap(layout, [np.array(kvabi.tensors.to_numpy(p)) for p in c])
-        return super().write_kv(c, layout, key, value, plan, layer=layer)
+        return super().write_kv(c, layout, key, value, plan, layer=layer, **scales)
 
 
 @pytest.mark.parametrize("cls,status,says", [(_Blind, "failed", "not refused with KVABIError"),

@@ -64,9 +64,9 @@ class OldReference(ReferenceBackend):
         self.calls.append("plan")
         return super().plan(meta, spec, layout, scale=scale, softcap=softcap, sinks=sinks)
 
-    def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False):
+    def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False, **scales):
         return super().attention(query, cache, layout, plan, layer=layer,
-                                 return_lse=return_lse)
+                                 return_lse=return_lse, **scales)
 
     def allocate(self, layout):
         return layout.allocate_numpy(0)  # a 1.0 list of planes

@@ -27,7 +27,7 @@ from ..layout import Layout
 from ..metadata import CommonAttentionMetadata
 from ..tensors import convert
 from ..tensors import to_numpy as _to_numpy
-from .cases import AttentionCase, input_dtype
+from .cases import AttentionCase, input_dtype, stored
 from .measure import ConformanceFailure
 
 #: byte the cache is poisoned with before a case runs (finite in every cache dtype)
@@ -153,17 +153,18 @@ def as_cache_dtype(x, dtype: str) -> np.ndarray:
     return a.astype(dt)
 
 
-def fill_pool(layout: Layout, planes, pool_k, pool_v, spec) -> None:
+def fill_pool(layout: Layout, planes, pool_k, pool_v, spec, scales=None) -> None:
     """Write every slot of every layer of numpy ``planes`` from a pool
-    ([L, slots, H, D] arrays)."""
-    dt = numpy_dtype(spec.dtype)
+    ([L, slots, H, D] arrays); ``scales(layer)``: a layer's static scales as call keywords
+    (a quantized cache holds the pool's codes under them, ``specs/semantics.md`` 11)."""
     cache = _handle(layout, planes)
     shape = (layout.num_blocks, spec.block_size) + pool_k.shape[2:]
     for layer in range(layout.num_layers):
-        cache.kv_view(layer, 0)[...] = pool_k[layer].astype(dt).reshape(shape)
+        sc = {} if scales is None else scales(layer)
+        cache.kv_view(layer, 0)[...] = stored(spec, pool_k[layer], 0, sc).reshape(shape)
         if pool_v is not None:
             vshape = shape[:-1] + (pool_v.shape[-1],)
-            cache.kv_view(layer, 1)[...] = pool_v[layer].astype(dt).reshape(vshape)
+            cache.kv_view(layer, 1)[...] = stored(spec, pool_v[layer], 1, sc).reshape(vshape)
 
 
 def fill_meta(layout: Layout, block_size: int) -> CommonAttentionMetadata:
@@ -181,7 +182,7 @@ def oracle_cache(case: AttentionCase, *, via_backend_allocate: bool, pool=None
     planes = full_planes(case.layout, 0 if via_backend_allocate else SENTINEL)
     i = case.inputs()
     pk, pv = (i.pool_k, i.pool_v) if pool is None else pool
-    fill_pool(case.layout, planes, pk, pv, case.spec)
+    fill_pool(case.layout, planes, pk, pv, case.spec, case.scales)
     return planes
 
 
@@ -205,7 +206,8 @@ def backend_cache(backend, case: AttentionCase, pool=None):
         k = to_backend(backend, pk[layer])
         v = None if pv is None else to_backend(backend, pv[layer])
         cache = take_cache(backend, layout,
-                           backend.write_kv(cache, layout, k, v, plan, layer=layer),
+                           backend.write_kv(cache, layout, k, v, plan, layer=layer,
+                                            **case.scales(layer)),
                            "write_kv")
     return cache
 
@@ -240,17 +242,21 @@ class StepData:
     """What a step wrote (numpy K/V, slot mapping, layer): lets a cache difference say
     which token's data landed in which slot."""
 
-    def __init__(self, key, value, slot_mapping, layer: int):
+    def __init__(self, key, value, slot_mapping, layer: int, scales=None):
         self.key, self.value = key, value
         self.slot_mapping = np.asarray(slot_mapping, np.int64)
         self.layer = int(layer)
+        self.scales = scales or {}  # the layer's static scales (call keywords)
 
 
-def _token_bits(x, dt, u, width):
-    """[T, H * width] cache-dtype bits of a step's K or V rows."""
+def _token_bits(x, dt, u, width, spec=None, kv=0, scales=None):
+    """[T, H * width] cache-dtype bits of a step's K or V rows (a quantized spec's codes
+    under the layer's ``scales``)."""
     from ..reference import to_cache_dtype
 
-    a = to_cache_dtype(np.asarray(x)[..., :width], dt)
+    a = np.asarray(x)[..., :width]
+    a = stored(spec, a, kv, scales) if spec is not None and spec.quant == "per_tensor" \
+        else to_cache_dtype(a, dt)
     return np.ascontiguousarray(a).view(u).reshape(len(a), -1)
 
 
@@ -271,11 +277,14 @@ def _attribute(layout, spec, got, want, layer, kv, slot, step, dt, u):
     if step is None:
         return facts
     width = g.shape[-1]
-    for which, arr in (("key", step.key), ("value", step.value)):
+    for kvi, (which, arr) in enumerate((("key", step.key), ("value", step.value))):
         if arr is None:
             continue
         wd = min(width, arr.shape[-1])
-        bits = _token_bits(arr, dt, u, wd)
+        try:
+            bits = _token_bits(arr, dt, u, wd, spec, kvi, step.scales)
+        except KVABIError:  # inputs a quantized write refuses: nothing to attribute
+            continue
         row = np.ascontiguousarray(g[..., :wd]).view(u).reshape(-1)
         hit = np.nonzero((bits == row[None, :]).all(axis=1))[0]
         if len(hit):
@@ -417,7 +426,7 @@ class Runner:
         layer = self.case.layer if layer is None else layer
         cache = self.cache
         got = self.backend.write_kv(cache, self.layout, self._x(key), self._x(value), plan,
-                                    layer=layer)
+                                    layer=layer, **self.case.scales(layer))
         if self.oracle:
             self._cache = got
         else:
@@ -431,7 +440,7 @@ class Runner:
         place (numpy, torch).  The output dtype must be the query's and lse float32 (the
         reference: float64)."""
         layer = self.case.layer if layer is None else layer
-        kw = {}
+        kw = dict(self.case.scales(layer))
         if sinks is not None:
             if not self.v11:
                 raise ConformanceFailure("internal: per-call sinks for a 1.0 backend")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 
+import attrs
+
 import numpy as np
 
 import kvabi
@@ -30,8 +32,8 @@ class Abi10Backend(kvabi.Backend):
     def available(self):
         return True, "ABI 1.0 wrapper of the reference"
 
-    def capabilities(self, spec=None):
-        return self._ref.capabilities(spec)
+    def capabilities(self, spec=None):  # 1.0 had no quantized caches
+        return attrs.evolve(self._ref.capabilities(spec), quant=("none",))
 
     def preferred_layouts(self, spec):
         return self._ref.preferred_layouts(spec)

@@ -55,8 +55,8 @@ class WrongSlot(ReferenceBackend):
     def capabilities(self, spec=None):
         return attrs.evolve(super().capabilities(spec), kinds=("full",), dtypes=("float32",))
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = super().write_kv(cache, layout, key, value, plan, layer=layer)
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
+        cache = super().write_kv(cache, layout, key, value, plan, layer=layer, **scales)
         m, bs = plan.meta, plan.spec.block_size
         real = np.nonzero(m.slot_mapping >= 0)[0]
         if len(real):

@@ -48,7 +48,7 @@ def check_foreign_framework(backend, reference, case, options: KitOptions = KitO
     try:
         got = backend.write_kv(hand_cache(backend, lay, list(foreign)), lay, to_backend(backend, k),
                                None if v is None else to_backend(backend, v), plan,
-                               layer=case.layer)
+                               layer=case.layer, **case.scales())
     except KVABIError as e:
         msg = str(e)
         if own not in msg or other not in msg:
@@ -62,7 +62,7 @@ def check_foreign_framework(backend, reference, case, options: KitOptions = KitO
         raise not_refused(what, e) from e
     want = KVCache.allocate(lay, "numpy")
     reference.write_kv(want, lay, k, v, reference.plan(case.meta, spec, lay),
-                       layer=case.layer)
+                       layer=case.layer, **case.scales())
     expect_same_cache(f"{what}, converted", lay, spec, to_planes(backend, lay, got),
                       list(want))
     return 0.0

@@ -133,7 +133,8 @@ def check_foreign_layouts(backend, reference, case, options: KitOptions = KitOpt
     r, want, want_lse = reference_step(reference, case)
     k, v, _ = step_inputs(case)
     expect_same_cache("write_kv in a non-preferred layout", case.layout, case.spec, planes,
-                      r.planes(), step=StepData(k, v, case.meta.slot_mapping, case.layer))
+                      r.planes(), step=StepData(k, v, case.meta.slot_mapping, case.layer,
+                                                case.scales()))
     rows = np.arange(case.meta.num_actual_tokens)
     return compare_outputs("attention in a non-preferred layout", case, got, want, rows,
                            options, got_lse=got_lse, want_lse=want_lse)
