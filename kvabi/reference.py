@@ -17,7 +17,7 @@ import threading
 import attrs
 import numpy as np
 
-from .abi import Backend, Capabilities
+from .abi import Backend, Capabilities, UnsupportedError
 from .cache import as_cache
 from .coerce import as_int, real_array
 from .dtypes import DTYPES, numpy_dtype
@@ -30,6 +30,9 @@ from .reference_attention import Pieces, attend, step_work
 from .spec import KINDS, KVSpec
 from .step_checks import (AttentionOptions, check_kv, check_layer, check_query, check_sinks,
                           check_step)
+
+#: the quantization granularities the oracle computes (semantics section 11)
+QUANT = ("none", "per_tensor")
 
 
 @attrs.frozen(eq=False)
@@ -104,7 +107,7 @@ class ReferenceBackend(Backend):
                             softcap=True, sinks=True,
                             layouts=self.preferred_layouts(spec) if spec is not None else (),
                             notes="numpy float64 oracle; any head dim, block size, layout",
-                            quant=("none", "per_tensor"), roundings=ROUNDINGS)
+                            quant=QUANT, roundings=ROUNDINGS)
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
         """Every preset layout that can hold ``spec`` (MLA: those without a KV axis)."""
@@ -121,7 +124,9 @@ class ReferenceBackend(Backend):
     def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
              sinks=None):
         check_step(meta, spec, layout)
-        self.check_supported(spec)  # quantization granularities it does not compute
+        if spec.quant not in QUANT:
+            raise UnsupportedError(f"{self.name}: unsupported: quant {spec.quant!r} not in "
+                                   f"{QUANT}")
         opts = AttentionOptions.resolve(spec, scale, softcap, sinks, num_q_heads=num_q_heads)
         hq = None if num_q_heads is None else int(num_q_heads)
         plan = ReferencePlan(meta, spec, layout, opts.scale, opts.softcap, opts.sinks,
