@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from ...cache import KVCache
 from ...dtypes import numpy_dtype
 from ...transforms import kv_update_slices
 from ..harness import Runner, StepData, copy_planes, expect_same_cache, step_inputs
@@ -51,10 +52,10 @@ def apply_update_slices(layout, spec, planes, slices, num_slices, key, value, la
     dst = start[owner] + within
     tok = src[owner] + within
     dt = numpy_dtype(spec.dtype)
-    kview = layout.kv_view(planes, layer, 0)
-    kview[dst // bs, dst % bs] = key[tok].astype(dt)
+    handle = KVCache.wrap(layout, planes)
+    handle.kv_view(layer, 0)[dst // bs, dst % bs] = key[tok].astype(dt)
     if value is not None:
-        layout.kv_view(planes, layer, 1)[dst // bs, dst % bs] = value[tok].astype(dt)
+        handle.kv_view(layer, 1)[dst // bs, dst % bs] = value[tok].astype(dt)
 
 
 def check_kv_update_slices(backend, reference, params, options: KitOptions = KitOptions()
