@@ -79,18 +79,18 @@ class Component:
     @strides.validator
     def _check(self, attribute, strides):
         unit = self.unit
-        require("B" in strides, "strides", "must give a stride for B (every "
+        require("B" in strides, f"{self.name}.strides", "must give a stride for B (every "
                 "component is block data)", dict(strides))
-        require(not ("L" in strides and "L" in self.plane_strides), "strides",
+        require(not ("L" in strides and "L" in self.plane_strides), f"{self.name}.strides",
                 "L is a plane axis (plane_strides) and a byte axis at once")
-        require(self.count % per_unit(self.dtype) == 0, "count",
+        require(self.count % per_unit(self.dtype) == 0, f"{self.name}.count",
                 f"must be even: {self.dtype} packs two elements per byte", self.count)
-        require("E" in strides or self.units == 1, "strides",
+        require("E" in strides or self.units == 1, f"{self.name}.strides",
                 f"must give a stride for E ({self.count} elements)")
         for a, s in strides.items():
-            require(s % unit == 0, f"strides.{a}",
+            require(s % unit == 0, f"{self.name}.strides.{a}",
                     f"must be a multiple of the {self.dtype} unit of {unit} bytes", s)
-        require(self.offset % unit == 0, "offset",
+        require(self.offset % unit == 0, f"{self.name}.offset",
                 f"must be a multiple of the {self.dtype} unit of {unit} bytes", self.offset)
 
     # -- derived -----------------------------------------------------------------------
@@ -150,8 +150,12 @@ def check_component(value, field: str = "components") -> Component:
             raise KVABIError(f"{field}.{f}: missing")
     try:
         return Component(**value)
-    except KVABIError as e:
-        raise KVABIError(f"{field}.{e}") from None
+    except KVABIError as e:  # the validators name the component, the converters a field
+        name = value.get("name")
+        msg = str(e)
+        if isinstance(name, str) and msg.startswith(name + "."):
+            raise KVABIError(f"components.{msg}") from None
+        raise KVABIError(f"{field}.{msg}") from None
 
 
 def component_field(c, i: int) -> str:
