@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Layout": ("kvabi.layout", "Layout"),
+    "Component": ("kvabi.component", "Component"),
     "get_backend": ("kvabi.registry", "get_backend"),
     "backend_names": ("kvabi.registry", "backend_names"),
     "merge_attention": ("kvabi.merge", "merge_attention"),
@@ -32,7 +33,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvabi' has no attribute {name!r}")
 
 
-__all__ = ["ABI_VERSION", "AttentionOptions", "KVCache", "abi_at_least", "as_cache", "tensors", "Backend", "Capabilities", "CommonAttentionMetadata", "KVABIError",
+__all__ = ["ABI_VERSION", "AttentionOptions", "Component", "KVCache", "abi_at_least", "as_cache", "tensors", "Backend", "Capabilities", "CommonAttentionMetadata", "KVABIError",
            "KVGroup", "KVSpec", "LayerKV", "Layout", "ModelKV", "StepLimits", "UnsupportedError",
            "backend_names", "check_kv", "check_scales", "check_layer", "check_num_q_heads", "check_query", "check_sinks", "check_step", "index_dtype", "get_backend", "hookimpl", "merge_attention", "transforms",
            "__version__"]

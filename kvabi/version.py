@@ -7,6 +7,9 @@ from .errors import KVABIError
 
 #: (major, minor) of the backend ABI and of the layout descriptor format.
 ABI_VERSION = (1, 2)
+#: (major, minor) of the layout descriptor's JSON form (``specs/layout.md``; 2.0: components).
+#: Readers take this major and every 1.x descriptor.
+LAYOUT_VERSION = (2, 0)
 
 
 def wire_version(ver) -> tuple[int, int]:

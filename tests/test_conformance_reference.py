@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvabi
-from kvabi import registry
+from kvabi import KVCache, registry
 from kvabi.abi import UnsupportedError
 from kvabi.cli import main
 from kvabi.layout import Layout
@@ -43,7 +43,7 @@ class WrongSlot(ReferenceBackend):
         real = np.nonzero(m.slot_mapping >= 0)[0]
         if len(real):
             s = (int(m.slot_mapping[real[-1]]) + 1) % (layout.num_blocks * bs)
-            view = layout.kv_view(cache, layer, 0)
+            view = KVCache.wrap(layout, cache).kv_view(layer, 0)
             view[s // bs, s % bs] = np.asarray(key[real[-1]]).astype(view.dtype)
         return cache
 
@@ -57,7 +57,7 @@ class WritesPadding(ReferenceBackend):
         cache = super().write_kv(cache, layout, key, value, plan, layer=layer, **scales)
         pad = np.nonzero(plan.meta.slot_mapping < 0)[0]
         if len(pad):
-            view = layout.kv_view(cache, layer, 0)
+            view = KVCache.wrap(layout, cache).kv_view(layer, 0)
             view[-1, -1] = np.asarray(key[pad[-1]]).astype(view.dtype)
         return cache
 
@@ -150,7 +150,7 @@ class AttentionWrites(ReferenceBackend):
 
     def attention(self, query, cache, layout, plan, *, layer=0, **kw):
         out = super().attention(query, cache, layout, plan, layer=layer, **kw)
-        layout.kv_view(cache, layer, 0)[0, 0] = 0
+        KVCache.wrap(layout, cache).kv_view(layer, 0)[0, 0] = 0
         return out
 
 
@@ -283,7 +283,7 @@ class NoSaturation(_Quantized):
             y = x * (np.float32(1) / np.float32(s))
             with np.errstate(invalid="ignore", over="ignore"):
                 codes = np.rint(y).astype(dt) if dt == np.int8 else y.astype(dt)
-            layout.kv_view(cache, layer, kv)[blk, off] = codes
+            kvabi.as_cache(cache, layout).kv_view(layer, kv)[blk, off] = codes
         return cache
 
 

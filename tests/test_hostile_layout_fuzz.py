@@ -13,9 +13,10 @@ import math
 
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from kvabi import KVABIError, KVSpec, Layout
+from kvabi import KVABIError, KVCache, KVSpec, Layout
 from kvabi.presets import PRESETS, preset_names
 from kvabi.testing.profiles import current_profile
+from kvabi.views import allocate_numpy
 
 INT64_MAX = 2**63 - 1
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -166,7 +167,8 @@ def is_int(v) -> bool:
 def described(d: dict) -> dict:
     """What a well-formed descriptor says, from its fields alone (specs/layout.md); raises
     AssertionError where the descriptor is not well formed, so that accepting it is a bug."""
-    assert d["kvabi_abi"][0] == 1 and all(is_int(x) and x >= 0 for x in d["kvabi_abi"])
+    assert d["kvabi_abi"][0] in (1, 2) and all(is_int(x) and x >= 0 for x in d["kvabi_abi"])
+    assert d["kvabi_abi"][0] == 1 or "components" not in d  # 2.x: the axis form here
     assert d["dtype"] in ITEMSIZE
     isz = ITEMSIZE[d["dtype"]]
     order, planes = d["order"], d.get("planes", [])
@@ -238,9 +240,9 @@ def check_sound(layout: Layout, d: dict | None, max_bytes, data):
     # views over real memory (small layouts): every view lies inside its plane's buffer and
     # addresses each element where the formula says
     if o["total"] <= 2**18:
-        planes = layout.allocate_numpy()
+        planes = allocate_numpy(layout)
         e = elems[0]
-        view = layout.kv_view(planes, e["L"], e["KV"])
+        view = KVCache.wrap(layout, planes).kv_view(e["L"], e["KV"])
         plane, off = oracle_offset(o, e)
         start = planes[plane].__array_interface__["data"][0]
         lo = view.__array_interface__["data"][0]

@@ -21,6 +21,7 @@ from kvabi import tensors
 from kvabi.errors import KVABIError
 from kvabi.reference import ReferenceBackend
 from kvabi.testing import CHECKS, KitOptions, get_check, run_check
+from kvabi.views import allocate_numpy
 
 torch = pytest.importorskip("torch")
 
@@ -299,7 +300,7 @@ class Float32Only10(kvabi.Backend):
         return np.asarray(x)
 
     def allocate(self, layout):
-        return layout.allocate_numpy(0)
+        return allocate_numpy(layout, 0)
 
     def plan(self, meta, spec, layout, *, scale=None, softcap=None, sinks=None):
         self.check_supported(spec, softcap=softcap, sinks=sinks)

@@ -42,7 +42,7 @@ def test_newer_minor_accepted_and_unknown_fields_ignored():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(kvabi_abi=[2, 0]), "kvabi_abi"),
+    (dict(kvabi_abi=[3, 0]), "kvabi_abi"),
     (dict(kvabi_abi="1.0"), "kvabi_abi"),
     (dict(dtype="float64"), "dtype"),
     (dict(order=["B", "KV", "N", "H"]), "order"),

@@ -10,6 +10,7 @@ from kvabi.cli import UsageError
 from kvabi import KVABIError, hookimpl
 from kvabi.commands import bench
 from kvabi.reference import ReferenceBackend
+from kvabi.views import allocate_numpy
 
 KEYS = {"backend", "abi", "framework", "dtype", "layout", "layer_us", "layer_us_min",
         "layer_cpu_us",
@@ -69,7 +70,7 @@ class OldReference(ReferenceBackend):
                                  return_lse=return_lse, **scales)
 
     def allocate(self, layout):
-        return layout.allocate_numpy(0)  # a 1.0 list of planes
+        return allocate_numpy(layout, 0)  # a 1.0 list of planes
 
 
 class Plugin:

@@ -22,6 +22,7 @@ from kvabi.dtypes import DTYPES, numpy_dtype
 from kvabi.layout import Layout
 from kvabi.presets import PRESETS
 from kvabi.reference import ReferenceBackend, ReferencePlan, to_cache_dtype
+from kvabi.views import allocate_numpy
 
 BACKEND = ReferenceBackend()
 #: the same oracle with tiny query pieces and memory chunks: exercises the batching
@@ -150,8 +151,8 @@ def evict_invisible_blocks(spec, layout, cache, layer, ctx, qlen, table):
     sliding window or chunk left behind): only window and chunk layers have such blocks."""
     if spec.kind not in ("sliding_window", "chunked_local"):
         return
-    kview = layout.kv_view(cache, layer, 0)
-    vview = layout.kv_view(cache, layer, 1)
+    kview = KVCache.wrap(layout, cache).kv_view(layer, 0)
+    vview = KVCache.wrap(layout, cache).kv_view(layer, 1)
     for r in np.nonzero(qlen > 0)[0]:
         lowest = ctx[r] - spec.window + 1 if spec.kind == "sliding_window" else \
             ctx[r] // spec.chunk * spec.chunk
@@ -172,7 +173,7 @@ def run_step(b):
     # MLA: the latent is the key; attention returns its first head_dim_v elements.
     hist_v = [k[..., :dv] if spec.is_mla else cache_values(rng, spec.dtype, (s, h, dv))
               for s, k in zip(seq, hist_k)]
-    cache = layout.allocate_numpy(fill=poison(spec.dtype))
+    cache = allocate_numpy(layout, fill=poison(spec.dtype))
 
     def write(meta, rows):
         n = meta.num_tokens
@@ -248,7 +249,7 @@ def test_sink_takes_mass_but_adds_no_value():
     spec = KVSpec("full", 1, 1, 2, dtype="float32")
     layout = Layout.preset("flash_attn", spec, num_blocks=1)
     meta = CommonAttentionMetadata.from_lengths([1], [0], [[0]], 1)
-    cache = layout.allocate_numpy()
+    cache = allocate_numpy(layout)
     plan = BACKEND.plan(meta, spec, layout, scale=1.0, sinks=[0.5])
     BACKEND.write_kv(cache, layout, np.array([[[1.0, 0.0]]]), np.array([[[2.0, 4.0]]]), plan)
     out, lse = BACKEND.attention(np.array([[[1.5, 7.0]]]), cache, layout, plan,
@@ -279,7 +280,7 @@ def test_visible_nan_propagates_invisible_nan_does_not():
     spec = KVSpec("sliding_window", 2, 1, 2, dtype="float32", window=2)
     layout = Layout.preset("flash_attn", spec, num_blocks=2)
     meta = CommonAttentionMetadata.from_lengths([3], [0], [[0, 1]], 2)
-    cache = layout.allocate_numpy()
+    cache = allocate_numpy(layout)
     plan = BACKEND.plan(meta, spec, layout)
     val = np.ones((3, 1, 2))
     val[0, 0, 1] = np.nan  # position 0: seen by the queries at 0 and 1, not by 2
@@ -337,7 +338,7 @@ def test_write_kv_writes_exactly_the_slots(name, dtype, kind, bs, h, d, dv, laye
     hd, hv, n = spec.num_kv_heads, spec.head_dim_v, meta.num_tokens
     key = cache_values(rng, dtype, (n, hd, spec.head_dim))
     val = cache_values(rng, dtype, (n, hd, hv))
-    cache = layout.allocate_numpy(fill=poison(dtype))
+    cache = allocate_numpy(layout, fill=poison(dtype))
     before = [raw(p, layout).copy() for p in cache]
     plan = BACKEND.plan(meta, spec, layout)
     BACKEND.write_kv(cache, layout, key, None if spec.is_mla else val, plan, layer=layer)
@@ -384,7 +385,7 @@ def _small():
 
 def test_bad_inputs_raise_kvabi_error_naming_the_field():
     spec, layout, meta = _small()
-    cache = layout.allocate_numpy()
+    cache = allocate_numpy(layout)
     plan = BACKEND.plan(meta, spec, layout)
     with pytest.raises(KVABIError, match="query"):
         BACKEND.attention(np.zeros((3, 3, 4)), cache, layout, plan)  # 3 not multiple of 2
@@ -534,7 +535,7 @@ def test_caches_are_checked_before_any_write():
     spec, layout, meta = _small()
     plan = BACKEND.plan(meta, spec, layout)
     k = np.ones((3, 2, 4))
-    planes = layout.allocate_numpy()
+    planes = allocate_numpy(layout)
     BACKEND.write_kv(planes, layout, k, k, plan)  # ABI 1.0: a list of planes
     assert any(p.any() for p in planes)
     short = [np.zeros(layout.plane_shape, np.float32)[..., :0] for _ in planes]
@@ -551,7 +552,7 @@ def test_a_1_0_style_caller_and_a_kvcache_give_the_same_bytes():
     plan = BACKEND.plan(meta, spec, layout)
     rng = np.random.default_rng(3)
     k, v = rng.standard_normal((3, 2, 4)), rng.standard_normal((3, 2, 4))
-    planes = layout.allocate_numpy()
+    planes = allocate_numpy(layout)
     handle = KVCache.allocate(layout)
     BACKEND.write_kv(planes, layout, k, v, plan)
     BACKEND.write_kv(handle, layout, k, v, plan)
@@ -572,7 +573,7 @@ def test_planes_of_the_right_shape_over_too_little_memory_are_refused():
     dense = [np.zeros(layout.plane_shape, np.float32) for _ in range(layout.num_planes)]
     with pytest.raises(KVABIError, match="cache"):
         BACKEND.write_kv(dense, layout, np.ones((1, 2, 6)), np.ones((1, 2, 6)), plan)
-    good = layout.allocate_numpy()
+    good = allocate_numpy(layout)
     BACKEND.write_kv(good, layout, np.ones((1, 2, 6)), np.ones((1, 2, 6)), plan)
     assert BACKEND.attention(np.ones((1, 2, 6)), good, layout, plan).shape == (1, 2, 6)
 

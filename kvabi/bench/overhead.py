@@ -162,14 +162,14 @@ def measure(backend, *, repeat: int, layers: int = NUM_LAYERS, log=None) -> dict
         handle.layer_view(1)
         row["view_lookup_us"] = median_us(lambda: handle.layer_view(1), min_runs=runs * 10,
                                           min_seconds=secs)
-        row["layout_view_us"] = median_us(lambda: layout.layer_view(planes, 1),
+        row["layout_view_us"] = median_us(lambda: KVCache.wrap(layout, planes).layer_view(1),
                                           min_runs=runs, min_seconds=secs)
     else:
         row["view"] = "kv_view"
         handle.kv_view(1, 0)
         row["view_lookup_us"] = median_us(lambda: handle.kv_view(1, 0), min_runs=runs * 10,
                                           min_seconds=secs)
-        row["layout_view_us"] = median_us(lambda: layout.kv_view(planes, 1, 0),
+        row["layout_view_us"] = median_us(lambda: KVCache.wrap(layout, planes).kv_view(1, 0),
                                           min_runs=runs, min_seconds=secs)
     row["as_cache_us"] = median_us(lambda: as_cache(handle, layout), min_runs=runs * 10,
                                    min_seconds=secs)

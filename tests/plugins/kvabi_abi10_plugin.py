@@ -15,6 +15,7 @@ import attrs
 import numpy as np
 
 import kvabi
+from kvabi.views import allocate_numpy
 
 
 class Abi10Backend(kvabi.Backend):
@@ -48,7 +49,7 @@ class Abi10Backend(kvabi.Backend):
         return np.asarray(x)
 
     def allocate(self, layout):
-        return layout.allocate_numpy(0)
+        return allocate_numpy(layout, 0)
 
     def plan(self, meta, spec, layout, *, scale=None, softcap=None, sinks=None):
         self.check_supported(spec, softcap=softcap, sinks=sinks)

@@ -13,6 +13,7 @@ import numpy as np
 
 import kvabi
 from kvabi.reference import ReferenceBackend
+from kvabi import KVCache
 
 
 class NoWindow(ReferenceBackend):
@@ -61,7 +62,7 @@ class WrongSlot(ReferenceBackend):
         real = np.nonzero(m.slot_mapping >= 0)[0]
         if len(real):
             s = (int(m.slot_mapping[real[-1]]) + 1) % (layout.num_blocks * bs)
-            view = layout.kv_view(cache, layer, 0)
+            view = KVCache.wrap(layout, cache).kv_view(layer, 0)
             view[s // bs, s % bs] = np.asarray(key[real[-1]]).astype(view.dtype)
         return cache
 

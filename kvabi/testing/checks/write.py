@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from ...cache import KVCache
 from ...transforms import kv_update_slices
 from ..cases import stored
 from ..harness import Runner, StepData, copy_planes, expect_same_cache, step_inputs
@@ -53,11 +54,11 @@ def apply_update_slices(layout, spec, planes, slices, num_slices, key, value, la
     within = np.arange(len(owner)) - np.repeat(np.cumsum(length) - length, length)
     dst = start[owner] + within
     tok = src[owner] + within
-    kview = layout.kv_view(planes, layer, 0)
-    kview[dst // bs, dst % bs] = stored(spec, key[tok], 0, scales or {})
+    handle = KVCache.wrap(layout, planes)
+    handle.kv_view(layer, 0)[dst // bs, dst % bs] = stored(spec, key[tok], 0, scales or {})
     if value is not None:
-        layout.kv_view(planes, layer, 1)[dst // bs, dst % bs] = \
-            stored(spec, value[tok], 1, scales or {})
+        handle.kv_view(layer, 1)[dst // bs, dst % bs] = stored(spec, value[tok], 1,
+                                                               scales or {})
 
 
 def check_kv_update_slices(backend, reference, params, options: KitOptions = KitOptions()
