@@ -57,6 +57,8 @@ def build_preset(cls, name: str, spec: KVSpec, num_blocks: int, num_layers: int 
         raise KVABIError(f"name: unknown layout preset {name!r}; presets are {', '.join(PRESETS)}")
     if not isinstance(spec, KVSpec):
         raise KVABIError(f"spec: must be a KVSpec, got {type(spec).__name__}")
+    if spec.quant == "per_token_head":  # these presets have no scale components
+        raise KVABIError(f"spec.quant: preset {name!r} stores no per-token-head scales")
     num_blocks = as_int(num_blocks, "num_blocks", lo=1)
     num_layers = as_int(num_layers, "num_layers", lo=1)
     if name in _VLLM:

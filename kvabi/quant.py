@@ -125,6 +125,28 @@ def check_scales(spec, k_scale, v_scale) -> tuple[float, float] | None:
             1.0 if v_scale is None else as_scale(v_scale, "v_scale"))
 
 
+def check_quant_layout(spec, layout) -> None:
+    """KVABIError naming ``layout`` unless its scale components are what ``spec.quant``
+    needs: a ``per_token_head`` cache has ``key_scale`` and ``value_scale``, float32, one
+    per (token, head) of its data; any other cache has no scale component (a static scale
+    is layer state, not cache bytes)."""
+    names = layout.component_names
+    scales = [n for n in names if n.endswith("_scale")]
+    if spec.quant != "per_token_head":
+        require(not scales, "layout.components", f"hold scales ({', '.join(scales)}), but "
+                f"the spec's quant is {spec.quant!r} (only per_token_head stores scales)")
+        return
+    for data in ("key", "value"):
+        name = f"{data}_scale"
+        require(name in names, "layout.components", f"a per_token_head cache needs {name} "
+                f"(one float32 per token and head); the layout holds {', '.join(names)}")
+        c = layout.component(name)
+        require(c.dtype == SCALE_DTYPE and c.count == 1, f"layout.components.{name}",
+                f"must be one {SCALE_DTYPE} per token and head, got {c.count} x {c.dtype}")
+        require(c.varies("N") and c.varies("H"), f"layout.components.{name}",
+                "must vary along N and H (one scale per token and head)")
+
+
 def finite_float32(x, field: str) -> np.ndarray:
     """``x`` rounded to float32 (round to nearest even), refusing non-finite values: a
     quantized write takes only finite input (``specs/semantics.md`` section 11)."""
@@ -196,6 +218,7 @@ def dequantize(codes, scale) -> np.ndarray:
 
 
 __all__ = ["FORMATS", "QUANT_DTYPES", "QUANT_MODES", "ROUNDINGS", "SCALE_DTYPE",
-           "SCALE_EPSILON", "QuantFormat", "as_scale", "check_quant", "check_scales", "dequantize",
+           "SCALE_EPSILON", "QuantFormat", "as_scale", "check_quant", "check_quant_layout",
+           "check_scales", "dequantize",
            "finite_float32", "quant_format", "quantize_per_tensor", "quantize_per_token_head",
            "round_codes"]

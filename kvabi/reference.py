@@ -25,14 +25,17 @@ from .errors import KVABIError
 from .layout import Layout
 from .metadata import CommonAttentionMetadata
 from .presets import PRESETS
-from .quant import ROUNDINGS, check_scales, quantize_per_tensor
+from .quant import ROUNDINGS, check_scales, quantize_per_tensor, quantize_per_token_head
 from .reference_attention import Pieces, attend, step_work
 from .spec import KINDS, KVSpec
 from .step_checks import (AttentionOptions, check_kv, check_layer, check_query, check_sinks,
                           check_step)
 
-#: the quantization granularities the oracle computes (semantics section 11)
-QUANT = ("none", "per_tensor")
+#: the quantization granularities the oracle computes (semantics section 11): per_token_head
+#: over any layout with scale components
+QUANT = ("none", "per_tensor", "per_token_head")
+#: those it claims to the kit: per_token_head once a preset holds its scales
+CLAIMED = ("none", "per_tensor")
 
 
 @attrs.frozen(eq=False)
@@ -107,7 +110,7 @@ class ReferenceBackend(Backend):
                             softcap=True, sinks=True,
                             layouts=self.preferred_layouts(spec) if spec is not None else (),
                             notes="numpy float64 oracle; any head dim, block size, layout",
-                            quant=QUANT, roundings=ROUNDINGS)
+                            quant=CLAIMED, roundings=ROUNDINGS)
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
         """Every preset layout that can hold ``spec`` (MLA: those without a KV axis)."""
@@ -165,7 +168,9 @@ class ReferenceBackend(Backend):
         """Write new K/V at the plan's slots, in place; returns ``cache`` as given.
 
         A ``per_tensor`` cache stores codes under the layer's static ``k_scale`` and
-        ``v_scale`` (float32 values, 1.0 when not given; semantics section 11)."""
+        ``v_scale`` (float32 values, 1.0 when not given); a ``per_token_head`` cache codes
+        and one float32 scale per token and head in the layout's ``key_scale`` and
+        ``value_scale`` components (semantics section 11)."""
         spec = plan.spec
         scales = check_scales(spec, k_scale, v_scale)
         key = real_array(key, "key")
@@ -177,6 +182,14 @@ class ReferenceBackend(Backend):
         tokens, blk, off = plan.write_rows
         k = key if tokens is None else key[tokens]
         v = None if spec.is_mla else value if tokens is None else value[tokens]
+        if spec.quant == "per_token_head":
+            kq, ks = quantize_per_token_head(k, spec.dtype, spec.rounding, "key")
+            vq, vs = quantize_per_token_head(v, spec.dtype, spec.rounding, "value")
+            handle = as_cache(cache, layout, "numpy")
+            kview[blk, off], vview[blk, off] = kq, vq
+            handle.component_view("key_scale", layer)[blk, off, :, 0] = ks
+            handle.component_view("value_scale", layer)[blk, off, :, 0] = vs
+            return cache
         if scales is None:
             dt = numpy_dtype(spec.dtype)
             kview[blk, off] = to_cache_dtype(k, dt)
@@ -200,6 +213,10 @@ class ReferenceBackend(Backend):
         ``per_tensor`` cache is read as codes times the layer's ``k_scale``/``v_scale``."""
         spec, meta = plan.spec, plan.meta
         scales = check_scales(spec, k_scale, v_scale) or (1.0, 1.0)
+        if spec.quant == "per_token_head":  # [B, N, H, 1] float32 views
+            handle = as_cache(cache, layout, "numpy")
+            scales = tuple(handle.component_view(n, check_layer(layer, layout))
+                           for n in ("key_scale", "value_scale"))
         query = real_array(query, "query")
         hq = check_query(query, meta, spec)
         if plan.num_q_heads is not None and hq != plan.num_q_heads:

@@ -118,3 +118,92 @@ def test_scales_refused_by_field_and_cache_unchanged():
     with pytest.raises(KVABIError, match=r"^value: .*\(1, 0, 3\)"):
         ref.write_kv(cache, lay, k, bad_v, plan)
     assert not cache.planes[0].view(np.uint8).any()  # nothing written by a refused call
+
+
+def packed_layout(spec, num_blocks):
+    """vLLM's per-token-head cache for one layer, stated by components from its definition:
+    ``[B, H, N, 2 * (D + 4)]`` bytes, per (block, head, token) ``[K | K scale (float32) | V
+    | V scale]`` (``triton_attn.py``, ``_ensure_scale_caches``)."""
+    d, h, n = spec.head_dim, spec.num_kv_heads, spec.block_size
+    rec = 2 * (d + 4)
+    st = {"B": h * n * rec, "H": n * rec, "N": rec}
+    comps = [kvabi.Component(name="key", dtype=spec.dtype, count=d, strides={**st, "E": 1}),
+             kvabi.Component(name="key_scale", dtype="float32", count=1, offset=d,
+                             strides=st),
+             kvabi.Component(name="value", dtype=spec.dtype, count=d, offset=d + 4,
+                             strides={**st, "E": 1}),
+             kvabi.Component(name="value_scale", dtype="float32", count=1, offset=2 * d + 4,
+                             strides=st)]
+    return Layout(sizes={"B": num_blocks, "N": n, "H": h}, components=comps)
+
+
+def direct_per_token_head(x, dtype, rounding):
+    """(codes as float64, scales) from the stated recipe in float64 with explicit float32
+    roundings; int8 rounding in exact arithmetic, float8 through ml_dtypes."""
+    x = np.asarray(x, np.float32).astype(np.float64)
+    f32 = lambda a: np.asarray(a, np.float64).astype(np.float32).astype(np.float64)  # noqa
+    s = np.maximum(f32(np.abs(x).max(-1) / QMAX[dtype]), f32(1e-6))
+    y = f32(x * f32(1.0 / s)[..., None])
+    if dtype == "int8":
+        r = np.sign(y) * np.floor(np.abs(y) + 0.5) if rounding == "nearest_away" \
+            else np.round(y)
+        return np.clip(r, -128, 127), s
+    return np.clip(y, -QMAX[dtype], QMAX[dtype]).astype(CODES[dtype]).astype(np.float64), s
+
+
+@pytest.mark.parametrize("dtype,rounding", [("int8", "nearest_away"), ("int8", "nearest_even"),
+                                            ("float8_e4m3fn", "nearest_even")])
+def test_per_token_head_write_and_attention(dtype, rounding):
+    rng = np.random.default_rng(3)
+    spec = KVSpec("full", 4, 2, 8, dtype=dtype, quant="per_token_head", rounding=rounding)
+    layout = packed_layout(spec, 8)
+    ref = kvabi.get_backend("reference")
+    meta = kvabi.CommonAttentionMetadata.from_lengths([3, 6], [0, 0], [[0, 1], [4, 5]], 4,
+                                                      num_blocks=8)
+    plan = ref.plan(meta, spec, layout, num_q_heads=4)
+    key = (rng.standard_normal((9, 2, 8)) * rng.uniform(0.1, 3, (9, 2, 1))).astype(np.float32)
+    val = (rng.standard_normal((9, 2, 8)) * rng.uniform(0.1, 3, (9, 2, 1))).astype(np.float32)
+    key[4, 1] = 0.0  # an all-zero row
+    cache = ref.write_kv(ref.allocate(layout), layout, key, val, plan)
+    raw = cache[0].view(np.uint8).reshape(8, 2, 4, 2 * (8 + 4))  # [B, H, N, record]
+    slots = meta.slot_mapping
+    rec = raw[slots // 4, :, slots % 4]  # [T, H, record]
+    for x, lo in ((key, 0), (val, 12)):
+        want, want_s = direct_per_token_head(x, dtype, rounding)
+        got = rec[..., lo:lo + 8].copy().view(CODES.get(dtype, np.int8)).astype(np.float64)
+        np.testing.assert_array_equal(got, want)
+        got_s = rec[..., lo + 8:lo + 12].copy().view(np.float32)[..., 0].astype(np.float64)
+        np.testing.assert_array_equal(got_s, want_s)
+    assert rec[4, 1, 8:12].copy().view(np.float32)[0] == np.float32(1e-6)
+    query = rng.standard_normal((9, 4, 8))
+    out, lse = ref.attention(query, cache, layout, plan, return_lse=True)
+    kd = np.zeros((2, 8, 2, 8))
+    vd = np.zeros((2, 8, 2, 8))
+    for r, (blocks, n) in enumerate((([0, 1], 3), ([4, 5], 6))):
+        rows = raw[blocks].transpose(0, 2, 1, 3).reshape(8, 2, 24)[:n]  # [pos, H, record]
+        for dst, lo in ((kd, 0), (vd, 12)):
+            codes = rows[..., lo:lo + 8].copy().view(CODES.get(dtype, np.int8))
+            s = rows[..., lo + 8:lo + 12].copy().view(np.float32)
+            dst[r, :n] = codes.astype(np.float64) * s.astype(np.float64)
+    want, want_lse = dense_attention(meta, kd, vd, query)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_scale_components_must_match_the_spec():
+    ref = kvabi.get_backend("reference")
+    pth = KVSpec("full", 4, 1, 8, dtype="int8", quant="per_token_head",
+                 rounding="nearest_away")
+    plain = KVSpec("full", 4, 1, 8, dtype="int8", quant="per_tensor")
+    meta = kvabi.CommonAttentionMetadata.from_lengths([2], [0], [[0]], 4, num_blocks=1)
+    with pytest.raises(KVABIError, match="^layout.components: a per_token_head cache needs "
+                                         "key_scale"):
+        ref.plan(meta, pth, Layout.preset("flash_attn", plain, num_blocks=1))
+    with pytest.raises(KVABIError, match="^layout.components: hold scales"):
+        ref.plan(meta, plain, packed_layout(pth, 1))
+    with pytest.raises(KVABIError, match="^spec.quant: preset 'vllm.LBHNC' stores no"):
+        Layout.preset("vllm.LBHNC", pth, num_blocks=1)
+    with pytest.raises(KVABIError, match="^k_scale: static scales are for a per_tensor"):
+        lay = packed_layout(pth, 1)
+        ref.write_kv(ref.allocate(lay), lay, np.ones((2, 1, 8)), np.ones((2, 1, 8)),
+                     ref.plan(meta, pth, lay), k_scale=0.5)

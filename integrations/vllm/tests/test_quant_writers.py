@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvabi
 import kvabi.quant as q
 from kvabi.dtypes import numpy_dtype
 
@@ -186,3 +187,64 @@ def test_triton_fp8_per_token_head_codes_and_scales(triton_writes):
     for x, scales in ((inp["key"], ks), (inp["value"], vs)):
         _, want_s = q.quantize_per_token_head(x[real], "float8_e4m3fn", "nearest_even")
         np.testing.assert_array_equal(scales.view(np.uint32), want_s.view(np.uint32))
+
+
+# -- the packed per-token-head layout, pinned against the writer's bytes -----------------------
+def packed_components(dtype, d, h, n, order="HND", swap_kv=False, swap_scales=False):
+    """vLLM's per-token-head record per (block, head, token) ``[K | K scale | V | V scale]``
+    stated as kvabi components over ``[B, H, N, record]`` (HND) or ``[B, N, H, record]``
+    (NHD) memory.  ``swap_kv``/``swap_scales`` plant faults (K and V exchanged; each scale
+    at the other's place)."""
+    rec = 2 * (d + 4)
+    st = {"B": h * n * rec, "H": n * rec, "N": rec} if order == "HND" else \
+        {"B": h * n * rec, "N": h * rec, "H": rec}
+    k0, v0 = (d + 4, 0) if swap_kv else (0, d + 4)
+    ks, vs = (v0 + d, k0 + d) if swap_scales else (k0 + d, v0 + d)
+    return [kvabi.Component(name="key", dtype=dtype, count=d, offset=k0, strides={**st, "E": 1}),
+            kvabi.Component(name="key_scale", dtype="float32", count=1, offset=ks, strides=st),
+            kvabi.Component(name="value", dtype=dtype, count=d, offset=v0,
+                            strides={**st, "E": 1}),
+            kvabi.Component(name="value_scale", dtype="float32", count=1, offset=vs,
+                            strides=st)]
+
+
+def reference_bytes(inp, layout, spec):
+    """The reference's write of the writer's inputs into ``layout``, over the same starting
+    bytes as vLLM's cache: the fill byte, every scale 1.0 (``_ensure_scale_caches``)."""
+    ref = kvabi.get_backend("reference")
+    cache = ref.allocate(layout)
+    cache[0].view(np.uint8)[...] = int(inp["fill"])
+    for name in ("key_scale", "value_scale"):
+        cache.component_view(name, 0)[...] = 1.0
+    slots = inp["slots"]
+    real = slots >= 0
+    n = spec.block_size
+    # one decode per written token, at the position its slot holds (block column 0)
+    meta = kvabi.CommonAttentionMetadata.from_lengths(
+        np.ones(real.sum(), np.int64), slots[real] % n, (slots[real] // n)[:, None], n,
+        num_blocks=layout.num_blocks)
+    ref.write_kv(cache, layout, inp["key"][real], inp["value"][real],
+                 ref.plan(meta, spec, layout))
+    return cache[0].view(np.uint8).reshape(-1)
+
+
+@pytest.mark.parametrize("name", ["int8", "int8_nhd", "fp8"])
+def test_packed_layout_is_the_writers_bytes(triton_writes, name):
+    inp, out = triton_writes[name]
+    dtype = "int8" if name.startswith("int8") else "float8_e4m3fn"
+    rounding = "nearest_away" if dtype == "int8" else "nearest_even"
+    t, h, d = inp["key"].shape
+    b, n = int(inp["num_blocks"]), int(inp["block_size"])
+    spec = kvabi.KVSpec("full", n, h, d, dtype=dtype, quant="per_token_head",
+                        rounding=rounding)
+    order = str(inp["order"])
+    good = kvabi.Layout(sizes={"B": b, "N": n, "H": h},
+                        components=packed_components(dtype, d, h, n, order))
+    np.testing.assert_array_equal(reference_bytes(inp, good, spec), out["raw"])
+    for fault in (dict(swap_kv=True), dict(swap_scales=True)):
+        try:
+            bad = kvabi.Layout(sizes={"B": b, "N": n, "H": h},
+                               components=packed_components(dtype, d, h, n, order, **fault))
+        except kvabi.KVABIError:
+            continue  # refused as a descriptor: caught too
+        assert not np.array_equal(reference_bytes(inp, bad, spec), out["raw"]), fault
