@@ -19,6 +19,12 @@ tile order (keys transposed, values not) is not expressible as one kvabi ``Layou
 kernels return no log-sum-exp: with ``return_lse=True`` it is computed in torch (float64)
 from the same keys (a second pass; engines decoding through vLLM never ask for it).
 
+fp8 caches (``float8_e4m3fn``, ``float8_e5m2``) are ``per_tensor`` quantized with the
+rounding of vLLM's CPU writer, ``toward_zero`` (``specs/semantics.md`` section 11): the
+write stores ``kvabi.quant`` codes under the layer's ``k_scale``/``v_scale``, the kernels
+read the codes with the same scales (``kv_cache_dtype`` ``fp8``/``fp8_e5m2``, ISA ``vec``:
+head dims and block sizes multiples of 32) and compute in the query's dtype.
+
 vLLM is imported on first use (``available``/``plan``), never by ``import kvabi_vllm``.
 """
 from __future__ import annotations
@@ -39,6 +45,10 @@ from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch,
 
 KINDS = ("full", "sliding_window")
 DTYPES = ("float32", "float16", "bfloat16")
+#: fp8 cache dtypes -> vLLM's ``kv_cache_dtype`` for its kernels (per-tensor scales)
+FP8 = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
+#: fp8 needs the ``vec`` ISA: head dims and block sizes multiples of this
+FP8_MULTIPLE = 32
 #: keys read in place first; vLLM's own name for the cache it allocates next (copied)
 PREFERRED = ("vllm.cpu_kt", "vllm.LBHNC")
 
@@ -135,11 +145,18 @@ class CpuVllmBackend(kvabi.Backend):
                       f"torch {torch.__version__}")
 
     def capabilities(self, spec=None):
+        fp8 = spec is not None and spec.dtype in FP8
+        plain = spec is not None and not fp8
         return kvabi.Capabilities(
-            kinds=KINDS, dtypes=DTYPES, head_dims=HEAD_SIZES, block_size_multiple=BLOCK_MULTIPLE,
+            kinds=KINDS, dtypes=DTYPES + tuple(FP8),
+            head_dims=tuple(d for d in HEAD_SIZES if not fp8 or d % FP8_MULTIPLE == 0),
+            block_size_multiple=FP8_MULTIPLE if fp8 else BLOCK_MULTIPLE,
             softcap=True, sinks=True, layouts=PREFERRED if spec is not None else (),
+            quant=("per_tensor",) if fp8 else ("none",) if plain else ("none", "per_tensor"),
+            roundings=("toward_zero",),
             notes="vLLM CPU_ATTN kernels; in vllm.cpu_kt keys read in place and the values "
-                  "of the step's blocks copied per layer (both, in other layouts)")
+                  "of the step's blocks copied per layer (both, in other layouts); fp8 "
+                  "per-tensor with vLLM's rounding (toward_zero)")
 
     def preferred_layouts(self, spec):
         return PREFERRED
@@ -205,20 +222,20 @@ class CpuVllmBackend(kvabi.Backend):
             t(written),
             t(slots[written] // bs), t(slots[written] % bs), opts.scale, opts.softcap,
             opts.sinks, num_q_heads)
-        if num_q_heads is not None:
-            self._schedule(plan, num_q_heads)
+        if num_q_heads is not None and not spec.is_quantized:  # fp8: the query's dtype
+            self._schedule(plan, num_q_heads, kvabi.tensors.torch_dtype(spec.dtype))
         return plan
 
     @staticmethod
-    def _schedule(plan: CpuVllmPlan, hq: int):
-        """The kernels' scheduler metadata for ``hq`` query heads (once per plan)."""
-        md = plan.sched.get(hq)
+    def _schedule(plan: CpuVllmPlan, hq: int, dtype):
+        """The kernels' scheduler metadata for ``hq`` query heads computing in ``dtype``
+        (once per plan)."""
+        md = plan.sched.get((hq, dtype))
         if md is None:
             spec = plan.spec
-            md = plan.sched[hq] = _ops().cpu_attn_get_scheduler_metadata(
+            md = plan.sched[(hq, dtype)] = _ops().cpu_attn_get_scheduler_metadata(
                 num_reqs=plan.meta.num_reqs, num_heads=hq, num_kv_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim, seq_lens=plan.seq_lens,
-                dtype=kvabi.tensors.torch_dtype(spec.dtype),
+                head_dim=spec.head_dim, seq_lens=plan.seq_lens, dtype=dtype,
                 query_start_loc=plan.query_start_loc, causal=True,
                 sliding_window_size=spec.window if spec.kind == "sliding_window" else -1,
                 isa=plan.isa, enable_kv_split=False)
@@ -232,24 +249,33 @@ class CpuVllmBackend(kvabi.Backend):
             raise kvabi.KVABIError("layout: differs from the layout the plan was made for")
 
     # -- write ----------------------------------------------------------------------------
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, k_scale=None,
+                 v_scale=None):
         cache = kvabi.as_cache(cache, layout, self.framework)
         self._check_plan(plan, layout)
         spec = plan.spec
+        scales = kvabi.check_scales(spec, k_scale, v_scale)
         key, value = to_torch(key), to_torch(value)
         kvabi.check_kv(key, value, plan.meta, spec)
         tok, blk, off = plan.write_tokens, plan.write_blocks, plan.write_offsets
-        kview, vview = cache.kv_view(layer, 0), cache.kv_view(layer, 1)
-        kview[blk, off] = key[tok].to(kview.dtype)  # index_put_ writes through the view
-        vview[blk, off] = value[tok].to(vview.dtype)
+        kview, vview = _views(cache, layer, spec)
+        if scales is None:
+            kview[blk, off] = key[tok].to(kview.dtype)  # index_put_ writes through the view
+            vview[blk, off] = value[tok].to(vview.dtype)
+            return cache
+        kq, vq = (_codes(x[tok], s, spec, name) for x, s, name in
+                  ((key, scales[0], "key"), (value, scales[1], "value")))
+        kview[blk, off] = kq  # both quantized before either lands: a refusal changes nothing
+        vview[blk, off] = vq
         return cache
 
     # -- attention ------------------------------------------------------------------------
     def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, out=None,
-                  return_lse=False):
+                  return_lse=False, k_scale=None, v_scale=None):
         cache = kvabi.as_cache(cache, layout, self.framework)
         self._check_plan(plan, layout)
         spec = plan.spec
+        scales = kvabi.check_scales(spec, k_scale, v_scale) or (1.0, 1.0)
         query = to_torch(query)
         hq = kvabi.check_query(query, plan.meta, spec)
         if plan.num_q_heads is not None and hq != plan.num_q_heads:
@@ -264,8 +290,13 @@ class CpuVllmBackend(kvabi.Backend):
         if out is not None and (tuple(out.shape) != (t_all, hq, d) or out.dtype != query.dtype):
             raise kvabi.KVABIError(f"out: must be {[t_all, hq, d]} {query.dtype}, got "
                                    f"{list(out.shape)} {out.dtype}")
-        cdt = kvabi.tensors.torch_dtype(spec.dtype)
-        kview, vview = cache.kv_view(layer, 0), cache.kv_view(layer, 1)
+        kview, vview = _views(cache, layer, spec)
+        cdt = kview.dtype  # the scratch's: fp8 codes as bytes
+        # the kernels compute in the cache dtype, or for fp8 codes in the query's
+        wdt = query.dtype if spec.is_quantized else cdt
+        if wdt not in (torch.float32, torch.float16, torch.bfloat16):
+            raise kvabi.KVABIError(f"query: dtype {query.dtype} (fp8 caches are read by "
+                                   f"kernels computing in float32, float16 or bfloat16)")
         e = len(plan.entries)
         if plan.native:
             kc = key_tiles(torch, kview)
@@ -279,11 +310,11 @@ class CpuVllmBackend(kvabi.Backend):
                                              self._buffer(e * h * 2 * bs * d, cdt))
             if e:
                 to_kernel_blocks(kview, vview, plan.entries, scratch, plan.hidden)
-        direct = out is not None and out.dtype == cdt and out.is_contiguous()
-        result = out if direct else torch.empty((t_all, hq, d), dtype=cdt)
+        direct = out is not None and out.dtype == wdt and out.is_contiguous()
+        result = out if direct else torch.empty((t_all, hq, d), dtype=wdt)
         result[n:].zero_()  # padding tokens: unspecified by the ABI, zero here
         if n and e:
-            q = query[:n].to(cdt).contiguous()
+            q = query[:n].to(wdt).contiguous()
             s_aux = None if sink is None else torch.from_numpy(sink.astype(np.float32))
             _ops().cpu_attention_with_kv_cache(
                 query=q, key_cache=kc, value_cache=vc, output=result[:n],
@@ -291,7 +322,9 @@ class CpuVllmBackend(kvabi.Backend):
                 scale=plan.scale, causal=True, alibi_slopes=None,
                 sliding_window=spec.window if spec.kind == "sliding_window" else -1,
                 block_table=plan.table, softcap=plan.softcap or 0.0,
-                scheduler_metadata=self._schedule(plan, hq), s_aux=s_aux)
+                scheduler_metadata=self._schedule(plan, hq, wdt), s_aux=s_aux,
+                k_scale=scales[0], v_scale=scales[1],
+                kv_cache_dtype=FP8.get(spec.dtype, "auto"))
         elif n:
             result[:n].zero_()  # no request has a key: nothing to attend
         if not direct:
@@ -304,13 +337,30 @@ class CpuVllmBackend(kvabi.Backend):
             keys = kview  # [B, N, H, D], indexed by the step's block table
         else:  # [E, N, H, D] over the copied entries
             keys = kc.view(e, spec.num_kv_heads, d, spec.block_size).permute(0, 3, 1, 2)
-        return result, _lse(plan, query, keys, hq, sink)
+        return result, _lse(plan, query, keys, hq, sink, scales[0])
 
 
-def _lse(plan: CpuVllmPlan, query, keys, hq: int, sink) -> torch.Tensor:
+def _views(cache, layer, spec):
+    """The layer's strided [B, N, H, D] key and value views; an fp8 cache's as uint8 (its
+    codes' bytes: the kernels take fp8 caches so, and torch indexes bytes everywhere)."""
+    k, v = cache.kv_view(layer, 0), cache.kv_view(layer, 1)
+    if spec.dtype in FP8:
+        return k.view(torch.uint8), v.view(torch.uint8)
+    return k, v
+
+
+def _codes(x, scale: float, spec, field: str) -> torch.Tensor:
+    """``kvabi.quant``'s codes of rows ``x`` under a static scale, as uint8 bytes."""
+    from kvabi.quant import quantize_per_tensor
+
+    c = quantize_per_tensor(x.float().numpy(), scale, spec.dtype, spec.rounding, field)
+    return torch.from_numpy(c.view(np.uint8))
+
+
+def _lse(plan: CpuVllmPlan, query, keys, hq: int, sink, k_scale: float = 1.0) -> torch.Tensor:
     """Log-sum-exp [T, Hq] float32 of the step (the kernels return none), in torch:
-    ``keys`` [X, N, H, D] indexed by ``plan.table``; per real token, its request's keys,
-    masked by select."""
+    ``keys`` [X, N, H, D] indexed by ``plan.table`` (fp8: code bytes, read as codes times
+    ``k_scale``); per real token, its request's keys, masked by select."""
     meta, spec = plan.meta, plan.spec
     n, bs, h, d = plan.num_tokens, spec.block_size, spec.num_kv_heads, spec.head_dim
     full = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32)
@@ -327,7 +377,11 @@ def _lse(plan: CpuVllmPlan, query, keys, hq: int, sink) -> torch.Tensor:
     vis = torch.from_numpy((j >= lo) & (j <= pos[:, None]) & (j < seq))
     # float64: the lse is compared in absolute terms, and logits of large head dims are
     # large (|logit| ~ 30 leaves float32 accumulation ~1e-5 off)
-    k = keys[plan.table.long()[req]].reshape(n, width * bs, h, d).double()
+    k = keys[plan.table.long()[req]].reshape(n, width * bs, h, d)
+    if spec.dtype in FP8:
+        k = k.view(kvabi.tensors.torch_dtype(spec.dtype)).double() * k_scale
+    else:
+        k = k.double()
     q = query[:n].double().reshape(n, h, hq // h, d)
     logits = torch.einsum("nhgd,nshd->nhgs", q, k) * plan.scale
     if plan.softcap is not None:
