@@ -47,8 +47,7 @@ def to_numpy(x) -> np.ndarray:
         if name in _RAW:
             import torch
 
-            raw = t.view(getattr(torch, _RAW[name])) if t.is_contiguous() else \
-                t.contiguous().view(getattr(torch, _RAW[name]))
+            raw = t.view(getattr(torch, _RAW[name]))  # same itemsize: a view at any strides
             return raw.numpy().view(numpy_dtype(name))
         return t.numpy()
     return np.asarray(x)

@@ -178,4 +178,9 @@ def bind(choice: Choice, spec: kvabi.KVSpec, views) -> tuple[kvabi.Layout, list]
                           name=f"{choice.preset}@vllm.{choice.vllm_name}")
     planes = [torch.as_strided(v, layout.plane_shape, layout.plane_strides,
                                v.storage_offset()) for v in views]
+    dt = kvabi.tensors.torch_dtype(spec.dtype)
+    if v0.dtype != dt:  # vLLM holds fp8 codes as uint8: the same bytes, typed
+        if v0.element_size() != layout.itemsize:
+            raise KVABIError(f"views[0].dtype: {v0.dtype} cannot hold {spec.dtype} codes")
+        planes = [p.view(dt) for p in planes]
     return layout, planes
