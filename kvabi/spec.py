@@ -277,11 +277,14 @@ class ModelKV:
 
     @classmethod
     def from_hf_config(cls, config: Mapping | str, block_size: int = 16,
-                       kv_dtype: str | None = None) -> "ModelKV":
-        """Build from a Hugging Face ``config.json`` (a dict or a path); see kvabi.hf_config."""
+                       kv_dtype: str | None = None, kv_quant: str | None = None,
+                       rounding: str = "nearest_even") -> "ModelKV":
+        """Build from a Hugging Face ``config.json`` (a dict or a path); see kvabi.hf_config
+        (``kv_quant``/``rounding``: a quantized cache, by default as the config states)."""
         from .hf_config import model_from_hf_config
 
-        return model_from_hf_config(config, block_size=block_size, kv_dtype=kv_dtype)
+        return model_from_hf_config(config, block_size=block_size, kv_dtype=kv_dtype,
+                                    kv_quant=kv_quant, rounding=rounding)
 
 
 class _OwnerName(str):

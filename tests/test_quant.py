@@ -202,3 +202,47 @@ def test_kvspec_quantized_costs_and_mla():
         KVSpec("mla", 16, 1, 576, dtype="float8_e4m3fn", head_dim_v=512,
                quant="per_token_head")
     check_quant("none", "nearest_even", "float32")
+
+
+LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "hidden_size": 512, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("qc", [
+    {"kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor",
+                         "dynamic": False, "symmetric": True}},
+    {"kv_cache_quant_algo": "FP8"}])
+def test_hf_config_states_a_per_tensor_fp8_cache(qc):
+    from kvabi import ModelKV
+
+    m = ModelKV.from_hf_config({**LLAMA, "quantization_config": qc})
+    spec = m.layers[0].spec
+    assert (spec.dtype, spec.quant, spec.rounding) == ("float8_e4m3fn", "per_tensor",
+                                                       "nearest_even")
+    assert ModelKV.from_hf_config(LLAMA).layers[0].spec.quant == "none"
+    # an explicit dtype wins over the config; kv_quant and rounding say the rest
+    assert ModelKV.from_hf_config({**LLAMA, "quantization_config": qc},
+                                  kv_dtype="bfloat16").layers[0].spec.quant == "none"
+    s = ModelKV.from_hf_config(LLAMA, kv_dtype="fp8_e5m2", kv_quant="per_tensor",
+                               rounding="toward_zero").layers[0].spec
+    assert (s.dtype, s.quant, s.rounding) == ("float8_e5m2", "per_tensor", "toward_zero")
+
+
+@pytest.mark.parametrize("qc,field", [
+    ({"kv_cache_scheme": {"type": "int", "num_bits": 8}},
+     "quantization_config.kv_cache_scheme"),
+    ({"kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "attn_head"}},
+     "quantization_config.kv_cache_scheme.strategy"),
+    ({"kv_cache_scheme": {"type": "float", "num_bits": 8, "symmetric": False}},
+     "quantization_config.kv_cache_scheme.symmetric"),
+    ({"kv_cache_scheme": {"type": "float", "num_bits": 8.0}},
+     "quantization_config.kv_cache_scheme"),
+    ({"kv_cache_quant_algo": "NVFP4"}, "quantization_config.kv_cache_quant_algo"),
+    ("fp8", "quantization_config")])
+def test_hf_config_quantization_refused_by_field(qc, field):
+    from kvabi import ModelKV
+
+    with pytest.raises(KVABIError, match=f"^{field}:"):
+        ModelKV.from_hf_config({**LLAMA, "quantization_config": qc})
+    with pytest.raises(KVABIError, match="^dtype:"):
+        ModelKV.from_hf_config(LLAMA, kv_quant="per_tensor")  # bfloat16 holds no codes
