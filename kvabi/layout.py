@@ -338,9 +338,10 @@ class Layout:
     @property
     def plane_shape(self) -> tuple[int, ...]:
         """Shape of each plane tensor as the backend sees it (axis form: extents, folds,
-        packing; component form: the plane's bytes, ``(plane_nbytes,)``)."""
+        packing; component form: a flat array of :attr:`dtype` over the (largest) plane's
+        bytes, rounded up to whole elements)."""
         if self._axes is None:
-            return (self.plane_nbytes,)
+            return (-(-self.plane_nbytes // self.itemsize),)
         return self._axes.shape
 
     @property

@@ -44,7 +44,9 @@ _OTHER = {
 }
 _NO_MLA = {"flash_attn", "flashinfer.NHD", "flashinfer.HND", "tpu.combined", "tpu.hidden"}
 
-PRESETS = tuple(_VLLM) + tuple(_OTHER) + COMPONENT_PRESETS
+#: the presets of the axis form (every 1.x preset)
+AXIS_PRESETS = tuple(_VLLM) + tuple(_OTHER)
+PRESETS = AXIS_PRESETS + COMPONENT_PRESETS
 
 
 def preset_names(spec: KVSpec) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from .dtypes import DTYPES, numpy_dtype
 from .errors import KVABIError
 from .layout import Layout
 from .metadata import CommonAttentionMetadata
-from .presets import PRESETS
+from .presets import preset_names
 from .reference_attention import Pieces, attend, step_work
 from .spec import KINDS, KVSpec
 from .step_checks import (AttentionOptions, check_kv, check_layer, check_query, check_sinks,
@@ -105,9 +105,10 @@ class ReferenceBackend(Backend):
                             notes="numpy float64 oracle; any head dim, block size, layout")
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
-        """Every preset layout that can hold ``spec`` (MLA: those without a KV axis)."""
+        """Every preset layout that can hold ``spec`` (MLA: those without a KV axis; the
+        quantized presets are not this spec's)."""
         out = []
-        for name in PRESETS:
+        for name in preset_names(spec):
             try:  # a preset may still refuse the spec (packing, page alignment, Dv != D)
                 Layout.preset(name, spec, num_blocks=1)
             except KVABIError:
