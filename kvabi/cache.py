@@ -101,8 +101,9 @@ class KVCache(tuple):
             # buffers, torch's does not (execute on torch planes ran 0.72x numpy's without)
             host = (device if device is not None else torch.empty(0).device).type == "cpu"
             planes = []
-            for size in layout.plane_sizes:
-                nbytes = -(-size // layout.itemsize) * layout.itemsize if axis else size
+            sizes = [layout.plane_nbytes] * layout.num_planes if axis else layout.plane_sizes
+            for size in sizes:
+                nbytes = -(-size // layout.itemsize) * layout.itemsize
                 try:  # a device that is not there, or too little memory on it
                     buf = (torch.from_numpy(np.full(nbytes, fill, np.uint8)) if host else
                            torch.full((nbytes,), fill, dtype=torch.uint8, device=device))
@@ -111,8 +112,9 @@ class KVCache(tuple):
                     raise KVABIError(f"device: cannot allocate {layout.num_planes} planes of "
                                      f"{nbytes} bytes on {device or 'the default device'}: "
                                      f"{why:.200}") from None
-                planes.append(buf.view(torch_dtype(layout.dtype)).as_strided(
-                    layout.plane_shape, layout.plane_strides) if axis else buf)
+                typed = buf.view(torch_dtype(layout.dtype))
+                planes.append(typed.as_strided(layout.plane_shape, layout.plane_strides)
+                              if axis else typed)
                 check_torch(planes[-1], len(planes) - 1)
             return cls(layout, tuple(planes), _checked=True)
         import jax.numpy as jnp

@@ -21,7 +21,7 @@ import attrs
 import numpy as np
 
 from .coerce import as_int, int_array
-from .component import KV_NAMES, Component
+from .component import KV_NAMES, NAMES, Component
 from .dtypes import unit_bytes
 from .errors import KVABIError
 from .frozen import FrozenDict
@@ -137,7 +137,8 @@ def _components(self) -> tuple:
     for a in ("B", "N", "H"):
         if a not in self.sizes:
             raise KVABIError(f"sizes.{a}: must be a positive int (missing)")
-    return self._given
+    # one order (the vocabulary's) whatever order they came in: equal layouts compare equal
+    return tuple(sorted(self._given, key=lambda c: NAMES.index(c.name)))
 
 
 def _checked(self) -> Checked:
@@ -231,8 +232,9 @@ class Layout:
         """Logical size of ``axis`` (1 when the layout lacks it); in the component form
         ``D`` is the key's (latent's) element count and ``KV`` 2 where there are values."""
         if self.order is None:
-            if axis == "D":
-                return self._data()[0].count
+            if axis == "D":  # MLA: the latent and its rope part make one head
+                rope = self._chk.by_name.get("rope")
+                return self._data()[0].count + (rope.count if rope is not None else 0)
             if axis == "KV":
                 return 2 if self.has_kv else 1
         return self.sizes.get(axis, 1)
@@ -336,9 +338,10 @@ class Layout:
     @property
     def plane_shape(self) -> tuple[int, ...]:
         """Shape of each plane tensor as the backend sees it (axis form: extents, folds,
-        packing; component form: the plane's bytes, ``(plane_nbytes,)``)."""
+        packing; component form: a flat array of :attr:`dtype` over the (largest) plane's
+        bytes, rounded up to whole elements)."""
         if self._axes is None:
-            return (self.plane_nbytes,)
+            return (-(-self.plane_nbytes // self.itemsize),)
         return self._axes.shape
 
     @property
@@ -425,6 +428,23 @@ class Layout:
                              f"[0, {hi})")
         names = KV_NAMES if self.has_kv else ("latent",)
         comps = [self.component(n) for n in names]
+        rope = self._chk.by_name.get("rope")
+        if rope is not None:  # MLA head dims: the latent's, then the rope part's
+            lat = comps[0]
+            d = int_array(dim, "dim", ndim=None)
+            hi = lat.count + rope.count
+            if d.size and (d.min() < 0 or d.max() >= hi):
+                raise KVABIError(f"dim: {int(d[(d < 0) | (d >= hi)].ravel()[0])} out of "
+                                 f"range [0, {hi})")
+            in_rope = d >= lat.count
+            p0, o0 = self._offset(lat, layer, block, token, head, np.where(in_rope, 0, d),
+                                  "dim")
+            p1, o1 = self._offset(rope, layer, block, token, head,
+                                  np.where(in_rope, d - lat.count, 0), "dim")
+            if np.ndim(o0) == 0 and np.ndim(o1) == 0:
+                return (p1, o1) if bool(in_rope) else (p0, o0)
+            return (np.where(in_rope, p1, p0).astype(np.int64),
+                    np.where(in_rope, o1, o0).astype(np.int64))
         if k.ndim == 0 or not self.has_kv:
             c = comps[int(k.ravel()[0]) if k.size else 0]
             return self._offset(c, layer, block, token, head, dim, "dim")

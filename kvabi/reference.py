@@ -24,18 +24,20 @@ from .dtypes import DTYPES, numpy_dtype
 from .errors import KVABIError
 from .layout import Layout
 from .metadata import CommonAttentionMetadata
-from .presets import PRESETS
-from .quant import ROUNDINGS, check_scales, quantize_per_tensor, quantize_per_token_head
+from .presets import preset_names
+from .presets_components import QUANTIZED
+from .quant import (ROUNDINGS, check_quant_layout, check_scales, quantize_per_tensor,
+                    quantize_per_token_head)
 from .reference_attention import Pieces, attend, step_work
 from .spec import KINDS, KVSpec
 from .step_checks import (AttentionOptions, check_kv, check_layer, check_query, check_sinks,
                           check_step)
 
 #: the quantization granularities the oracle computes (semantics section 11): per_token_head
-#: over any layout with scale components
+#: over any layout with scale components (its presets: vllm.*_per_token_head, flashinfer.*)
 QUANT = ("none", "per_tensor", "per_token_head")
-#: those it claims to the kit: per_token_head once a preset holds its scales
-CLAIMED = ("none", "per_tensor")
+#: those it claims to the kit
+CLAIMED = QUANT
 
 
 @attrs.frozen(eq=False)
@@ -113,14 +115,18 @@ class ReferenceBackend(Backend):
                             quant=CLAIMED, roundings=ROUNDINGS)
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
-        """Every preset layout that can hold ``spec`` (MLA: those without a KV axis)."""
+        """Every preset layout that can hold ``spec`` (MLA: those without a KV axis; a
+        quantized preset where its dtype and scales are the spec's)."""
+        names = preset_names(spec) + (QUANTIZED if spec.quant == "per_token_head" else ())
         out = []
-        for name in PRESETS:
+        for name in names:
             try:  # a preset may still refuse the spec (packing, page alignment, Dv != D)
-                Layout.preset(name, spec, num_blocks=1)
+                lay = Layout.preset(name, spec, num_blocks=1)
+                check_quant_layout(spec, lay)
             except KVABIError:
                 continue
-            out.append(name)
+            if lay.dtype == spec.dtype:
+                out.append(name)
         return tuple(out)
 
     # -- plan --------------------------------------------------------------------------

@@ -24,17 +24,24 @@ def _as_strided(x: np.ndarray, shape, strides) -> np.ndarray:
 
 def allocate_numpy(layout, fill=0, *, bytewise: bool = False) -> list[np.ndarray]:
     """Planes for ``layout`` as numpy arrays: shaped :attr:`~kvabi.Layout.plane_shape`
-    (strided over a padded buffer where the layout pads) in the axis form, flat ``uint8``
-    arrays of each plane's bytes in the component form.  Every element of the buffer,
-    padding included, holds the value ``fill`` (e.g. NaN); with ``bytewise`` (always, in
-    the component form) every byte holds ``fill``, a byte value 0..255."""
-    if not layout.is_axis_form:
-        if not bytewise and not (isinstance(fill, (int, np.integer)) and
-                                 not isinstance(fill, (bool, np.bool_))):
-            raise KVABIError(f"fill: component planes are bytes; give a byte value 0..255, "
-                             f"got {fill!r:.60}")
-        fill = as_int(fill, "fill", lo=0, hi=255)
-        return [np.full(n, fill, np.uint8) for n in layout.plane_sizes]
+    (strided over a padded buffer where the layout pads) in the axis form, flat arrays of
+    the layout's dtype over each plane's bytes in the component form.  Every element of the buffer,
+    padding included, holds the value ``fill`` (e.g. NaN; in the component form components
+    of another dtype hold its bytes); with ``bytewise`` every byte holds ``fill``, a byte
+    value 0..255."""
+    if not layout.is_axis_form:  # flat planes of the layout's dtype, whole elements
+        dt, isz = numpy_dtype(layout.dtype), layout.itemsize
+        if bytewise:
+            fill = as_int(fill, "fill", lo=0, hi=255)
+            return [np.full(-(-n // isz) * isz, fill, np.uint8).view(dt)
+                    for n in layout.plane_sizes]
+        if not isinstance(fill, (int, float, np.integer, np.floating)) or \
+                isinstance(fill, (bool, np.bool_)):
+            raise KVABIError(f"fill: must be a number, got {fill!r:.60}")
+        try:  # components of another dtype (scales) hold these bytes
+            return [np.full(-(-n // isz), fill, dtype=dt) for n in layout.plane_sizes]
+        except (OverflowError, ValueError):
+            raise KVABIError(f"fill: {fill!r} is not a {layout.dtype} value") from None
     dt = numpy_dtype(layout.dtype)
     isz = layout.itemsize
     n = -(-layout.plane_nbytes // isz)
@@ -113,8 +120,7 @@ def component_view(layout, planes, name: str, layer: int):
 
         from .tensors import torch_dtype
 
-        tdt = torch.uint8 if c.dtype in ("uint8", "int4", "uint4", "float4_e2m1fn") else \
-            torch_dtype(c.dtype)
+        tdt = torch_dtype(c.dtype)
         start = plane.storage_offset() * plane.element_size() + base
         if start % c.unit:
             raise KVABIError(f"cache[{p}]: component {name} starts at byte {start} of its "

@@ -14,7 +14,7 @@ import math
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from kvabi import KVABIError, KVCache, KVSpec, Layout
-from kvabi.presets import PRESETS, preset_names
+from kvabi.presets import AXIS_PRESETS, preset_names
 from kvabi.testing.profiles import current_profile
 from kvabi.views import allocate_numpy
 
@@ -45,7 +45,7 @@ def preset_docs(draw) -> dict:
         spec = KVSpec(kind="full", block_size=draw(st.sampled_from([1, 4, 16])),
                       num_kv_heads=heads, head_dim=draw(st.sampled_from([8, 64])), dtype=dtype,
                       page_align=draw(st.sampled_from([1, 1, 256])))
-    name = draw(st.sampled_from([n for n in PRESETS if n in preset_names(spec)]))
+    name = draw(st.sampled_from([n for n in AXIS_PRESETS if n in preset_names(spec)]))
     try:
         layout = Layout.preset(name, spec, draw(st.integers(1, 6)), draw(st.integers(1, 3)))
     except KVABIError:  # page_align on a preset that splits pages: not a seed

@@ -3,12 +3,13 @@ import numpy as np
 import pytest
 
 from kvabi import KVCache, KVSpec, Layout
-from kvabi.presets import PRESETS
+from kvabi.presets import AXIS_PRESETS
+from kvabi.presets_components import CPU
 
 SPEC = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", AXIS_PRESETS + tuple(CPU))
 def test_torch_kv_view_writes_the_bytes_byte_offset_names(name):
     torch = pytest.importorskip("torch")
     layout = Layout.preset(name, SPEC, 3, 2)
@@ -28,7 +29,7 @@ def test_torch_kv_view_writes_the_bytes_byte_offset_names(name):
             np.testing.assert_array_equal(nv, v.numpy())
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", AXIS_PRESETS)
 def test_jax_layer_view_matches_numpy(name):
     jnp = pytest.importorskip("jax.numpy")
     layout = Layout.preset(name, SPEC, 3, 2)

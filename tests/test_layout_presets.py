@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from kvabi import KVABIError, KVCache, KVSpec, Layout
 from kvabi.dtypes import numpy_dtype
-from kvabi.presets import PRESETS, preset_names
+from kvabi.presets import AXIS_PRESETS, PRESETS, preset_names
+from kvabi.presets_components import CPU, QUANTIZED
 from kvabi.views import allocate_numpy
 
 
@@ -55,7 +56,7 @@ def logical_grid(L, B, N, H, D):
     return [x.ravel() for x in g]
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", AXIS_PRESETS)
 @pytest.mark.parametrize("dtype,H,D", [("float32", 2, 8), ("float16", 1, 4),
                                        ("bfloat16", 3, 64), ("int8", 2, 16)])
 def test_preset_byte_exact(name, dtype, H, D):
@@ -98,7 +99,7 @@ def test_preset_byte_exact(name, dtype, H, D):
         assert len(views) == (2 if "KV" in layout.planes else 1)
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if not n.startswith("tpu.") and
+@pytest.mark.parametrize("name", [n for n in AXIS_PRESETS if not n.startswith("tpu.") and
                                   n not in ("flash_attn", "flashinfer.NHD", "flashinfer.HND")])
 def test_mla_presets_have_one_latent_plane(name):
     spec = KVSpec(kind="mla", block_size=4, num_kv_heads=1, head_dim=12, head_dim_v=8,
@@ -139,7 +140,7 @@ def test_page_align_pads_each_page():
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(PRESETS), L=st.integers(1, 3), B=st.integers(1, 6),
+@given(name=st.sampled_from(AXIS_PRESETS + tuple(CPU)), L=st.integers(1, 3), B=st.integers(1, 6),
        data=st.data())
 def test_block_regions_cover_exactly_the_blocks(name, L, B, data):
     """Regions hold every byte of the chosen blocks and no byte of any other element
@@ -182,7 +183,7 @@ def test_cross_layer_blocks_need_one_region_per_block_run():
     blocks = [3, 7, 8, 9, 500]
     assert len(cross.block_regions(blocks)) == 3
     assert len(per_layer.block_regions(blocks)) == 32 * 3
-    assert preset_names(spec) == PRESETS
+    assert preset_names(spec) == tuple(n for n in PRESETS if n not in QUANTIZED)
 
 
 def test_page_align_counts_head_dim_padding():

@@ -20,7 +20,7 @@ import kvabi
 from kvabi import CommonAttentionMetadata, KVABIError, KVCache, KVSpec
 from kvabi.dtypes import DTYPES, numpy_dtype
 from kvabi.layout import Layout
-from kvabi.presets import PRESETS
+from kvabi.presets import AXIS_PRESETS, preset_names
 from kvabi.reference import ReferenceBackend, ReferencePlan, to_cache_dtype
 from kvabi.views import allocate_numpy
 
@@ -310,7 +310,7 @@ def preset_spec(name, dtype, kind, bs, h, d, dv):
     return KVSpec("full", bs, h, d, dtype=dtype)
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", AXIS_PRESETS)
 @settings(max_examples=12, **SETTINGS)
 @given(dtype=st.sampled_from(DTYPES), kind=st.sampled_from(["full", "mla"]),
        bs=st.integers(1, 5), h=st.integers(1, 3), d=st.integers(1, 6), dv=st.integers(1, 6),
@@ -427,7 +427,7 @@ def test_capabilities_and_layouts():
     assert caps.softcap and caps.sinks and caps.head_dims is None and caps.block_sizes is None
     full = KVSpec("full", 16, 8, 128)
     mla = KVSpec("mla", 16, 1, 576, head_dim_v=512)
-    assert set(BACKEND.preferred_layouts(full)) == set(PRESETS)
+    assert set(BACKEND.preferred_layouts(full)) == set(preset_names(full))
     got = BACKEND.preferred_layouts(mla)
     assert got and all(not Layout.preset(n, mla, 1).has_kv for n in got)
     for s in (full, mla, KVSpec("sliding_window", 3, 1, 5, dtype="int8", window=2)):

@@ -23,11 +23,30 @@ def plane_sizes(layout: Layout) -> np.ndarray:
     return np.full(layout.num_planes, layout.plane_nbytes, np.int64)
 
 
-def base_offsets(layout: Layout, slots: np.ndarray) -> np.ndarray:
-    """Byte offset of token ``slots`` (layer 0, kv 0, head 0, dim 0 excluded: only the block
-    and in-block token terms)."""
+def block_strides(layout: Layout, u: int):
+    """(B stride, N stride) every component of ``layout`` shares, for sub-blocks of ``u``
+    tokens (the N stride matters only where sub-blocks split blocks: else 0); None where
+    components step differently, so sub-blocks are not shifted copies of one another."""
+    sb = {c.strides["B"] for c in layout.components}
+    if len(sb) != 1:
+        return None
+    if u == layout.size("N"):
+        return sb.pop(), 0
+    sn = {c.strides.get("N") for c in layout.components}
+    if len(sn) != 1 or None in sn:
+        return None
+    return sb.pop(), sn.pop()
+
+
+def base_offsets(layout: Layout, slots: np.ndarray, u: int | None = None) -> np.ndarray:
+    """Byte offset of the sub-blocks starting at token ``slots`` (only the block and
+    in-block token terms; the layout's components share them: :func:`block_strides`)."""
     bs = layout.size("N")
-    return (slots // bs) * layout.stride("B") + (slots % bs) * layout.stride("N")
+    strides = block_strides(layout, bs if u is None else u)
+    if strides is None:
+        raise KVABIError(f"layout: the components of {layout.name or 'this layout'} step "
+                         f"differently along B or N; whole-block patterns do not apply")
+    return (slots // bs) * strides[0] + (slots % bs) * strides[1]
 
 
 def _int64(a) -> np.ndarray:

@@ -95,7 +95,7 @@ def stage_blocks(pat: BlockPattern, src: Layout, dst: Layout,
     pull = plan_from_template(src, lay, blocks, np.arange(blocks.size),
                               _template(templates, src, lay, pat.layers), pat.layers)
     local = BlockPattern(pat.u, slots, pat.dst_slots, pat.layers, template,
-                         base_offsets(lay, slots), pat.dst_base)
+                         base_offsets(lay, slots, pat.u), pat.dst_base)
     return BlockStaging(lay, pull, local)
 
 

@@ -62,3 +62,20 @@ def test_cpu_kernel_is_not_the_declared_lbhnc(dtype):
             rf"^key of layer 0, block 0, token 0, head 0, dim 1 found {(BLOCK - 1) * e} bytes "
             rf"from where vllm.LBHNC puts it \(plane 0, byte {e}\)")):
         verify_layout(declared, [kv_cache], write)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_vllm_cpu_preset_is_what_the_kernel_writes(dtype):
+    """The preset ``vllm.cpu`` (keys [D, N] then values [N, D] per block-head, stated by
+    components) is verified through the kernel's own write; ``vllm.cpu_kt`` (values
+    transposed too) is refused at the first value it checks."""
+    kv_cache, write, isa = vllm_cpu_cache(getattr(torch, dtype))
+    if isa != "vec":
+        pytest.skip(f"this machine's CPU_ATTN kernels are {isa}, whose tile order is not pinned")
+    spec = kvabi.KVSpec("full", block_size=BLOCK, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                        dtype=dtype)
+    layout = kvabi.Layout.preset("vllm.cpu", spec, BLOCKS)
+    verify_layout(layout, [kv_cache], write, samples=64, seed=1)
+    with pytest.raises(kvabi.KVABIError, match=r"^value of layer 0, block 0, token 0, head 0, "
+                                                 r"dim 1 found .* from where vllm.cpu_kt puts"):
+        verify_layout(kvabi.Layout.preset("vllm.cpu_kt", spec, BLOCKS), [kv_cache], write)
