@@ -36,8 +36,6 @@ from .step_checks import (AttentionOptions, check_kv, check_layer, check_query, 
 #: the quantization granularities the oracle computes (semantics section 11): per_token_head
 #: over any layout with scale components (its presets: vllm.*_per_token_head, flashinfer.*)
 QUANT = ("none", "per_tensor", "per_token_head")
-#: those it claims to the kit
-CLAIMED = QUANT
 
 
 @attrs.frozen(eq=False)
@@ -112,7 +110,14 @@ class ReferenceBackend(Backend):
                             softcap=True, sinks=True,
                             layouts=self.preferred_layouts(spec) if spec is not None else (),
                             notes="numpy float64 oracle; any head dim, block size, layout",
-                            quant=CLAIMED, roundings=ROUNDINGS)
+                            quant=self._claimed(spec), roundings=ROUNDINGS)
+
+    def _claimed(self, spec) -> tuple[str, ...]:
+        """Every granularity it computes; for a per_token_head spec only where a preset
+        holds it (the kit tests what it claims on the presets it prefers)."""
+        if spec is None or spec.quant != "per_token_head" or self.preferred_layouts(spec):
+            return QUANT
+        return tuple(q for q in QUANT if q != "per_token_head")
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
         """Every preset layout that can hold ``spec`` (MLA: those without a KV axis; a

@@ -297,8 +297,32 @@ class ValueScaleOfKeys(_Quantized):
                                  v_scale=k_scale, **kw)
 
 
+class NoEpsilon(ReferenceBackend):
+    """Per-token-head scales without vLLM's floor: an all-zero row gets scale 0 (and NaN
+    codes from 0 * inf)."""
+
+    name = "planted.no_epsilon"
+
+    def capabilities(self, spec=None):
+        return attrs.evolve(super().capabilities(spec), quant=("per_token_head",),
+                            dtypes=("float8_e4m3fn", "int8"))
+
+    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
+        cache = super().write_kv(cache, layout, key, value, plan, layer=layer, **scales)
+        tokens, blk, off = plan.write_rows
+        c = kvabi.as_cache(cache, layout)
+        for name, x in (("key_scale", key), ("value_scale", value)):
+            x = np.asarray(x, np.float32) if tokens is None else np.asarray(x, np.float32)[tokens]
+            zero = ~np.abs(x).max(-1).astype(bool)  # [T', H] all-zero rows
+            sv = c.component_view(name, layer)
+            sv[blk[:, None].repeat(zero.shape[1], 1)[zero], off[:, None].repeat(
+                zero.shape[1], 1)[zero], np.nonzero(zero)[1], 0] = 0.0
+        return cache
+
+
 PLANTED = [
     (RoundsNearestAlways, "write_kv", KitOptions(), "slot(s) differ"),
+    (NoEpsilon, "write_kv", KitOptions(), "_scale"),
     (NoSaturation, "write_kv", KitOptions(), "slot(s) differ"),
     (ValueScaleOfKeys, "attention", KitOptions(), "error"),
     (WrongSlot, "write_kv", KitOptions(), "slot(s) differ"),

@@ -17,7 +17,7 @@ import numpy as np
 from ..dtypes import numpy_dtype
 from ..layout import Layout
 from ..metadata import CommonAttentionMetadata
-from ..quant import quant_format, quantize_per_tensor
+from ..quant import quant_format, quantize_per_tensor, quantize_per_token_head
 from ..spec import KVSpec
 
 #: standard deviation of query entries; with unit keys and scale 1/sqrt(D) the logits have
@@ -69,23 +69,31 @@ def layer_scales(spec: KVSpec, seed: int, layer: int) -> dict:
     return out
 
 
-def stored(spec: KVSpec, x, kv: int, scales: dict) -> np.ndarray:
-    """What a write stores for rows ``x`` of K (``kv`` 0) or V (1) in the cache dtype:
-    codes under the layer's ``scales`` (from :func:`layer_scales`) for a ``per_tensor``
-    spec, else the values converted (exact for the kit's values).  Non-finite entries
-    (the poison of rows no query sees) become the cache dtype's NaN or infinity as such:
-    no write stores them, the kit plants them in the cache itself."""
+def stored(spec: KVSpec, x, kv: int, scales: dict):
+    """What a write stores for rows ``x`` [..., D] of K (``kv`` 0) or V (1): ``(codes,
+    row scales)`` in the cache dtype and float32.  ``per_tensor``: codes under the layer's
+    ``scales`` (from :func:`layer_scales`), no row scales; ``per_token_head``: codes and
+    one scale per row; otherwise the values converted (exact for the kit's values), no row
+    scales.  Non-finite entries (the poison of rows no query sees) become the cache dtype's
+    NaN or infinity as such and their row's scale NaN: no write stores them, the kit plants
+    them in the cache itself."""
     dt = numpy_dtype(spec.dtype)
-    if spec.quant != "per_tensor":
-        return np.asarray(x).astype(dt)
     x = np.asarray(x)
+    if not spec.is_quantized:
+        return x.astype(dt), None
     bad = ~np.isfinite(x)
-    s = scales["k_scale" if kv == 0 else "v_scale"]
-    codes = quantize_per_tensor(np.where(bad, 0, x), s, spec.dtype, spec.rounding)
+    clean = np.where(bad, 0, x)
+    if spec.quant == "per_tensor":
+        s = scales["k_scale" if kv == 0 else "v_scale"]
+        codes, rows = quantize_per_tensor(clean, s, spec.dtype, spec.rounding), None
+    else:
+        codes, rows = quantize_per_token_head(clean, spec.dtype, spec.rounding)
     if bad.any():
         with np.errstate(invalid="ignore"):
             codes[bad] = x[bad].astype(dt)
-    return codes
+        if rows is not None:
+            rows[bad.any(axis=-1)] = np.nan
+    return codes, rows
 
 
 def exact_values(rng: np.random.Generator, shape, cache_dtype: str) -> np.ndarray:

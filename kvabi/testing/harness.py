@@ -158,13 +158,30 @@ def fill_pool(layout: Layout, planes, pool_k, pool_v, spec, scales=None) -> None
     ([L, slots, H, D] arrays); ``scales(layer)``: a layer's static scales as call keywords
     (a quantized cache holds the pool's codes under them, ``specs/semantics.md`` 11)."""
     cache = _handle(layout, planes)
-    shape = (layout.num_blocks, spec.block_size) + pool_k.shape[2:]
     for layer in range(layout.num_layers):
         sc = {} if scales is None else scales(layer)
-        cache.kv_view(layer, 0)[...] = stored(spec, pool_k[layer], 0, sc).reshape(shape)
-        if pool_v is not None:
-            vshape = shape[:-1] + (pool_v.shape[-1],)
-            cache.kv_view(layer, 1)[...] = stored(spec, pool_v[layer], 1, sc).reshape(vshape)
+        for kv, pool in enumerate((pool_k, pool_v)):
+            if pool is not None:
+                put_rows(cache, spec, layer, kv, slice(None), pool[layer], sc)
+
+
+def put_rows(cache, spec, layer: int, kv: int, slots, rows, scales: dict) -> None:
+    """Store ``rows`` [S, H, D] of K (``kv`` 0) or V at ``slots`` (an index array, or all
+    slots) of ``layer`` of a KVCache as a write would (:func:`~kvabi.testing.cases.stored`:
+    codes, and a per_token_head cache's row scales in its scale component)."""
+    codes, row_scales = stored(spec, rows, kv, scales)
+    view = cache.kv_view(layer, kv)
+    bs = spec.block_size
+    if isinstance(slots, slice):
+        view[...] = codes.reshape(view.shape[:3] + codes.shape[-1:])
+    else:
+        view[slots // bs, slots % bs] = codes
+    if row_scales is not None:
+        sview = cache.component_view(("key_scale", "value_scale")[kv], layer)
+        if isinstance(slots, slice):
+            sview[...] = row_scales.reshape(sview.shape)
+        else:
+            sview[slots // bs, slots % bs, :, 0] = row_scales
 
 
 def fill_meta(layout: Layout, block_size: int) -> CommonAttentionMetadata:
@@ -255,7 +272,7 @@ def _token_bits(x, dt, u, width, spec=None, kv=0, scales=None):
     from ..reference import to_cache_dtype
 
     a = np.asarray(x)[..., :width]
-    a = stored(spec, a, kv, scales) if spec is not None and spec.quant == "per_tensor" \
+    a = stored(spec, a, kv, scales)[0] if spec is not None and spec.is_quantized \
         else to_cache_dtype(a, dt)
     return np.ascontiguousarray(a).view(u).reshape(len(a), -1)
 
@@ -348,6 +365,15 @@ def cache_difference(layout: Layout, spec, got, want, step: StepData | None = No
                 for s in slots[:16 - min(16, len(facts))]:
                     facts.append(_attribute(layout, spec, got, want, layer, kv, int(s),
                                             step, dt, u))
+        for name in (n for n in layout.component_names if n.endswith("_scale")):
+            a = np.ascontiguousarray(cg.component_view(name, layer)).view(np.uint8)
+            b = np.ascontiguousarray(cw.component_view(name, layer)).view(np.uint8)
+            slots = np.nonzero((a != b).reshape(a.shape[0] * a.shape[1], -1).any(axis=1))[0]
+            if len(slots):
+                parts.append(f"layer {layer} {name}: {len(slots)} slot(s) differ, first "
+                             f"{[int(s) for s in slots[:6]]}")
+                if not facts:
+                    facts.append({"layer": layer, "component": name, "slot": int(slots[0])})
     if not parts:
         text = (f"bytes outside the logical elements (padding) differ in planes "
                 f"{bad_planes}")
@@ -355,8 +381,8 @@ def cache_difference(layout: Layout, spec, got, want, step: StepData | None = No
     text = "; ".join(parts)
     # A token's data in a wrong slot says the most: those first.
     facts = sorted(facts, key=lambda f: "holds_token" not in f)[:3]
-    if facts:
-        text += ". " + "; ".join(_describe(f) for f in facts)
+    if facts and "component" not in facts[0]:
+        text += ". " + "; ".join(_describe(f) for f in facts if "component" not in f)
     return text, dict(facts[0]) if facts else {}
 
 
@@ -520,5 +546,6 @@ def step_inputs(case: AttentionCase, rows=None):
 
 __all__ = ["SENTINEL", "Runner", "StepData", "as_cache_dtype", "backend_cache",
            "cache_difference", "copy_planes", "expect_same_cache", "fill_meta", "fill_pool",
+           "put_rows",
            "from_backend", "full_planes", "hand_cache", "input_dtype", "is_abi_11",
            "oracle_cache", "raw_items", "step_inputs", "to_backend", "to_planes"]

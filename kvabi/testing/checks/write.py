@@ -6,8 +6,7 @@ from hypothesis import strategies as st
 
 from ...cache import KVCache
 from ...transforms import kv_update_slices
-from ..cases import stored
-from ..harness import Runner, StepData, copy_planes, expect_same_cache, step_inputs
+from ..harness import Runner, StepData, copy_planes, expect_same_cache, put_rows, step_inputs
 from ..measure import ConformanceFailure
 from .base import KitOptions, WithExtra, attention_cases
 
@@ -55,10 +54,9 @@ def apply_update_slices(layout, spec, planes, slices, num_slices, key, value, la
     dst = start[owner] + within
     tok = src[owner] + within
     handle = KVCache.wrap(layout, planes)
-    handle.kv_view(layer, 0)[dst // bs, dst % bs] = stored(spec, key[tok], 0, scales or {})
-    if value is not None:
-        handle.kv_view(layer, 1)[dst // bs, dst % bs] = stored(spec, value[tok], 1,
-                                                               scales or {})
+    for kv, x in enumerate((key, value)):
+        if x is not None:
+            put_rows(handle, spec, layer, kv, dst, x[tok], scales or {})
 
 
 def check_kv_update_slices(backend, reference, params, options: KitOptions = KitOptions()
