@@ -3,20 +3,22 @@
 - ``plan`` (once per step and KV group): ``cpu_attn_get_scheduler_metadata`` (the kernels'
   work split over threads), plus the step's block entries in kernel order and the slots to
   write, all vectorized over requests and tokens.
-- ``write_kv``: the step's K/V scattered to their slots of the kvabi layout (a strided
-  torch write; any layout ``Layout`` describes).
+- ``write_kv``: in ``vllm.cpu`` (vLLM's own cache) the kernels' own write
+  ``cpu_attn_reshape_and_cache``; elsewhere the step's K/V scattered to their slots of the
+  kvabi layout (a strided torch write; any layout ``Layout`` describes).
 - ``attention``: ``cpu_attention_with_kv_cache`` (causal, sliding window: the kernels take
   W, the keys a query sees, its own included, kvabi's convention; soft cap; per-head sinks
   as ``s_aux`` float32; scale; GQA). The kernels' keys are ``[D, N]`` tiles per block and
   head, their values ``[N, D]`` (see :mod:`kvabi_vllm.cpu_layout`). In the preferred
-  layout ``vllm.cpu_kt`` the keys are read in place and the values of the step's blocks
-  copied token-major into a scratch; in any other layout the step's blocks are copied
-  whole. Value rows no query sees are zeroed in the copy (the kernels would turn NaN there
-  into NaN output).
+  layout ``vllm.cpu`` (vLLM's own cache) both are read in place: no copy per step. In
+  ``vllm.cpu_kt`` the keys are read in place and the values of the step's blocks copied
+  token-major into a scratch; in any other layout the step's blocks are copied whole.
+  Value rows no query sees are zeroed in the copy: the kernels multiply every value row of
+  a block by its probability, and 0 * NaN is NaN.  In place, those rows are checked
+  instead (a gather of a few rows per request): where one is not finite the step takes the
+  copy.
 
-The kernels' own write (``cpu_attn_reshape_and_cache``) is not used for the kvabi cache: its
-tile order (keys transposed, values not) is not expressible as one kvabi ``Layout``. The
-kernels return no log-sum-exp: with ``return_lse=True`` it is computed in torch (float64)
+The kernels return no log-sum-exp: with ``return_lse=True`` it is computed in torch (float64)
 from the same keys (a second pass; engines decoding through vLLM never ask for it).
 
 fp8 caches (``float8_e4m3fn``, ``float8_e5m2``) are ``per_tensor`` quantized with the
@@ -40,8 +42,9 @@ import kvabi
 from kvabi.tensors import to_torch
 
 from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, key_tiles,
-                         keys_in_kernel_order, to_kernel_blocks, value_scratch,
-                         value_scratch_numel, values_to_kernel_order)
+                         keys_in_kernel_order, to_kernel_blocks, value_rows, value_scratch,
+                         value_scratch_numel, values_in_kernel_order,
+                         values_to_kernel_order)
 
 KINDS = ("full", "sliding_window")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -49,8 +52,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 FP8 = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
 #: fp8 needs the ``vec`` ISA: head dims and block sizes multiples of this
 FP8_MULTIPLE = 32
-#: keys read in place first; vLLM's own name for the cache it allocates next (copied)
-PREFERRED = ("vllm.cpu_kt", "vllm.LBHNC")
+#: vLLM's own cache first (read in place), keys in place, vLLM's LBHNC name (copied)
+PREFERRED = ("vllm.cpu", "vllm.cpu_kt", "vllm.LBHNC")
 
 
 def _ops():
@@ -74,7 +77,10 @@ class CpuVllmPlan:
     scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is.
     ``write_*``: the tokens written (slot != -1) and their block and offset. ``sched``:
     scheduler metadata per number of query heads (filled in ``plan`` when it is given,
-    else on first use).
+    else on first use).  ``inplace``: the values are in kernel order too (``vllm.cpu``):
+    the kernels read the cache itself and ``hidden`` indexes its value rows
+    (:func:`~kvabi_vllm.cpu_layout.value_rows`); ``write_slots``: the written tokens' slots
+    (int64) for the kernels' own write.
     """
 
     meta: kvabi.CommonAttentionMetadata
@@ -91,6 +97,8 @@ class CpuVllmPlan:
     write_tokens: torch.Tensor
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
+    write_slots: torch.Tensor
+    inplace: bool
     scale: float
     softcap: float | None
     sinks: np.ndarray | None
@@ -219,9 +227,9 @@ class CpuVllmBackend(kvabi.Backend):
             meta, spec, layout, choose_isa(spec.head_dim, bs), native, int(qsl[-1]),
             t(meta.query_start_loc.astype(np.int32)), t(meta.seq_lens.astype(np.int32)),
             t(entries), t(table), t(rows) if len(rows) else None,
-            t(written),
-            t(slots[written] // bs), t(slots[written] % bs), opts.scale, opts.softcap,
-            opts.sinks, num_q_heads)
+            t(written), t(slots[written] // bs), t(slots[written] % bs),
+            t(slots[written].astype(np.int64)), native and values_in_kernel_order(layout),
+            opts.scale, opts.softcap, opts.sinks, num_q_heads)
         if num_q_heads is not None and not spec.is_quantized:  # fp8: the query's dtype
             self._schedule(plan, num_q_heads, kvabi.tensors.torch_dtype(spec.dtype))
         return plan
@@ -259,6 +267,15 @@ class CpuVllmBackend(kvabi.Backend):
         kvabi.check_kv(key, value, plan.meta, spec)
         tok, blk, off = plan.write_tokens, plan.write_blocks, plan.write_offsets
         kview, vview = _views(cache, layer, spec)
+        if plan.inplace:  # vLLM's own cache: the kernels' own write (fp8: its rounding)
+            if len(tok):
+                dt = query_dtype(key)
+                _ops().cpu_attn_reshape_and_cache(
+                    key[tok].to(dt), value[tok].to(dt), key_tiles(torch, kview),
+                    key_tiles(torch, vview), plan.write_slots, plan.isa,
+                    k_scale=(scales or (1.0, 1.0))[0], v_scale=(scales or (1.0, 1.0))[1],
+                    kv_cache_dtype=FP8.get(spec.dtype, "auto"))
+            return cache
         if scales is None:
             kview[blk, off] = key[tok].to(kview.dtype)  # index_put_ writes through the view
             vview[blk, off] = value[tok].to(vview.dtype)
@@ -298,7 +315,10 @@ class CpuVllmBackend(kvabi.Backend):
             raise kvabi.KVABIError(f"query: dtype {query.dtype} (fp8 caches are read by "
                                    f"kernels computing in float32, float16 or bfloat16)")
         e = len(plan.entries)
-        if plan.native:
+        if plan.inplace and not (e and plan.hidden is not None and
+                                 _any_nonfinite(vview, plan.hidden, spec)):
+            kc, vc = key_tiles(torch, kview), key_tiles(torch, vview)
+        elif plan.native:
             kc = key_tiles(torch, kview)
             vc, rows = value_scratch(torch, kc, cdt,
                                      self._buffer(value_scratch_numel(kc), cdt))
@@ -338,6 +358,24 @@ class CpuVllmBackend(kvabi.Backend):
         else:  # [E, N, H, D] over the copied entries
             keys = kc.view(e, spec.num_kv_heads, d, spec.block_size).permute(0, 3, 1, 2)
         return result, _lse(plan, query, keys, hq, sink, scales[0])
+
+
+def query_dtype(x):
+    """The dtype the kernels' write takes for K/V ``x``: its own (float32, float16,
+    bfloat16), else float32."""
+    return x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else \
+        torch.float32
+
+
+def _any_nonfinite(vview, hidden, spec) -> bool:
+    """Whether a value row no query sees (``hidden``, rows of the cache's value tiles)
+    holds a NaN or infinity (fp8 codes: by their bits)."""
+    rows = value_rows(torch, key_tiles(torch, vview)).index_select(0, hidden)
+    if spec.dtype == "float8_e4m3fn":  # NaN: all exponent and mantissa bits set
+        return bool(((rows & 0x7F) == 0x7F).any())
+    if spec.dtype == "float8_e5m2":  # inf and NaN: all exponent bits set
+        return bool(((rows & 0x7C) == 0x7C).any())
+    return not bool(torch.isfinite(rows).all())
 
 
 def _views(cache, layer, spec):
