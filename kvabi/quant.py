@@ -14,9 +14,10 @@ input is rounded to float32; per (token, head) ``s = max(fl32(absmax / QMAX), 1e
 (the static scale is rounded to float32 instead); ``r = fl32(1 / s)``; ``y = fl32(x * r)``;
 ``y`` is saturated to the format's range and rounded to a code by the spec's rounding:
 ``nearest_even`` (IEEE), ``nearest_away`` (int8: half away from zero, as
-``trunc(fl32(y + copysign(0.5, y)))``) or ``toward_zero`` (float8: magnitudes truncated; for
-e4m3fn a result below the smallest normal is first rounded to float32's grid of the
-smallest normal's binade, as the float32 addition of the smallest normal does).  The last
+``trunc(fl32(y + copysign(0.5, y)))``) or ``toward_zero`` (float8: magnitudes truncated, the
+sign that of ``y < 0``; for e4m3fn a result below the smallest normal is first rounded to
+float32's grid of the smallest normal's binade, as the float32 addition of the smallest
+normal does).  The last
 two are the rounding of vLLM's int8 per-token-head writer and of vLLM's CPU fp8 writer; a
 spec states which one its cache was written with, so that a write is checked byte for byte.
 """
@@ -184,7 +185,9 @@ def round_codes(y: np.ndarray, dtype: str, rounding: str) -> np.ndarray:
                 g = (g + m) - m  # float32: rounds to the grid of [m, 2m); then exact
             step = np.float32(fmt.min_normal * 2.0 ** -fmt.mantissa_bits)
             t[sub] = np.floor(g / step) * step
-        a = t
+        # the sign of y < 0: a negative zero input gives +0, a negative value
+        # truncated to zero -0 (vLLM's CPU conversion)
+        return np.where(y < 0, -t, t).astype(numpy_dtype(dtype))
     return np.copysign(a, y).astype(numpy_dtype(dtype))
 
 

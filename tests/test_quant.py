@@ -49,7 +49,7 @@ def direct_toward_zero(y, dtype):
         sub = a < fmt.min_normal
         a = np.where(sub, np.round(a / grid) * grid, a)  # np.round: half to even
     idx = np.searchsorted(codes, a, side="right") - 1
-    return np.copysign(codes[idx], y)
+    return np.where(y < 0, -codes[idx], codes[idx])  # -0.0 in: +0 out
 
 
 def samples(dtype, rng):
@@ -83,6 +83,14 @@ def test_float8_toward_zero_matches_direct_formula(dtype):
     np.testing.assert_array_equal(got, direct_toward_zero(y.astype(np.float64), dtype))
     # never away from zero by more than the pre-rounding, never past the saturation bound
     assert (np.abs(got) <= FORMATS[dtype].qmax).all()
+
+
+def test_toward_zero_signs_of_zero():
+    """A negative zero input gives +0, a negative value truncated to zero gives -0."""
+    y = np.array([-0.0, 0.0, -1e-30, 1e-30], np.float32)
+    for dtype in F8:
+        bits = round_codes(y, dtype, "toward_zero").view(np.uint8).tolist()
+        assert bits == [0, 0, 0x80, 0], dtype
 
 
 def test_e4m3_toward_zero_subnormal_prerounding_is_stated_exactly():

@@ -105,18 +105,26 @@ def is_reference(backend) -> bool:
 
 
 # -- numpy planes -------------------------------------------------------------------------
+def plane_shape(layout: Layout, i: int) -> tuple[int, ...]:
+    """The shape of plane ``i``: ``layout.plane_shape``, or for a component layout a flat
+    array over that plane's own bytes (component planes may differ in size)."""
+    if layout.is_axis_form:
+        return layout.plane_shape
+    return (-(-layout.plane_size(i) // layout.itemsize),)
+
+
 def full_planes(layout: Layout, fill_byte: int = 0) -> list[np.ndarray]:
-    """numpy planes shaped ``layout.plane_shape`` over buffers of ``plane_nbytes`` (padding
+    """numpy planes shaped :func:`plane_shape` over buffers of the plane's bytes (padding
     included) whose every byte is ``fill_byte``."""
     dt = numpy_dtype(layout.dtype)
     isz = layout.itemsize
-    n = -(-layout.plane_nbytes // isz)
     strides = [s * isz for s in layout.plane_strides]
     out = []
-    for _ in range(layout.num_planes):
+    for i in range(layout.num_planes):
+        n = -(-layout.plane_nbytes // isz) if layout.is_axis_form else plane_shape(layout, i)[0]
         buf = np.full(n * isz, fill_byte, np.uint8).view(UINT[isz])
         # Stride an unsigned view: numpy cannot stride some ml_dtypes arrays directly.
-        out.append(as_strided(buf, layout.plane_shape, strides).view(dt))
+        out.append(as_strided(buf, plane_shape(layout, i), strides).view(dt))
     return out
 
 
@@ -136,8 +144,11 @@ def copy_planes(layout: Layout, planes) -> list[np.ndarray]:
 
 
 def raw_items(layout: Layout, plane: np.ndarray) -> np.ndarray:
-    """The whole byte buffer under a full-buffer plane."""
+    """The whole byte buffer under a full-buffer plane (a component layout's: the flat
+    plane itself)."""
     u = plane.view(UINT[layout.itemsize])
+    if not layout.is_axis_form:
+        return u.reshape(-1)
     return as_strided(u, (-(-layout.plane_nbytes // layout.itemsize),), (layout.itemsize,))
 
 
@@ -243,9 +254,9 @@ def to_planes(backend, layout: Layout, cache) -> list[np.ndarray]:
     out = full_planes(layout, 0)
     for i, p in enumerate(cache):
         a = from_backend(backend, p)
-        if tuple(a.shape) != layout.plane_shape:
+        if tuple(a.shape) != plane_shape(layout, i):
             raise ConformanceFailure(f"cache plane {i}: shape {tuple(a.shape)}, the layout "
-                                     f"says {layout.plane_shape}")
+                                     f"says {plane_shape(layout, i)}")
         try:
             out[i][...] = as_cache_dtype(a, layout.dtype)
         except (TypeError, ValueError) as e:

@@ -59,6 +59,7 @@ def spread(rng, shape, scale, qmax):
     y = rng.standard_normal(shape) * qmax / 4
     pick = rng.random(shape)
     y = np.where(pick < 0.03, y * 10, np.where(pick < 0.1, y * 1e-4, y))
+    y = np.where(pick > 0.99, -0.0, np.where(pick > 0.98, -1e-30, y))  # signed zeros
     return y * scale
 
 
