@@ -237,7 +237,8 @@ def kvabi_backend_part(tensors, vllm_config):
         raise KVABIError(f"{backend.name}: a {backend.framework} cache cannot live in vLLM's "
                          "torch memory")
     cache = KVCache.wrap(layout, planes)
-    own = KVCache.wrap(layout, [p.numpy() for p in planes]) if fw == "numpy" else cache
+    own = KVCache.wrap(layout, [tensors_mod.to_numpy(p) for p in planes]) if fw == "numpy" \
+        else cache
     bs = spec.block_size
 
     def write(layer, slot_mapping, key, value):
