@@ -14,9 +14,8 @@
   ``vllm.cpu_kt`` the keys are read in place and the values of the step's blocks copied
   token-major into a scratch; in any other layout the step's blocks are copied whole.
   Value rows no query sees are zeroed in the copy: the kernels multiply every value row of
-  a block by its probability, and 0 * NaN is NaN.  In place, those rows are checked
-  instead (a gather of a few rows per request): where one is not finite the step takes the
-  copy.
+  a block by its probability, and 0 * NaN is NaN.  In place, the output is checked
+  instead: where it is not finite, the step runs again on the copy.
 
 The kernels return no log-sum-exp: with ``return_lse=True`` it is computed in torch (float64)
 from the same keys (a second pass; engines decoding through vLLM never ask for it).
@@ -32,6 +31,7 @@ vLLM is imported on first use (``available``/``plan``), never by ``import kvabi_
 from __future__ import annotations
 
 import dataclasses
+import math
 import platform
 import threading
 
@@ -42,7 +42,7 @@ import kvabi
 from kvabi.tensors import to_torch
 
 from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, key_tiles,
-                         keys_in_kernel_order, to_kernel_blocks, value_rows, value_scratch,
+                         keys_in_kernel_order, to_kernel_blocks, value_scratch,
                          value_scratch_numel, values_in_kernel_order,
                          values_to_kernel_order)
 
@@ -79,8 +79,8 @@ class CpuVllmPlan:
     scheduler metadata per number of query heads (filled in ``plan`` when it is given,
     else on first use).  ``inplace``: the values are in kernel order too (``vllm.cpu``):
     the kernels read the cache itself and ``hidden`` indexes its value rows
-    (:func:`~kvabi_vllm.cpu_layout.value_rows`); ``write_slots``: the written tokens' slots
-    (int64) for the kernels' own write.
+    (:func:`~kvabi_vllm.cpu_layout.value_rows`); ``slot_mapping``: the step's slots (int64,
+    -1 for padding) for the kernels' own write.
     """
 
     meta: kvabi.CommonAttentionMetadata
@@ -97,7 +97,7 @@ class CpuVllmPlan:
     write_tokens: torch.Tensor
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
-    write_slots: torch.Tensor
+    slot_mapping: torch.Tensor
     inplace: bool
     scale: float
     softcap: float | None
@@ -228,7 +228,7 @@ class CpuVllmBackend(kvabi.Backend):
             t(meta.query_start_loc.astype(np.int32)), t(meta.seq_lens.astype(np.int32)),
             t(entries), t(table), t(rows) if len(rows) else None,
             t(written), t(slots[written] // bs), t(slots[written] % bs),
-            t(slots[written].astype(np.int64)), native and values_in_kernel_order(layout),
+            t(slots.astype(np.int64)), native and values_in_kernel_order(layout),
             opts.scale, opts.softcap, opts.sinks, num_q_heads)
         if num_q_heads is not None and not spec.is_quantized:  # fp8: the query's dtype
             self._schedule(plan, num_q_heads, kvabi.tensors.torch_dtype(spec.dtype))
@@ -268,11 +268,11 @@ class CpuVllmBackend(kvabi.Backend):
         tok, blk, off = plan.write_tokens, plan.write_blocks, plan.write_offsets
         kview, vview = _views(cache, layer, spec)
         if plan.inplace:  # vLLM's own cache: the kernels' own write (fp8: its rounding)
-            if len(tok):
+            if len(tok):  # slot -1 (padding tokens) is skipped by the kernels
                 dt = query_dtype(key)
                 _ops().cpu_attn_reshape_and_cache(
-                    key[tok].to(dt), value[tok].to(dt), key_tiles(torch, kview),
-                    key_tiles(torch, vview), plan.write_slots, plan.isa,
+                    key.to(dt), value.to(dt), key_tiles(torch, kview),
+                    key_tiles(torch, vview), plan.slot_mapping, plan.isa,
                     k_scale=(scales or (1.0, 1.0))[0], v_scale=(scales or (1.0, 1.0))[1],
                     kv_cache_dtype=FP8.get(spec.dtype, "auto"))
             return cache
@@ -315,25 +315,14 @@ class CpuVllmBackend(kvabi.Backend):
             raise kvabi.KVABIError(f"query: dtype {query.dtype} (fp8 caches are read by "
                                    f"kernels computing in float32, float16 or bfloat16)")
         e = len(plan.entries)
-        if plan.inplace and not (e and plan.hidden is not None and
-                                 _any_nonfinite(vview, plan.hidden, spec)):
-            kc, vc = key_tiles(torch, kview), key_tiles(torch, vview)
-        elif plan.native:
-            kc = key_tiles(torch, kview)
-            vc, rows = value_scratch(torch, kc, cdt,
-                                     self._buffer(value_scratch_numel(kc), cdt))
-            if e:
-                values_to_kernel_order(vview, plan.entries, vc, rows, plan.hidden)
-        else:
-            h, bs = spec.num_kv_heads, spec.block_size
-            scratch, kc, vc = kernel_scratch(torch, e, h, bs, d, cdt,
-                                             self._buffer(e * h * 2 * bs * d, cdt))
-            if e:
-                to_kernel_blocks(kview, vview, plan.entries, scratch, plan.hidden)
         direct = out is not None and out.dtype == wdt and out.is_contiguous()
         result = out if direct else torch.empty((t_all, hq, d), dtype=wdt)
         result[n:].zero_()  # padding tokens: unspecified by the ABI, zero here
-        if n and e:
+
+        def run(kc, vc):
+            if not (n and e):
+                result[:n].zero_()  # no request has a key: nothing to attend
+                return
             q = query[:n].to(wdt).contiguous()
             s_aux = None if sink is None else torch.from_numpy(sink.astype(np.float32))
             _ops().cpu_attention_with_kv_cache(
@@ -345,8 +334,29 @@ class CpuVllmBackend(kvabi.Backend):
                 scheduler_metadata=self._schedule(plan, hq, wdt), s_aux=s_aux,
                 k_scale=scales[0], v_scale=scales[1],
                 kv_cache_dtype=FP8.get(spec.dtype, "auto"))
-        elif n:
-            result[:n].zero_()  # no request has a key: nothing to attend
+
+        kc = key_tiles(torch, kview)
+        if plan.inplace:
+            run(kc, key_tiles(torch, vview))
+            # A NaN or inf in a value row no query sees makes its zero probability NaN:
+            # where the output is not finite, the step runs again on a copy of the values
+            # with those rows zeroed (a NaN a query does see stays NaN there).
+            # (one sum: NaN and inf reach it; a finite overflow only costs the copy)
+            again = n and e and plan.hidden is not None and \
+                not math.isfinite(result[:n].sum().item())
+        if plan.native and (not plan.inplace or again):
+            vc, rows = value_scratch(torch, kc, cdt,
+                                     self._buffer(value_scratch_numel(kc), cdt))
+            if e:
+                values_to_kernel_order(vview, plan.entries, vc, rows, plan.hidden)
+            run(kc, vc)
+        elif not plan.native:
+            h, bs = spec.num_kv_heads, spec.block_size
+            scratch, kc, vc = kernel_scratch(torch, e, h, bs, d, cdt,
+                                             self._buffer(e * h * 2 * bs * d, cdt))
+            if e:
+                to_kernel_blocks(kview, vview, plan.entries, scratch, plan.hidden)
+            run(kc, vc)
         if not direct:
             result = result.to(query.dtype)
             if out is not None:
@@ -365,17 +375,6 @@ def query_dtype(x):
     bfloat16), else float32."""
     return x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else \
         torch.float32
-
-
-def _any_nonfinite(vview, hidden, spec) -> bool:
-    """Whether a value row no query sees (``hidden``, rows of the cache's value tiles)
-    holds a NaN or infinity (fp8 codes: by their bits)."""
-    rows = value_rows(torch, key_tiles(torch, vview)).index_select(0, hidden)
-    if spec.dtype == "float8_e4m3fn":  # NaN: all exponent and mantissa bits set
-        return bool(((rows & 0x7F) == 0x7F).any())
-    if spec.dtype == "float8_e5m2":  # inf and NaN: all exponent bits set
-        return bool(((rows & 0x7C) == 0x7C).any())
-    return not bool(torch.isfinite(rows).all())
 
 
 def _views(cache, layer, spec):

@@ -85,15 +85,6 @@ def key_tiles(torch, kview):
     return kview.permute(0, 2, 1, 3)
 
 
-def value_rows(torch, value_cache):
-    """``value_cache`` (in kernel order) as rows ``[rows, D]`` over the same memory: row
-    ``(b * sB + h * sH) / D + n`` holds token n of block b, head h (strides in elements,
-    multiples of D), the rows :func:`value_scratch` also uses."""
-    b, h, n, d = value_cache.shape
-    rows = ((b - 1) * value_cache.stride(0) + (h - 1) * value_cache.stride(1)) // d + n
-    return torch.as_strided(value_cache, (rows, d), (d, 1))
-
-
 def _flat(torch, numel: int, dtype, buffer):
     """``numel`` elements: the start of ``buffer`` (1-D, ``dtype``, large enough), or new."""
     if buffer is None:
@@ -161,6 +152,5 @@ def to_kernel_blocks(kview, vview, blocks, scratch, hidden=None) -> None:
 
 
 __all__ = ["BLOCK_MULTIPLE", "HEAD_SIZES", "KERNEL_ISAS", "choose_isa", "kernel_scratch",
-           "key_tiles", "keys_in_kernel_order", "to_kernel_blocks", "value_rows",
-           "value_scratch", "value_scratch_numel", "values_in_kernel_order",
+           "key_tiles", "keys_in_kernel_order", "to_kernel_blocks", "value_scratch", "value_scratch_numel", "values_in_kernel_order",
            "values_to_kernel_order"]
