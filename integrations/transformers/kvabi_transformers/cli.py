@@ -25,9 +25,9 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
     rest = argv[1:]
     if ns.command == "demo":
-        from .demo import main as run
+        from .tools.demo import main as run
     else:
-        from .bench import main as run
+        from .tools.bench import main as run
     return run(rest)
 
 

@@ -6,6 +6,6 @@ import kvabi
 
 @kvabi.hookimpl
 def kvabi_bench_suites():
-    from .bench import main
+    from .tools.bench import main
 
     return {"transformers": main}

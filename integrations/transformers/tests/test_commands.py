@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-import kvabi_transformers.bench as bench
-import kvabi_transformers.demo as demo
+import kvabi_transformers.tools.bench as bench
+import kvabi_transformers.tools.demo as demo
 
 
 def test_bench_suite_is_registered_through_the_kvabi_hook():

@@ -3,7 +3,7 @@ bookkeeping rows, kvabi copies the blocks in its own caches (any layout, any fra
 import pytest
 import kvabi
 import kvabi_transformers
-from kvabi_transformers.compare import cb_config
+from kvabi_transformers.tools.compare import cb_config
 
 from tf_cases import model_of, prompts
 

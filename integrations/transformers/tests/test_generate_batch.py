@@ -3,7 +3,7 @@ transformers' own continuous batching (its default attention) on tiny random mod
 import pytest
 import kvabi
 import kvabi_transformers
-from kvabi_transformers.compare import cb_config, run_batch, worst_step_error
+from kvabi_transformers.tools.compare import cb_config, run_batch, worst_step_error
 
 from tf_cases import NEW_TOKENS, baseline, model_of, prompts
 

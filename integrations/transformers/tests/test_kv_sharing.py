@@ -4,7 +4,7 @@ import kvabi
 import kvabi_transformers
 from kvabi.reference import ReferenceBackend
 from kvabi_transformers.model_kv import config_dict
-from kvabi_transformers.compare import cb_config, run_batch, worst_step_error
+from kvabi_transformers.tools.compare import cb_config, run_batch, worst_step_error
 
 from tf_cases import NEW_TOKENS, baseline, model_of, prompts
 
@@ -70,7 +70,7 @@ def test_gemma4_wider_full_layers_match_generate():
     # groups of different shapes.  transformers' own continuous batching cannot size its
     # cache for this model, so the oracle is its plain `generate`, prompt by prompt.
     import torch
-    from kvabi_transformers.tiny_models import tiny_model
+    from kvabi_transformers.tools.tiny_models import tiny_model
 
     model = tiny_model("gemma4", layers=4, seed=1, global_head_dim=32)
     want = []

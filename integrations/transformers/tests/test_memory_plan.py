@@ -2,7 +2,7 @@
 import kvabi
 import kvabi_transformers
 from kvabi.plan import plan_memory
-from kvabi_transformers.compare import cb_config, run_batch
+from kvabi_transformers.tools.compare import cb_config, run_batch
 from kvabi_transformers.model_kv import config_dict
 
 from tf_cases import NEW_TOKENS, baseline, model_of, prompts

@@ -6,8 +6,8 @@ import torch
 import kvabi
 import kvabi_transformers
 from kvabi.reference import ReferenceBackend
-from kvabi_transformers.compare import cb_config, run_batch
-from kvabi_transformers.tiny_models import tiny_prompts
+from kvabi_transformers.tools.compare import cb_config, run_batch
+from kvabi_transformers.tools.tiny_models import tiny_prompts
 
 from tf_cases import model_of
 

@@ -3,8 +3,8 @@ attention call); a 1.0 backend gets one plan per layer carrying that layer's sin
 import pytest
 from kvabi.reference import ReferenceBackend
 import kvabi_transformers
-from kvabi_transformers.compare import cb_config, run_batch, worst_step_error
-from kvabi_transformers.tiny_models import tiny_model
+from kvabi_transformers.tools.compare import cb_config, run_batch, worst_step_error
+from kvabi_transformers.tools.tiny_models import tiny_model
 
 from tf_cases import NEW_TOKENS, prompts
 

@@ -7,7 +7,7 @@ import kvabi
 import kvabi_transformers
 from kvabi.reference import ReferenceBackend
 from kvabi.testing.writers import layout_writer
-from kvabi_transformers.compare import cb_config, run_batch
+from kvabi_transformers.tools.compare import cb_config, run_batch
 
 from tf_cases import model_of, prompts
 

@@ -2,7 +2,7 @@
 import pathlib
 import re
 
-from kvabi_transformers.compare import cb_config, greedy_config
+from kvabi_transformers.tools.compare import cb_config, greedy_config
 
 from tf_cases import baseline, model_of, prompts
 

@@ -3,7 +3,7 @@ import pytest
 import kvabi
 import kvabi_transformers
 from kvabi.reference import ReferenceBackend
-from kvabi_transformers.tiny_models import tiny_config, tiny_model
+from kvabi_transformers.tools.tiny_models import tiny_config, tiny_model
 
 from tf_cases import model_of
 
@@ -144,7 +144,7 @@ def test_memory_that_holds_nothing_fails_at_use():
 
 
 def test_memory_too_small_for_the_longest_request():
-    from kvabi_transformers.compare import cb_config, greedy_config
+    from kvabi_transformers.tools.compare import cb_config, greedy_config
 
     model = kvabi_transformers.use(model_of("llama"), block_size=4, memory="4KiB")
     with pytest.raises(kvabi.KVABIError, match=r"memory: 4096 bytes hold \d+ blocks of 4 "

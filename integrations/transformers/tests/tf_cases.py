@@ -1,6 +1,6 @@
 """The cases the integration tests share: tiny models, prompts, transformers' baselines."""
-from kvabi_transformers.compare import cb_config, run_batch
-from kvabi_transformers.tiny_models import tiny_model, tiny_prompts
+from kvabi_transformers.tools.compare import cb_config, run_batch
+from kvabi_transformers.tools.tiny_models import tiny_model, tiny_prompts
 
 NEW_TOKENS = 6
 #: layers per family: Gemma 4 needs owners of both kinds before its KV-shared half

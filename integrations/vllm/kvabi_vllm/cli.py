@@ -12,9 +12,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in COMMANDS:  # each subcommand parses (and documents) its own options
         if argv[0] == "demo":
-            from .demo import main as demo
+            from .tools.demo import main as demo
             return demo(argv[1:])
-        from .bench import main as bench
+        from .tools.bench import main as bench
         return bench(argv[1:])
     parser = argparse.ArgumentParser(
         prog="kvabi-vllm", description="vLLM on kvabi. Subcommands take --help.")

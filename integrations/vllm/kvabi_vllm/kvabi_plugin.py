@@ -16,7 +16,7 @@ def kvabi_backends():
 
 @kvabi.hookimpl
 def kvabi_bench_suites():
-    from .bench import main as vllm
-    from .cpu_bench import main as cpu_vllm
+    from .tools.bench import main as vllm
+    from .tools.cpu_bench import main as cpu_vllm
 
     return {"vllm": vllm, "cpu.vllm": cpu_vllm}

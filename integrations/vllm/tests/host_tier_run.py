@@ -10,8 +10,8 @@ import json
 import sys
 
 if __name__ == "__main__":
-    from kvabi_vllm.checkpoints import prompts
-    from kvabi_vllm.pd import _sampling, make_llm
+    from kvabi_vllm.tools.checkpoints import prompts
+    from kvabi_vllm.tools.pd import _sampling, make_llm
     from vllm.inputs import TokensPrompt
 
     model, bs, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]

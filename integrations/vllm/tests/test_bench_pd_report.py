@@ -1,6 +1,6 @@
 """The P/D bench report states goal and measured figures without a verdict word (a slow,
 shared machine is not a broken install), and marks differing tokens."""
-from kvabi_vllm.bench_pd import RUNS, report
+from kvabi_vllm.tools.bench_pd import RUNS, report
 
 
 def test_report_has_goal_and_measured_and_no_verdict():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvabi_vllm.checkpoints import write_checkpoint
-from kvabi_vllm.pd import ENV
+from kvabi_vllm.tools.checkpoints import write_checkpoint
+from kvabi_vllm.tools.pd import ENV
 
 HERE = Path(__file__).parent
 

@@ -8,8 +8,8 @@ garbage)."""
 import json
 from pathlib import Path
 
-from kvabi_vllm.checkpoints import prompts, write_checkpoint
-from kvabi_vllm.pd import KVABI_DECODE, run_pair
+from kvabi_vllm.tools.checkpoints import prompts, write_checkpoint
+from kvabi_vllm.tools.pd import KVABI_DECODE, run_pair
 
 HERE = Path(__file__).parent
 

@@ -8,8 +8,8 @@ own tokens are computed once per model and shared."""
 import pytest
 
 import kvabi
-from kvabi_vllm import checkpoints as ck
-from kvabi_vllm import engine as E
+from kvabi_vllm.tools import checkpoints as ck
+from kvabi_vllm.tools import engine as E
 from kvabi_vllm.attention import STATS
 
 BACKENDS = ("reference", "example.torch", "cpu.vllm")

@@ -13,7 +13,7 @@ layers, so per-layer and cross-layer region counts differ by what a real model s
 
 Transfer time per request is the time in NIXL READs on the decode side (KvabiConnector:
 post to completion, measured around its READs; NixlConnector: NIXL's own post + transfer
-telemetry).  ``python -m kvabi_vllm.bench_pd --help``.
+telemetry).  ``python -m kvabi_vllm.tools.bench_pd --help``.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def report(out: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvabi_vllm.bench_pd",
+    ap = argparse.ArgumentParser(prog="python -m kvabi_vllm.tools.bench_pd",
                                  description="P/D KV transfer per request: KvabiConnector vs "
                                              "vLLM's NixlConnector, relayout, cross-layer")
     ap.add_argument("--requests", type=int, default=6)

@@ -57,7 +57,7 @@ def _vllm_variant(spec, meta, blocks, q, k, v):
     import torch
     from vllm import _custom_ops as ops
 
-    from .cpu_layout import choose_isa, kernel_scratch
+    from ..cpu_layout import choose_isa, kernel_scratch
 
     tdt = q.dtype
     _, kc, vc = kernel_scratch(torch, blocks, KV_HEADS, BLOCK, HEAD_DIM, tdt)
@@ -104,7 +104,7 @@ def _kvabi_variant(backend, name, spec, meta, blocks, q, k, v):
 
 def measure(batch=8, context=512, dtype="float32", repeat=30, layers=8, progress=None) -> dict:
     """{variant: figures} for one setting; every repetition runs every variant."""
-    from .cpu_backend import CpuVllmBackend
+    from ..cpu_backend import CpuVllmBackend
 
     backend = CpuVllmBackend()
     ok, why = backend.available()

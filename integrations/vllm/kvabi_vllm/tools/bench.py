@@ -8,7 +8,7 @@
    caches, long prompts, one new token: the prefill with and without
    ``kv_sharing_fast_prefill`` (the KV-shared layers' metadata from
    ``kvabi.transforms.prefill_skip``), on one kvabi backend.
-3. P/D (KvabiConnector against vLLM's NixlConnector), when :mod:`kvabi_vllm.bench_pd` is
+3. P/D (KvabiConnector against vLLM's NixlConnector), when :mod:`kvabi_vllm.tools.bench_pd` is
    there.
 
 Engines run in this process, all of a section's engines open at once and taking turns
@@ -98,7 +98,7 @@ def throughput(args, root: Path, tick) -> dict:
     import kvabi
 
     from . import checkpoints as ck
-    from .attention import STATS
+    from ..attention import STATS
     from .engine import engine
 
     model = ck.write_checkpoint("llama", root / "llama", layers=args.layers,
@@ -141,7 +141,7 @@ def prefill_skip(args, root: Path, tick) -> dict:
     import kvabi
 
     from . import checkpoints as ck
-    from .attention import STATS
+    from ..attention import STATS
     from .engine import engine
 
     backend = args.prefill_backend

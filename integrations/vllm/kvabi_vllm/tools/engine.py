@@ -17,7 +17,7 @@ import time
 
 from kvabi.errors import KVABIError
 
-from .vllm_plugin import ENV_BACKEND
+from ..vllm_plugin import ENV_BACKEND
 
 ENV_LAYOUT = "KVABI_VLLM_LAYOUT"
 #: Environment every in-process engine here runs with (set unless already set).
@@ -40,7 +40,7 @@ def use_backend(backend: str | None, layout: str | None = None) -> None:
     entry, and drops vLLM's cached backend choice."""
     from vllm.v1.attention import selector
 
-    from . import vllm_plugin
+    from .. import vllm_plugin
 
     for var, val in ((ENV_BACKEND, backend), (ENV_LAYOUT, layout)):
         if val:

@@ -1,6 +1,6 @@
 """``kvabi-vllm demo``'s P/D pair: vLLM's CPU backend prefills, the kvabi backend
 example.torch decodes on another layout and block size, KvabiConnector moves the KV over
-NIXL with relayout (:func:`kvabi_vllm.pd.demo_pair`)."""
+NIXL with relayout (:func:`kvabi_vllm.tools.pd.demo_pair`)."""
 from __future__ import annotations
 
 import argparse

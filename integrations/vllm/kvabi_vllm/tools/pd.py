@@ -1,7 +1,7 @@
 """A prefill/decode pair of vLLM engines in two processes, KV moved by KvabiConnector (or
 vLLM's own NixlConnector), for the tests, ``kvabi bench vllm`` and the demo.
 
-``python -m kvabi_vllm.pd prefill|decode --help``: one engine per process.  The prefill
+``python -m kvabi_vllm.tools.pd prefill|decode --help``: one engine per process.  The prefill
 process prefills each prompt (one token), writes the requests' ``kv_transfer_params`` to a
 JSON file and keeps its engine (and its cache, which the decode side reads) alive until told
 to stop.  The decode process generates from those params, then runs the same prompts again
@@ -158,7 +158,7 @@ def decode_main(a) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvabi_vllm.pd",
+    ap = argparse.ArgumentParser(prog="python -m kvabi_vllm.tools.pd",
                                  description="one engine of a vLLM prefill/decode pair")
     sub = ap.add_subparsers(dest="role", required=True)
     for role in ("prefill", "decode"):
@@ -209,7 +209,7 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
         return a + (["--layout", side["layout"]] if side.get("layout") else [])
 
     penv = {**os.environ, **ENV, **(env or {})}
-    cmd = [sys.executable, "-m", "kvabi_vllm.pd"]
+    cmd = [sys.executable, "-m", "kvabi_vllm.tools.pd"]
     plog = open(work / "prefill.log", "w")  # a file: a pipe nobody reads would block it
     p = subprocess.Popen(cmd + ["prefill"] + args(prefill) +
                          ["--out", str(params), "--stop", str(stop)],

@@ -40,7 +40,7 @@ def run(args, progress=None) -> list[dict]:
     import kvabi
 
     from . import checkpoints as ck
-    from .attention import STATS
+    from ..attention import STATS
     from .engine import generate, setup_env
 
     setup_env(quiet=True)
