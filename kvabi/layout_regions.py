@@ -185,3 +185,29 @@ def next_element_start(placed, x: int) -> int | None:
                 idx[j] = 0
             return c.offset + sum(i * s for i, (s, _) in zip(idx, axes))
     return None
+
+
+def block_cells(layout, layer_blocks) -> list[tuple[int, int, int]]:
+    """[(plane, lo, hi)] covering each (layer, block) of ``layer_blocks``: its regions,
+    each extended over the padding that follows it (up to the next element of any
+    component, or the plane's end), merged per plane."""
+    placed = layout._chk.placed
+    spans = []
+    for layer, block in set(layer_blocks):
+        for p, off, n in block_regions(layout, [block], [layer]):
+            end = layout.plane_size(p)
+            for c in layout.components:
+                first, step, count = placed[c.name].planes
+                if (p - first) % step == 0 and 0 <= (p - first) // step < count:
+                    nxt = next_element_start(placed[c.name], off + n)
+                    if nxt is not None:
+                        end = min(end, nxt)
+            spans.append((p, off, max(end, off + n)))
+    spans.sort()
+    merged = []
+    for p, lo, hi in spans:
+        if merged and merged[-1][0] == p and lo <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], hi)
+        else:
+            merged.append([p, lo, hi])
+    return [tuple(m) for m in merged]

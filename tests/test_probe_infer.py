@@ -193,11 +193,14 @@ def test_keys_dim_major_values_token_major():
             blk = cache[layer, b].reshape(2, 2, 32)  # [H, KV, 32]
             blk[:, 0].reshape(2, 8, 4)[:, :, n] = key[i]
             blk[:, 1].reshape(2, 4, 8)[:, n, :] = value[i]
-    with pytest.raises(KVABIError, match=r"keys and values are placed with different strides "
-                       r"\(bytes per index step\): keys \{'L': \d+, 'B': 512, 'N': 4, "
-                       r"'H': 256, 'D': 16\}, values \{'L': \d+, 'B': 512, 'N': 32, "
-                       r"'H': 256, 'D': 4\}"):
-        infer_layout(SPEC, [cache], write, num_blocks=B, num_layers=L)
+    got = infer_layout(SPEC, [cache], write, num_blocks=B, num_layers=L)
+    # two components, each with its own strides: found, and named as the preset
+    key, value = got.component("key"), got.component("value")
+    assert (key.offset, dict(key.strides)) == (0, {"L": B * 512, "B": 512, "N": 4, "H": 256,
+                                                   "E": 16})
+    assert (value.offset, dict(value.strides)) == (128, {"L": B * 512, "B": 512, "N": 32,
+                                                         "H": 256, "E": 4})
+    assert got.name == "vllm.cpu" and got == Layout.preset("vllm.cpu", SPEC, B, L)
 
 
 def _view_writer(layout, planes):

@@ -45,30 +45,10 @@ def sample_rows(geo: Geometry, samples: int, seed: int, avoid=()) -> Marked:
 
 def _cells(layout: Layout, rows: Marked):
     """[(plane, lo, hi)] covering each sampled (layer, block) cell with the padding that
-    follows it (up to the next element of any component, or the plane's end), merged per
-    plane."""
-    from ..layout_regions import next_element_start
+    follows it, merged per plane."""
+    from ..layout_regions import block_cells
 
-    placed = layout._chk.placed
-    spans = []
-    for layer, block in set(zip(rows.layer.tolist(), rows.block.tolist())):
-        for p, off, n in layout.block_regions([block], layers=[layer]):
-            end = layout.plane_size(p)
-            for c in layout.components:
-                first, step, count = placed[c.name].planes
-                if (p - first) % step == 0 and 0 <= (p - first) // step < count:
-                    nxt = next_element_start(placed[c.name], off + n)
-                    if nxt is not None:
-                        end = min(end, nxt)
-            spans.append((p, off, max(end, off + n)))
-    spans.sort()
-    merged = []
-    for p, lo, hi in spans:
-        if merged and merged[-1][0] == p and lo <= merged[-1][2]:
-            merged[-1][2] = max(merged[-1][2], hi)
-        else:
-            merged.append([p, lo, hi])
-    return [tuple(m) for m in merged]
+    return block_cells(layout, zip(rows.layer.tolist(), rows.block.tolist()))
 
 
 def _where(plane: int, off: int) -> str:
