@@ -92,8 +92,7 @@ def hostile_variants(backend, case) -> list[str]:
     if _on_host(backend) and (fw == "numpy" or lay.plane_nbytes > _extent(
             lay.plane_shape, lay.plane_strides, lay.itemsize)):
         out.append("short_memory")
-    if lay.is_axis_form:  # a component layout's planes are bytes, of any dtype
-        out.append("other_dtype")
+    out.append("other_dtype")
     if lay.name and _fewer_blocks(case) >= 1:
         out += ["fewer_blocks_layout", "fewer_blocks_plan"]
     return out
