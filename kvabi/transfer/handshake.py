@@ -25,6 +25,7 @@ from ..errors import KVABIError
 from ..frozen import frozen_array
 from ..layout import Layout
 from ..safe_json import loads
+from .kv_scales import parse_kv_scales, scales_to_json
 
 MESSAGE = "kvabi.transfer.handshake"
 MEMORY_TYPES = ("DRAM", "VRAM")
@@ -40,7 +41,7 @@ FIRST_MINOR = 1
 _NAME = re.compile(r"[A-Za-z0-9_.:@\-]{1,128}")
 _HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")
 _FIELDS = {"kvabi_abi", "message", "agent", "memory", "layout", "planes"}
-_OPTIONAL = {"metadata"}
+_OPTIONAL = {"metadata", "kv_scales"}
 _AGENT_FIELDS = ("host", "name", "port")
 _PLANE_FIELDS = ("address", "device", "nbytes")
 
@@ -57,6 +58,8 @@ class Handshake:
     layout: Layout
     planes: np.ndarray
     metadata: bytes | None = None
+    #: per layer (k_scale, v_scale) of a per-tensor quantized cache, or None (unscaled)
+    kv_scales: tuple | None = None
 
     @property
     def plane_nbytes(self) -> np.ndarray:
@@ -64,8 +67,10 @@ class Handshake:
 
 
 def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout: Layout,
-                   planes, metadata: bytes | None = None) -> str:
-    """The JSON message for planes ``[(address, nbytes, device), ...]`` of ``layout``."""
+                   planes, metadata: bytes | None = None, kv_scales=None) -> str:
+    """The JSON message for planes ``[(address, nbytes, device), ...]`` of ``layout``;
+    ``kv_scales``: per layer ``(k_scale, v_scale)`` of a per-tensor quantized cache
+    (:mod:`kvabi.transfer.kv_scales`)."""
     msg = {
         "kvabi_abi": list(ABI_VERSION),
         "message": MESSAGE,
@@ -77,6 +82,8 @@ def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout
     }
     if metadata is not None:
         msg["metadata"] = base64.b64encode(metadata).decode("ascii")
+    if kv_scales is not None:
+        msg["kv_scales"] = scales_to_json(kv_scales)
     text = json.dumps(msg, sort_keys=True)
     parse_handshake(text)  # what we send, we would accept
     return text
@@ -184,8 +191,11 @@ def parse_handshake(text) -> Handshake:
             meta = base64.b64decode(meta.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError):
             raise KVABIError("metadata: not valid base64") from None
+    scales = parse_kv_scales(d["kv_scales"], layout.num_layers) if "kv_scales" in d \
+        else None
     # Checked here and trusted by whoever holds the handshake: read-only over an immutable
     # buffer (kvabi.frozen), so that not even its writeable flag can be turned back on.
     own = frozen_array(np.array(rows, np.int64).reshape(-1, 3))
     return Handshake(abi=(ver[0], ver[1]), agent_name=name, host=host, port=port,
-                     memory=memory, layout=layout, planes=own, metadata=meta)
+                     memory=memory, layout=layout, planes=own, metadata=meta,
+                     kv_scales=scales)

@@ -217,16 +217,19 @@ class NixlAgent:
                 return reg
         return None
 
-    def handshake(self, cache: KVCache, *, include_metadata: bool = False) -> str:
+    def handshake(self, cache: KVCache, *, include_metadata: bool = False,
+                  kv_scales=None) -> str:
         """The JSON handshake message describing registered ``cache`` to a peer; with
         ``include_metadata`` it also carries this agent's NIXL metadata, so the peer needs
-        no round trip to the listen address."""
+        no round trip to the listen address; ``kv_scales``: per layer ``(k_scale,
+        v_scale)`` of a per-tensor quantized cache (the puller compares them with its own,
+        :func:`kvabi.transfer.kv_scales.check_same_scales`)."""
         _, _, rows, mem = self._registration(cache)
         include_metadata = as_bool(include_metadata, "include_metadata")
         meta = self._agent.get_agent_metadata() if include_metadata else None
         return make_handshake(agent_name=self.name, host=self.host, port=self.port,
                               memory=mem, layout=cache.layout, planes=rows.tolist(),
-                              metadata=meta)
+                              metadata=meta, kv_scales=kv_scales)
 
     # -- peers ---------------------------------------------------------------------------
     def connect(self, message, *, timeout: float = 10.0) -> Peer:
