@@ -40,6 +40,7 @@ import numpy as np
 
 from kvabi import KVABIError
 from kvabi.transfer import HostPool, plan_transfer
+from kvabi.transfer.kv_scales import check_same_scales
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorHandshakeMetadata,
                                                                KVConnectorRole, SupportsHMA)
@@ -49,6 +50,7 @@ from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, in
                                verify_part)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata, Pull,
                              paired_slots, prefix_keys, usable_prefix)
+from .kv_quant import FP8
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +143,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
             self._host_used = np.zeros(len(groups), np.int64)
         else:
             self._caches = []
+            self._scales: list = []  # per group: per layer (k_scale, v_scale), or None
             self._agent = None
             self._own_handshakes: list[str] = []
             self._peers: dict[str, object] = {}
@@ -164,9 +167,13 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
         and make the host pools."""
         ctx = self._vllm_config.compilation_config.static_forward_context
         layout_name = self._vllm_config.cache_config.kv_cache_layout
+        kv_dtype = FP8.get(self._vllm_config.cache_config.cache_dtype)  # fp8: codes
         for gi, group in enumerate(self._groups):
             names = [n for n in group.layer_names if n in kv_caches]
             tensors = [kv_caches[n] for n in names]
+            # per-tensor scales are layer state: they travel in the handshake
+            self._scales.append(None if kv_dtype is None else [
+                (ctx[n]._k_scale_float, ctx[n]._v_scale_float) for n in names])
             backend = getattr(ctx.get(names[0]), "attn_backend", None)
             if is_kvabi_backend(backend):  # the plugin's own layout; its backend's write
                 part, cache, write = kvabi_backend_part(tensors, self._vllm_config)
@@ -176,12 +183,12 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                 interior = interior_of(backend)
                 name = f"vllm.{layout_name}.{interior}.g{gi}"
                 parts = [(part, part_cache(tensors, layout, off)) for part, layout, off in
-                         group_parts(tensors, interior=interior, name=name)]
+                         group_parts(tensors, interior=interior, name=name, dtype=kv_dtype)]
                 if all(n in ctx for n in names):
                     layers = [ctx[n] for n in names]
                     for part, cache in parts:
                         verify_part(cache, engine_writer(layers, tensors, parts, part))
-                image = image_part(tensors, interior=interior, name=name)
+                image = image_part(tensors, interior=interior, name=name, dtype=kv_dtype)
                 if image is not None:  # bytes of verified parts, seen whole
                     parts.append((image[0], part_cache(tensors, image[1], 0)))
             if [n for n, _ in parts if not n.startswith(IMAGE)] == ["kv"]:
@@ -198,8 +205,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                     self._agent.register(c)
             if self._producer:
                 self._own_handshakes = [
-                    {part: self._agent.handshake(c, include_metadata=True) for part, c in parts}
-                    for parts in self._caches]
+                    {part: self._agent.handshake(c, include_metadata=True, kv_scales=sc)
+                     for part, c in parts} for parts, sc in zip(self._caches, self._scales)]
         if self._host_blocks:
             for parts in self._caches:
                 self._pools.append({part: HostPool(c.layout, self._host_blocks,
@@ -249,6 +256,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                     for part, cache, peer_msg in _matching_parts(parts, p.handshakes[g], g)]
             for i, (g, part, cache, msg) in enumerate(todo):
                 peer = self._peer(msg)
+                check_same_scales(self._scales[g], peer.handshake.kv_scales,
+                                  f"kvabi_handshakes[{g}].{part}.kv_scales")
                 if part.startswith(IMAGE):  # same interior and block size: whole blocks
                     s, d = _block_pairs(p.src_blocks[g], p.dst_blocks[g], self._block_size,
                                         p.start, p.num_tokens)

@@ -22,6 +22,7 @@ byte moves.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -53,9 +54,10 @@ def interior_of(backend_cls) -> str:
     return KV_PACKED
 
 
-def _outer(tensors):
+def _outer(tensors, dtype: str | None = None):
     """(sizes L/B/H/N/D, byte strides of L/B/H/N, itemsize, dtype name) of a group's
-    views."""
+    views; ``dtype``: the kvabi dtype of their bytes where the views' own says less (vLLM
+    holds fp8 codes as uint8)."""
     if not tensors:
         raise KVABIError("kv_caches: a KV cache group has no layers")
     t0 = tensors[0]
@@ -84,7 +86,11 @@ def _outer(tensors):
     sizes = {"L": len(tensors), "B": nb, "H": nh, "N": bs, "D": c // 2}
     # A group of one layer: its L stride never matters; put it outside everything.
     sl = int(steps[0]) if steps.size else sb * nb + sh * nh
-    return sizes, {"L": sl, "B": sb, "H": sh, "N": sn}, isz, tensors_mod.dtype_name(t0)
+    if dtype is None:
+        dtype = tensors_mod.dtype_name(t0)
+    elif tensors_mod.torch_dtype(dtype).itemsize != isz:
+        raise KVABIError(f"kv_caches: {t0.dtype} views cannot hold {dtype} elements")
+    return sizes, {"L": sl, "B": sb, "H": sh, "N": sn}, isz, dtype
 
 
 def _layout(sizes, strides, dtype, name) -> Layout:
@@ -95,16 +101,18 @@ def _layout(sizes, strides, dtype, name) -> Layout:
                   strides=strides, name=name)
 
 
-def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm"):
+def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm",
+                dtype: str | None = None):
     """The parts of one KV cache group from its layers' vLLM views (in layer order):
     ``[(part, Layout, byte offset of the part's first element from layer 0's first byte)]``
     with part ``"kv"`` (one layout with a ``KV`` axis) or ``"k"`` and ``"v"``.
 
     KVABIError naming what does not fit: a view that is not 4-D, an interior that is not
-    dense, layers whose first bytes are not evenly spaced, an odd content size."""
+    dense, layers whose first bytes are not evenly spaced, an odd content size.  ``dtype``:
+    the kvabi dtype of the views' bytes (default their own; ``float8_*`` for vLLM's fp8)."""
     if interior not in INTERIORS:
         raise KVABIError(f"interior: must be one of {INTERIORS}, got {interior!r}")
-    sizes, outer, isz, dtype = _outer(tensors)
+    sizes, outer, isz, dtype = _outer(tensors, dtype)
     n, d = sizes["N"], sizes["D"]
     sn = outer.pop("N")
     if interior != KV_PACKED and n > 1 and sn != 2 * d * isz:
@@ -122,13 +130,13 @@ def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm"):
 IMAGE = "image"
 
 
-def image_part(tensors, *, interior: str, name: str = "vllm"):
+def image_part(tensors, *, interior: str, name: str = "vllm", dtype: str | None = None):
     """``(part, Layout, 0)`` holding each (layer, block, head)'s ``2 * N * D`` elements as
     one opaque run (``N`` = 1, ``D`` = the run), or None where a block-head is not dense
     (token-major names).  Between two caches of the same interior and block size a block
     moves as bytes, in runs as long as the two layouts share (a run of blocks for all layers
     of a cross-layer cache); the part's name carries what must match."""
-    sizes, outer, isz, dtype = _outer(tensors)
+    sizes, outer, isz, dtype = _outer(tensors, dtype)
     n, d = sizes["N"], sizes["D"]
     sn = outer.pop("N")
     if n > 1 and sn != 2 * d * isz:
@@ -146,7 +154,8 @@ def part_cache(tensors, layout: Layout, offset: int) -> KVCache:
     isz = t0.element_size()
     plane = t0.as_strided(layout.plane_shape, layout.plane_strides,
                           t0.storage_offset() + offset // isz)
-    return KVCache.wrap(layout, [plane])
+    dt = tensors_mod.torch_dtype(layout.dtype)
+    return KVCache.wrap(layout, [plane if plane.dtype == dt else plane.view(dt)])
 
 
 def engine_writer(attn_layers, tensors, parts, part: str):
@@ -165,17 +174,52 @@ def engine_writer(attn_layers, tensors, parts, part: str):
 
     def write(layer, slot_mapping, key, value):
         mod = attn_layers[layer]
-        k = torch.from_numpy(np.ascontiguousarray(key)) if part != "v" else \
-            current("k", layer, slot_mapping)
+        with unit_scales(mod):  # the probe's values land as they are, whatever the scales
+            _write(mod, layer, slot_mapping, key, value)
+
+    def _write(mod, layer, slot_mapping, key, value):
+        k = None if part != "v" else current("k", layer, slot_mapping)
         if part == "kv":
-            v = torch.from_numpy(np.ascontiguousarray(value))
+            v = _model_values(value)
         elif part == "k":
             v = current("v", layer, slot_mapping)
         else:
-            v = torch.from_numpy(np.ascontiguousarray(key))  # a part's own elements
-        mod.impl.do_kv_cache_update(mod, k, v, tensors[layer],
+            v = _model_values(key)  # a part's own elements
+        k = _model_values(key) if part != "v" else k
+        mod.impl.do_kv_cache_update(mod, _widen(k), _widen(v), tensors[layer],
                                     torch.from_numpy(np.asarray(slot_mapping, np.int64)))
+
+    def _model_values(x):
+        return tensors_mod.to_torch(np.ascontiguousarray(x))
+
+    def _widen(t):  # fp8 codes go in as the model's float32 values (scale 1: exact)
+        return t.float() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
     return write
+
+
+@contextlib.contextmanager
+def unit_scales(layer):
+    """vLLM ``layer``'s per-tensor KV scales set to 1.0 for as long as the block runs (an
+    fp8 write then stores exact codes unchanged), put back after."""
+    names = ("_k_scale_float", "_v_scale_float")
+    old = [getattr(layer, n, None) for n in names]
+    tensors = [getattr(layer, n, None) for n in ("_k_scale", "_v_scale")]
+    saved = [None if t is None else t.clone() for t in tensors]
+    try:
+        for n, v in zip(names, old):
+            if v is not None:
+                setattr(layer, n, 1.0)
+        for t in tensors:
+            if t is not None:
+                t.fill_(1.0)
+        yield
+    finally:
+        for n, v in zip(names, old):
+            if v is not None:
+                setattr(layer, n, v)
+        for t, v in zip(tensors, saved):
+            if t is not None:
+                t.copy_(v)
 
 
 def verify_part(cache: KVCache, write) -> bool:
@@ -225,10 +269,14 @@ def kvabi_backend_part(tensors, vllm_config):
     from . import layouts as vl
     from .attention import kvabi_backend
 
+    from .kv_quant import FP8, quantize_spec
+
     backend = kvabi_backend()
-    sizes, _, _, dtype = _outer(tensors)
-    spec = kvabi.KVSpec(kind="full", block_size=sizes["N"], num_kv_heads=sizes["H"],
-                        head_dim=sizes["D"], dtype=dtype)
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    sizes, _, _, dtype = _outer(tensors, FP8.get(cache_dtype))
+    spec = quantize_spec(backend, kvabi.KVSpec(
+        kind="full", block_size=sizes["N"], num_kv_heads=sizes["H"], head_dim=sizes["D"],
+        dtype=dtype), cache_dtype)
     choice = vl.choose(backend, spec, vllm_name=vllm_config.cache_config
                        .get_resolved_kv_cache_layout().name)
     layout, planes = vl.bind(choice, spec, tensors)

@@ -6,6 +6,8 @@ Each attention layer gets its own static scales (set on vLLM's layers as a check
 writes and reads: vLLM's own run with other scales, and its unquantized run, give other
 tokens (negative controls).  The reference and cpu.vllm write vLLM's own rounding (toward
 zero), so their caches hold vLLM's own bytes."""
+import functools
+
 import pytest
 
 from kvabi_vllm.attention import STATS
@@ -18,24 +20,10 @@ MAX_TOKENS = 12
 SCALES = ((0.031, 0.043), (0.057, 0.027), (0.022, 0.061), (0.049, 0.035))
 
 
-def set_scales(model):
-    """Give vLLM's attention layers of ``model`` the :data:`SCALES` (cycled), as loaded
-    k_scale/v_scale weights are held; returns how many layers."""
-    from vllm.model_executor.layers.attention import Attention
-
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    for i, m in enumerate(layers):
-        k, v = SCALES[i % len(SCALES)]
-        m._k_scale.fill_(k)
-        m._v_scale.fill_(v)
-        m._k_scale_float, m._v_scale_float = k, v
-    return len(layers)
-
-
 def run(model_dir, backend, *, scales=True, kv_cache_dtype="fp8"):
     with E.engine(model_dir, backend=backend, kv_cache_dtype=kv_cache_dtype) as llm:
         if scales:
-            assert llm.apply_model(set_scales) == [4]
+            assert llm.apply_model(functools.partial(E.set_kv_scales, pairs=SCALES)) == [4]
         return E.greedy(llm, PROMPTS, MAX_TOKENS)
 
 
