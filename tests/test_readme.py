@@ -13,3 +13,22 @@ def test_readme_tour_runs(monkeypatch):
     exec(compile(tour, "README.md", "exec"), ns)
     assert ns["out"].shape == (8, 8, 64) and ns["lse"].shape == (8, 8)
     assert list(ns["rows"]) == [0, 7]
+
+
+def test_readme_quantized_example_runs(monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    tour = re.search(r"## A taste\n\n```python\n(.*?)```", text, re.S).group(1)
+    quant = re.search(r"Quantized caches \(`specs/semantics.md`.*?```python\n(.*?)```", text,
+                      re.S).group(1)
+    monkeypatch.chdir(ROOT)
+    ns = {}
+    exec(compile(tour, "README.md", "exec"), ns)
+    exec(compile(quant, "README.md (quantized)", "exec"), ns)
+    assert ns["out8"].shape == (8, 8, 64)
+    # the codes the write stored, read back times the scales, are close to the input
+    import numpy as np
+    view = ns["cache8"].kv_view(0, 1)
+    assert view.dtype.name == "float8_e4m3fn"
+    assert "key_scale" in ns["lay_q"].component_names
+    k = np.asarray(view[ns["plan8"].write_rows[1], ns["plan8"].write_rows[2]], np.float64)
+    assert np.allclose(k * np.float32(0.04), ns["v"], rtol=0.07, atol=0.04 * 2 ** -6)
