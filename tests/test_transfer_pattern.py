@@ -18,7 +18,7 @@ from kvabi import KVABIError, KVCache, KVSpec
 from kvabi.layout import Layout
 from kvabi.testing.strategies import SMALL_BLOCK_SIZES, kv_specs, layouts
 from kvabi.transfer import HostPool, execute, plan_block_transfer, plan_transfer
-from kvabi.transfer.pattern import block_strides
+from kvabi.transfer.pattern import GroupedPattern, block_strides
 from transfer_oracle import POISON, check_moved, raw_planes
 
 MANY = settings(max_examples=4 * settings().max_examples)
@@ -58,10 +58,11 @@ def test_block_plan_equals_general_plan_and_moves_exactly(move, seed):
     s, t = _slots(sb, src.size("N")), _slots(db, dst.size("N"))
     general = plan_transfer(src, dst, s, t, layers=layers)
     u = math.gcd(src.size("N"), dst.size("N"))
-    # a pattern where sub-blocks are shifted copies of the first (every one of a layout's
-    # components steps alike along B, and along N where sub-blocks split blocks)
+    # one pattern where every component of a layout steps alike along B (and along N where
+    # sub-blocks split blocks), else one per group of components that do
     shifted = block_strides(src, u) is not None and block_strides(dst, u) is not None
-    assert (plan.pattern is not None) == shifted and general.pattern is None
+    assert plan.pattern is not None and general.pattern is None
+    assert isinstance(plan.pattern, GroupedPattern) != shifted
     np.testing.assert_array_equal(plan.regions, general.regions)
     assert plan.check() is plan
     rng = np.random.default_rng(seed)

@@ -176,9 +176,9 @@ def parse_handshake(text) -> Handshake:
         addr = as_int(p["address"], f"{f}.address", lo=1, hi=MAX_ADDRESS)
         nbytes = as_int(p["nbytes"], f"{f}.nbytes", lo=1, hi=MAX_ADDRESS)
         dev = as_int(p["device"], f"{f}.device", lo=0, hi=1 << 16)
-        if nbytes < layout.plane_nbytes:
+        if nbytes < layout.plane_size(i):
             raise KVABIError(f"{f}.nbytes: {nbytes} bytes registered, but the layout addresses "
-                             f"{layout.plane_nbytes}")
+                             f"{layout.plane_size(i)}")
         if addr + nbytes > MAX_ADDRESS:
             raise KVABIError(f"{f}: address + nbytes passes {MAX_ADDRESS}")
         rows.append((addr, nbytes, dev))

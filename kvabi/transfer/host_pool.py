@@ -115,7 +115,7 @@ class HostPool:
             check_layout(layout)
         if isinstance(source, Layout):
             check_compatible(source, layout)
-        need, have = layout.num_planes * layout.plane_nbytes, host_memory()
+        need, have = layout.total_nbytes, host_memory()
         if need > have:
             field = "num_blocks" if layout.num_blocks == num_blocks else "layout.sizes.B"
             raise KVABIError(f"{field}: {layout.num_blocks} host blocks need {need} bytes, "

@@ -185,8 +185,9 @@ class NixlAgent:
         if len(types) != 1:
             raise KVABIError(f"cache: planes mix memory types {sorted(types)}")
         mem = types.pop()
-        n = cache.layout.plane_nbytes
-        rows = np.array([(a, n, d) for a, _, d in mems], np.int64).reshape(-1, 3)
+        sizes = cache.layout.plane_sizes  # a component layout's planes may differ in size
+        rows = np.array([(a, n, d) for (a, _, d), n in zip(mems, sizes)],
+                        np.int64).reshape(-1, 3)
         try:
             descs = self._agent.register_memory(
                 [(int(a), int(n), int(d), "") for a, n, d in rows], mem)

@@ -20,32 +20,47 @@ from ..layout import Layout
 
 def plane_sizes(layout: Layout) -> np.ndarray:
     """The bytes of each plane ``layout`` addresses (what a checked cache of it holds)."""
-    return np.full(layout.num_planes, layout.plane_nbytes, np.int64)
+    if layout.uniform_planes:
+        return np.full(layout.num_planes, layout.plane_nbytes, np.int64)
+    return np.asarray(layout.plane_sizes, np.int64)
+
+
+def component_strides(layout: Layout, name: str, u: int) -> tuple[int, int]:
+    """(B stride, N stride) of component ``name``, for sub-blocks of ``u`` tokens (the N
+    stride matters only where sub-blocks split blocks: else 0)."""
+    c = layout.component(name)
+    return c.strides["B"], (0 if u == layout.size("N") else c.strides.get("N", 0))
+
+
+def component_groups(src: Layout, dst: Layout, u: int) -> dict:
+    """{((src B, N strides), (dst B, N strides)): component names}: the components whose
+    sub-blocks shift alike on both sides (one group for every axis-form layout)."""
+    groups: dict = {}
+    for n in src.component_names:
+        key = (component_strides(src, n, u), component_strides(dst, n, u))
+        groups.setdefault(key, []).append(n)
+    return {k: tuple(v) for k, v in groups.items()}
 
 
 def block_strides(layout: Layout, u: int):
     """(B stride, N stride) every component of ``layout`` shares, for sub-blocks of ``u``
-    tokens (the N stride matters only where sub-blocks split blocks: else 0); None where
-    components step differently, so sub-blocks are not shifted copies of one another."""
-    sb = {c.strides["B"] for c in layout.components}
-    if len(sb) != 1:
-        return None
-    if u == layout.size("N"):
-        return sb.pop(), 0
-    sn = {c.strides.get("N") for c in layout.components}
-    if len(sn) != 1 or None in sn:
-        return None
-    return sb.pop(), sn.pop()
+    tokens; None where components step differently (their sub-blocks then move as groups
+    of components that step alike: :func:`component_groups`)."""
+    got = {component_strides(layout, n, u) for n in layout.component_names}
+    return got.pop() if len(got) == 1 else None
 
 
-def base_offsets(layout: Layout, slots: np.ndarray, u: int | None = None) -> np.ndarray:
+def base_offsets(layout: Layout, slots: np.ndarray, u: int | None = None,
+                 strides=None) -> np.ndarray:
     """Byte offset of the sub-blocks starting at token ``slots`` (only the block and
-    in-block token terms; the layout's components share them: :func:`block_strides`)."""
+    in-block token terms): with the (B, N) ``strides`` of a group of components, else those
+    every component shares (:func:`block_strides`)."""
     bs = layout.size("N")
-    strides = block_strides(layout, bs if u is None else u)
+    if strides is None:
+        strides = block_strides(layout, bs if u is None else u)
     if strides is None:
         raise KVABIError(f"layout: the components of {layout.name or 'this layout'} step "
-                         f"differently along B or N; whole-block patterns do not apply")
+                         f"differently along B or N; give the strides of one group")
     return (slots // bs) * strides[0] + (slots % bs) * strides[1]
 
 
@@ -70,6 +85,8 @@ class BlockPattern:
     template: np.ndarray = attrs.field(converter=_int64)
     src_base: np.ndarray = attrs.field(converter=_int64)
     dst_base: np.ndarray = attrs.field(converter=_int64)
+    #: the components this pattern moves (None: every one); see :class:`GroupedPattern`
+    components: tuple | None = None
     # destination sub-blocks distinct: a property of the (immutable) slots, found once
     _distinct: bool = attrs.field(init=False, repr=False)
 
@@ -97,5 +114,46 @@ class BlockPattern:
         """KVABIError (naming ``field``) unless :meth:`within` proves every sub-block
         inside its planes: where a pattern is run without its regions, nothing else
         checks them."""
+        if not self.within(src_sizes, dst_sizes):
+            raise KVABIError(f"{field}: a sub-block reaches outside its planes")
+
+
+@attrs.frozen(eq=False)
+class GroupedPattern:
+    """A whole-block move whose components shift differently per sub-block (vLLM's CPU
+    cache: keys step one element per token, values one row): one :class:`BlockPattern`
+    per group of components that step alike (:func:`component_groups`), same sub-blocks."""
+
+    parts: tuple
+
+    @property
+    def u(self) -> int:
+        return self.parts[0].u
+
+    @property
+    def src_slots(self) -> np.ndarray:
+        return self.parts[0].src_slots
+
+    @property
+    def dst_slots(self) -> np.ndarray:
+        return self.parts[0].dst_slots
+
+    @property
+    def layers(self) -> np.ndarray:
+        return self.parts[0].layers
+
+    @property
+    def template(self) -> np.ndarray:
+        """Every part's template rows (the planes they touch)."""
+        return np.concatenate([p.template for p in self.parts])
+
+    def within(self, src_sizes: np.ndarray, dst_sizes: np.ndarray) -> bool:
+        """Every part within its planes (:meth:`BlockPattern.within`) and no two parts
+        writing one destination byte (distinct components: disjoint by the layout's
+        rules)."""
+        return all(p.within(src_sizes, dst_sizes) for p in self.parts)
+
+    def check(self, src_sizes: np.ndarray, dst_sizes: np.ndarray,
+              field: str = "pattern") -> None:
         if not self.within(src_sizes, dst_sizes):
             raise KVABIError(f"{field}: a sub-block reaches outside its planes")

@@ -41,14 +41,14 @@ def runs(base_s: np.ndarray, base_t: np.ndarray) -> list[tuple[int, int, int, in
     return out
 
 
-def _boxes(src: Layout, dst: Layout, layers: np.ndarray, u: int):
+def _boxes(src: Layout, dst: Layout, layers: np.ndarray, u: int, names=None):
     """Per component: its element size, the axes copied inside one view (size, source
     stride, destination stride), outermost first in the source's order, and the (source
     plane, source offset, destination plane, destination offset) of each view of a
     sub-block: L joins the view where both components hold it in-plane."""
     out = []
     contiguous_layers = layers.size > 1 and layers[-1] - layers[0] + 1 == layers.size
-    for name in src.component_names:
+    for name in src.component_names if names is None else names:
         cs, cd = src.component(name), dst.component(name)
         in_view = contiguous_layers and "L" in cs.strides and "L" in cd.strides
         dims = [(layers.size, cs.strides["L"], cd.strides["L"])] if in_view else []
@@ -71,13 +71,18 @@ def _boxes(src: Layout, dst: Layout, layers: np.ndarray, u: int):
 def copy_pattern(pat, src: Layout, dst: Layout, sbytes, dbytes, *, torch_side: bool) -> None:
     """Copy every sub-block of ``pat`` from the flat byte planes ``sbytes`` to ``dbytes``
     (numpy arrays, or torch tensors when ``torch_side``)."""
+    for part in getattr(pat, "parts", (pat,)):
+        _copy_part(part, src, dst, sbytes, dbytes, torch_side)
+
+
+def _copy_part(pat, src, dst, sbytes, dbytes, torch_side):
     todo = runs(pat.src_base, pat.dst_base)
     if torch_side:
         import torch
 
         if any(a < 0 or b < 0 for _, n, a, b in todo if n > 1):  # torch: no negative strides
             todo = [(i, 1, 0, 0) for i in range(pat.src_base.size)]
-    for isz, dims, views in _boxes(src, dst, pat.layers, pat.u):
+    for isz, dims, views in _boxes(src, dst, pat.layers, pat.u, pat.components):
         shape = tuple(d[0] for d in dims)
         s_str = tuple(d[1] for d in dims)
         d_str = tuple(d[2] for d in dims)

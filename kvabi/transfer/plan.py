@@ -34,7 +34,8 @@ from ..coerce import int_array
 from ..errors import KVABIError
 from ..frozen import frozen_array, is_frozen
 from ..layout import Layout, check_layout
-from .pattern import BlockPattern, base_offsets, block_strides, plane_sizes
+from .pattern import (BlockPattern, GroupedPattern, base_offsets, component_groups,
+                      plane_sizes)
 
 
 
@@ -322,7 +323,7 @@ def _ramp(n: np.ndarray) -> np.ndarray:
 
 
 def plan_transfer(src_layout: Layout, dst_layout: Layout, src_slots, dst_slots, *,
-                  layers=None) -> TransferPlan:
+                  layers=None, _components=None) -> TransferPlan:
     """The fewest byte regions moving token ``src_slots[i]`` of ``src_layout`` to
     ``dst_slots[i]`` of ``dst_layout`` for every layer of ``layers`` (default: all; they
     must exist in both), every component (values and scales) bit-exact.
@@ -348,8 +349,9 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, src_slots, dst_slots, 
     bs_s, bs_t = src.size("N"), dst.size("N")
     runs = _runs(s, t, bs_s, bs_t)
     full = bs_s == bs_t and bool(np.all(runs[2] == bs_s))
+    names = src.component_names if _components is None else _components
     parts = [_component_regions(src, dst, src.component(n), dst.component(n), lay, runs, full)
-             for n in src.component_names]
+             for n in names]
     cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
     return _made(merge_regions(*cols, src.plane_nbytes), src, dst)
 
@@ -404,50 +406,57 @@ def plan_block_transfer(src_layout: Layout, dst_layout: Layout, src_blocks, dst_
     lay = _layers(layers, src_layout, dst_layout)
     if not lay.size:
         return _made(np.zeros((0, 5), np.int64), src_layout, dst_layout)
-    u = math.gcd(bs_s, bs_t)
-    if block_strides(src_layout, u) is None or block_strides(dst_layout, u) is None:
-        # components that step differently: sub-blocks are not shifted copies of the
-        # first one; plan the tokens themselves
-        s = (sb[:, None] * bs_s + np.arange(bs_s)).ravel()
-        t = (db[:, None] * bs_t + np.arange(bs_t)).ravel()
-        return plan_transfer(src_layout, dst_layout, s, t, layers=layers)
     return plan_from_template(src_layout, dst_layout, sb, db,
                               block_template(src_layout, dst_layout, lay), lay)
 
 
 def plan_from_template(src: Layout, dst: Layout, src_blocks: np.ndarray,
-                       dst_blocks: np.ndarray, template: np.ndarray,
-                       layers: np.ndarray) -> TransferPlan:
+                       dst_blocks: np.ndarray, template, layers: np.ndarray) -> TransferPlan:
     """:func:`plan_block_transfer` of validated blocks given the ``template`` of
     :func:`block_template` for ``layers`` (callers moving blocks between the same two
     layouts again keep it)."""
     pattern = block_pattern(src, dst, src_blocks, dst_blocks, template, layers)
-    regions = _broadcast(pattern.template, pattern.src_base, pattern.dst_base,
-                         src.plane_nbytes)
+    parts = pattern.parts if isinstance(pattern, GroupedPattern) else (pattern,)
+    got = [_broadcast(p.template, p.src_base, p.dst_base, src.plane_nbytes) for p in parts]
+    regions = got[0] if len(got) == 1 else merge_regions(*np.concatenate(got).T,
+                                                         src.plane_nbytes)
     return _made(regions, src, dst, pattern)
 
 
-def block_template(src: Layout, dst: Layout, layers: np.ndarray) -> np.ndarray:
+def block_template(src: Layout, dst: Layout, layers: np.ndarray) -> tuple:
     """The regions of one sub-block (``gcd`` of the block sizes) of ``layers``, relative to
-    its bases: those of the sub-block at slot 0 of both layouts (bases 0), checked in full.
-    The same for every sub-block (both layouts address bytes affinely), so callers that
-    move blocks between the same two layouts again may keep it."""
+    its bases: those of the sub-block at slot 0 of both layouts (bases 0), checked in full;
+    one ``(component names, regions)`` per group of components that shift alike per
+    sub-block (one group for every axis-form layout).  The same for every sub-block (both
+    layouts address bytes affinely), so callers that move blocks between the same two
+    layouts again may keep it."""
     u = math.gcd(src.size("N"), dst.size("N"))
-    one = plan_transfer(src, dst, np.arange(u), np.arange(u), layers=layers).check()
-    return one.regions
+    out = []
+    for names in component_groups(src, dst, u).values():
+        one = plan_transfer(src, dst, np.arange(u), np.arange(u), layers=layers,
+                            _components=names).check()
+        out.append((names, one.regions))
+    return tuple(out)
 
 
 def block_pattern(src: Layout, dst: Layout, src_blocks: np.ndarray, dst_blocks: np.ndarray,
-                  template: np.ndarray, layers: np.ndarray) -> BlockPattern:
-    """The :class:`BlockPattern` of moving ``src_blocks`` to ``dst_blocks`` (validated int64
-    arrays holding the same number of tokens, destinations distinct) with ``template``
-    from :func:`block_template` for ``layers``."""
+                  template, layers: np.ndarray):
+    """The pattern of moving ``src_blocks`` to ``dst_blocks`` (validated int64 arrays
+    holding the same number of tokens, destinations distinct) with ``template`` from
+    :func:`block_template` for ``layers``: a :class:`BlockPattern`, or a
+    :class:`GroupedPattern` where components shift differently."""
     bs_s, bs_t = src.size("N"), dst.size("N")
     u = math.gcd(bs_s, bs_t)
     ss = (src_blocks[:, None] * bs_s + np.arange(0, bs_s, u)).ravel()  # sub-block starts
     ts = (dst_blocks[:, None] * bs_t + np.arange(0, bs_t, u)).ravel()
-    return BlockPattern(u, ss, ts, layers, template, base_offsets(src, ss, u),
-                        base_offsets(dst, ts, u))
+    groups = {names: key for key, names in component_groups(src, dst, u).items()}
+    parts = []
+    for names, t in template:
+        k_s, k_t = groups[names]
+        parts.append(BlockPattern(u, ss, ts, layers, t, base_offsets(src, ss, u, k_s),
+                                  base_offsets(dst, ts, u, k_t),
+                                  None if len(template) == 1 else names))
+    return parts[0] if len(parts) == 1 else GroupedPattern(tuple(parts))
 
 
 def _broadcast(t, base_s, base_t, src_plane_nbytes: int) -> np.ndarray:

@@ -214,7 +214,8 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
                                     for part, c in _host_parts(parts)})
                 self._host_ids.append({})
         log.info("KvabiConnector: %d KV cache group(s): %s", len(self._caches), "; ".join(
-            f"{c.layout.name} {c.layout.order} N={c.layout.size('N')}"
+            f"{c.layout.name} {c.layout.order or c.layout.component_names} "
+            f"N={c.layout.size('N')}"
             for parts in self._caches for _, c in parts))
 
     def part_layouts(self) -> list[dict[str, str]]:

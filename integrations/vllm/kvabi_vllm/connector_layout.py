@@ -10,9 +10,9 @@ elements"; how the kernels split them is the attention backend's business:
 - vLLM's own CPU backend (``CPU_ATTN``) views a block-head as ``[2 * block_size, head_dim]``
   and takes the first half as keys, although the allocation's name says ``[N, 2 * D]``; and
   its cache write (ISA ``vec``, checked here) stores the keys transposed, ``[head_dim,
-  block_size]``, the values ``[block_size, head_dim]``.  No single kvabi Layout holds both
-  (one memory order for K and V): the connector serves such a cache as two *parts*, a K and
-  a V layout without a ``KV`` axis (the V plane starts ``N * D`` elements into the block-head);
+  block_size]``, the values ``[block_size, head_dim]``: one kvabi Layout of two components
+  (the key and the value each with its own strides, as the preset ``vllm.cpu``), served as
+  the one part ``kv``, so that a relayout moves whole block-heads where it can;
 - otherwise the name's meaning, one layout with a ``KV`` axis: each token's key then value
   (``N`` before ``KV``), or a backend's own ``kvabi_kv_interior``.
 
@@ -27,7 +27,7 @@ import logging
 
 import numpy as np
 
-from kvabi import KVABIError, KVCache, Layout
+from kvabi import Component, KVABIError, KVCache, Layout
 from kvabi import tensors as tensors_mod
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm",
                 dtype: str | None = None):
     """The parts of one KV cache group from its layers' vLLM views (in layer order):
     ``[(part, Layout, byte offset of the part's first element from layer 0's first byte)]``
-    with part ``"kv"`` (one layout with a ``KV`` axis) or ``"k"`` and ``"v"``.
+    with part ``"kv"`` (one layout holding keys and values).
 
     KVABIError naming what does not fit: a view that is not 4-D, an interior that is not
     dense, layers whose first bytes are not evenly spaced, an odd content size.  ``dtype``:
@@ -118,10 +118,13 @@ def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm",
     if interior != KV_PACKED and n > 1 and sn != 2 * d * isz:
         raise KVABIError(f"kv_caches: interior {interior} splits a block-head's {2 * n * d} "
                          f"elements, but its tokens are {sn} bytes apart (not dense)")
-    if interior == KT_V:
-        k = _layout(sizes, {**outer, "D": n * isz, "N": isz}, dtype, f"{name}.k")
-        v = _layout(sizes, {**outer, "N": d * isz, "D": isz}, dtype, f"{name}.v")
-        return [("k", k, 0), ("v", v, n * d * isz)]
+    if interior == KT_V:  # keys [D, N] then values [N, D]: two components, one layout
+        comps = [Component(name="key", dtype=dtype, count=d,
+                           strides={**outer, "N": isz, "E": n * isz}),
+                 Component(name="value", dtype=dtype, count=d, offset=n * d * isz,
+                           strides={**outer, "N": d * isz, "E": isz})]
+        return [("kv", Layout(sizes={a: sizes[a] for a in ("L", "B", "N", "H")},
+                              components=comps, name=name), 0)]
     inner = {KV_SPLIT: {"KV": n * d * isz, "N": d * isz, "D": isz},
              KV_PACKED: {"N": sn, "KV": d * isz, "D": isz}}[interior]
     return [("kv", _layout({**sizes, "KV": 2}, {**outer, **inner}, dtype, name), 0)]
@@ -241,7 +244,8 @@ def split_kv(cache: KVCache):
     (the V planes start one ``KV`` stride in), so it can exchange K and V with a peer that
     cannot hold both in one layout; None where ``KV`` is folded, packed or a plane axis."""
     lay = cache.layout
-    if "KV" not in lay.order or any("KV" in f for f in lay.folds) or lay.packing:
+    if not lay.is_axis_form or "KV" not in lay.order or any("KV" in f for f in lay.folds) \
+            or lay.packing:
         return None
     order = tuple(a for a in lay.order if a != "KV")
     ext = {a: lay.extent(a) for a in order}
