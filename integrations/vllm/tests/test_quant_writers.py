@@ -242,6 +242,9 @@ def test_packed_layout_is_the_writers_bytes(triton_writes, name):
     good = kvabi.Layout(sizes={"B": b, "N": n, "H": h},
                         components=packed_components(dtype, d, h, n, order))
     np.testing.assert_array_equal(reference_bytes(inp, good, spec), out["raw"])
+    if order == "HND":  # the preset vLLM's backend allocates is this cache, byte for byte
+        preset = kvabi.Layout.preset(f"vllm.{inp['mode']}", spec, b)
+        np.testing.assert_array_equal(reference_bytes(inp, preset, spec), out["raw"])
     for fault in (dict(swap_kv=True), dict(swap_scales=True)):
         try:
             bad = kvabi.Layout(sizes={"B": b, "N": n, "H": h},
@@ -249,3 +252,43 @@ def test_packed_layout_is_the_writers_bytes(triton_writes, name):
         except kvabi.KVABIError:
             continue  # refused as a descriptor: caught too
         assert not np.array_equal(reference_bytes(inp, bad, spec), out["raw"]), fault
+
+
+# -- vllm.cpu with fp8: the preset and the rounding, against the CPU writer's bytes ------------
+@pytest.mark.parametrize("kv_cache_dtype", list(KV_DTYPES))
+def test_vllm_cpu_fp8_preset_is_the_writers_bytes(kv_cache_dtype):
+    """The reference's write into ``Layout.preset("vllm.cpu", ...)`` of an fp8 per-tensor
+    spec (rounding toward_zero) is vLLM's CPU writer's cache byte for byte, generic scales
+    and values over every code range; the writer with K and V swapped, or with the scales
+    swapped, is not."""
+    fmt = KV_DTYPES[kv_cache_dtype]
+    blocks, heads, n, d = 3, 2, 32, 64
+    spec = kvabi.KVSpec("full", n, heads, d, dtype=fmt, quant="per_tensor",
+                        rounding="toward_zero")
+    layout = kvabi.Layout.preset("vllm.cpu", spec, num_blocks=blocks)
+    rng = np.random.default_rng(3)
+    ks, vs = q.as_scale(0.0371, "k_scale"), q.as_scale(0.0213, "v_scale")
+    t = blocks * n - 5
+    qmax = q.FORMATS[fmt].qmax
+    key = spread(rng, (t, heads, d), ks, qmax).astype(np.float32)
+    value = spread(rng, (t, heads, d), vs, qmax).astype(np.float32)
+    slots = rng.permutation(blocks * n)[:t]
+    ref = kvabi.get_backend("reference")
+    meta = kvabi.CommonAttentionMetadata.from_lengths(
+        np.ones(t, np.int64), slots % n, (slots // n)[:, None], n, num_blocks=blocks)
+    cache = ref.write_kv(ref.allocate(layout), layout, key, value,
+                         ref.plan(meta, spec, layout), k_scale=ks, v_scale=vs)
+    want = np.asarray(cache[0]).view(np.uint8).reshape(-1)
+
+    def vllm_write(k, v, k_scale, v_scale):
+        c = torch.zeros(blocks, heads, n, 2 * d, dtype=torch.uint8)  # CPU_ATTN's allocation
+        kc, vc = c.view(blocks, heads, 2 * n, d).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(torch.from_numpy(k), torch.from_numpy(v), kc, vc,
+                                       torch.from_numpy(slots.astype(np.int64)), "vec",
+                                       k_scale=k_scale, v_scale=v_scale,
+                                       kv_cache_dtype=kv_cache_dtype)
+        return c.numpy().reshape(-1)
+
+    np.testing.assert_array_equal(vllm_write(key, value, ks, vs), want)
+    assert not np.array_equal(vllm_write(value, key, ks, vs), want)  # K and V swapped
+    assert not np.array_equal(vllm_write(key, value, vs, ks), want)  # scales swapped
