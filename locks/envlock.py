@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -49,11 +50,18 @@ def read_lock(path) -> tuple[dict[str, str], set[str]]:
     return pins, removed
 
 
+def _env_distributions():
+    """The distributions installed in this environment's site-packages.  Not
+    ``sys.path``: an imported setuptools puts its vendored distributions there."""
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return metadata.distributions(path=paths)
+
+
 def installed() -> dict[str, str]:
     """{normalized name: version} of every distribution of the running environment
     (the checkout's own excluded)."""
     out = {}
-    for dist in metadata.distributions():
+    for dist in _env_distributions():
         name = dist.metadata["Name"]
         if name and norm(name) not in OWN:
             out[norm(name)] = dist.version
@@ -84,10 +92,10 @@ def unmet_requirements(removed: set[str]) -> list[str]:
         from packaging.requirements import Requirement
     except ImportError:          # nothing to check requirements with: the version check stands
         return []
-    have = {norm(d.metadata["Name"]): d.version for d in metadata.distributions()
+    have = {norm(d.metadata["Name"]): d.version for d in _env_distributions()
             if d.metadata["Name"]}
     lines = []
-    for dist in metadata.distributions():
+    for dist in _env_distributions():
         owner = dist.metadata["Name"]
         for text in dist.requires or ():
             req = Requirement(text)

@@ -44,3 +44,17 @@ def test_both_locks_pin_every_line():
         pins, _ = envlock.read_lock(ROOT / "locks" / name)
         assert "torch" in pins and pins["torch"].startswith("2.13.0"), name
         assert "pip" in pins and "setuptools" in pins, name
+
+
+def test_vendored_distributions_on_sys_path_are_not_installed(monkeypatch):
+    """An imported setuptools puts its vendored distributions on sys.path; they are not
+    distributions of the environment and must not read as drift."""
+    import setuptools
+
+    vendor = Path(setuptools.__file__).parent / "_vendor"
+    vendored = {envlock.norm(p.name.split("-")[0]) for p in vendor.glob("*.dist-info")}
+    assert vendored, "setuptools vendors no distributions here"
+    monkeypatch.syspath_prepend(str(vendor))
+    pins, _ = envlock.read_lock(ROOT / "locks" / "core.txt")
+    extra = {name for name in envlock.installed() if name not in pins}
+    assert not extra & vendored, sorted(extra & vendored)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from kvabi import KVABIError
 
+from .session import active_session
+
 
 def kvabi_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     **kwargs):
@@ -10,9 +12,10 @@ def kvabi_attention(module, query, key, value, attention_mask, scaling=None, dro
 
     ``query`` [1, Hq, T, D], ``key``/``value`` [1, Hkv, T, D] (the step's new tokens; ignored
     by layers that share another layer's cache); the mask is unused: kvabi metadata says
-    which keys each query sees.  Returns ([1, T, Hq, Dv], None)."""
-    session = getattr(kwargs.get("cache"), "kvabi", None)
-    if session is None:
+    which keys each query sees.  The session is the one of the step the model runs in this
+    thread (transformers >= 5.24 passes no cache here).  Returns ([1, T, Hq, Dv], None)."""
+    session = active_session()
+    if session is None or not session.serves(module):
         raise KVABIError("attention: the 'kvabi' implementation serves transformers' "
                          "continuous batching (generate_batch) of a model passed to "
                          "kvabi_transformers.use(); this call has no kvabi paged cache")

@@ -9,6 +9,8 @@ import types
 import torch
 from kvabi import KVABIError
 
+from .session import activate, active_session
+
 
 def install(model, integration) -> None:
     """Attach ``integration`` to ``model`` (replacing an earlier one)."""
@@ -37,6 +39,7 @@ def install(model, integration) -> None:
 
     def pre_forward(module, args, kwargs):
         session = getattr(kwargs.get("cache"), "kvabi", None)
+        activate(session)  # None for a forward outside kvabi's continuous batching
         if session is None:
             return None
         integration.session = session
@@ -50,6 +53,7 @@ def install(model, integration) -> None:
 
     def post_forward(module, args, kwargs, output):
         session = getattr(kwargs.get("cache"), "kvabi", None)
+        activate(None)
         step = None if session is None else session.step
         if step is not None and step.skip_index is not None and not step.skipping:
             # logits_to_keep already points at the kept rows: never return other rows' logits
@@ -61,23 +65,25 @@ def install(model, integration) -> None:
     handles = [model.register_forward_pre_hook(pre_forward, with_kwargs=True),
                model.register_forward_hook(post_forward, with_kwargs=True)]
     if integration.prefill_skip:
-        _install_slice(model.model)
+        _install_slice(model.model, integration)
     model._kvabi_hooks = handles
     model._kvabi_integration = integration
 
 
-def _install_slice(base) -> None:
+def _install_slice(base, integration) -> None:
     """Run the KV-shared suffix on the kept tokens only when the step says so."""
     original = type(base)._maybe_slice_kv_shared_inputs
 
+    # transformers passes the cache after logits_to_keep as ``past_key_values`` (5.23) or
+    # ``cache`` (5.24): it goes through untouched, the step is this thread's session's.
     def sliced(self, hidden_states, per_layer_inputs, position_embeddings,
-               causal_mask_mapping, logits_to_keep, past_key_values=None, **kwargs):
-        session = getattr(kwargs.get("cache"), "kvabi", None)
-        step = None if session is None else session.step
+               causal_mask_mapping, logits_to_keep, *args, **kwargs):
+        session = active_session()
+        step = session.step if session is not None and session.integration is integration \
+            else None
         if step is None or step.skip_index is None:
             return original(self, hidden_states, per_layer_inputs, position_embeddings,
-                            causal_mask_mapping, logits_to_keep,
-                            past_key_values=past_key_values, **kwargs)
+                            causal_mask_mapping, logits_to_keep, *args, **kwargs)
         idx = step.skip_index
         step.skipping = True
         hidden_states = hidden_states[:, idx]

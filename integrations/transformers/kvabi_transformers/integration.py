@@ -9,6 +9,7 @@ from kvabi import KVABIError
 from kvabi.coerce import as_bool, as_int
 from kvabi.plan import layout_page_bytes, parse_bytes, plan_memory
 
+from .compat import TransformersMismatch, ensure_transformers, slice_problems
 from .model_kv import model_kv
 
 #: Budget when neither ``memory`` nor the workload of ``generate_batch`` is known.
@@ -42,6 +43,8 @@ class Integration:
         self.block_size = _block_size(block_size, self.backend)
         dtype = kv_dtype if kv_dtype is not None else kvabi.tensors.dtype_name(model.dtype)
         self.model_kv, self.slots, modules = model_kv(model, self.block_size, dtype)
+        #: layer index -> the model's attention module (the ones kvabi attention serves)
+        self.modules = modules
         self.num_q_heads = int(config.num_attention_heads)
         self.memory_here, self.where = memory_here(model)
         _check_block_bytes(self.model_kv, self.block_size, self.memory_here, self.where)
@@ -199,6 +202,9 @@ def _check_prefill_skip(model, mkv, model_type) -> None:
     if not hasattr(base, "_maybe_slice_kv_shared_inputs"):
         raise KVABIError(f"prefill_skip: {model_type} has KV-shared layers but its modeling "
                          "code has no hook to run them on fewer tokens")
+    problems = slice_problems(base)
+    if problems:
+        raise TransformersMismatch(f"prefill_skip: {model_type}: {problems[0]}")
 
 
 def use(model, backend="reference", layout=None, *, block_size=None, kv_dtype=None,
@@ -217,10 +223,14 @@ def use(model, backend="reference", layout=None, *, block_size=None, kv_dtype=No
 
     Raises :class:`kvabi.KVABIError` (UnsupportedError for what the backend refuses) here,
     not mid-generation, for any model, layout or option that cannot be served, and then
-    leaves ``model`` as it was.  A run that fails gives the model its own attention back.
+    leaves ``model`` as it was; :class:`~kvabi_transformers.compat.TransformersMismatch`
+    for a transformers release outside the tested range or whose continuous-batching
+    internals differ (checked once per process).  A run that fails gives the model its own
+    attention back.
     """
     from .hooks import install
 
+    ensure_transformers()
     integration = Integration(model, backend, layout, block_size, kv_dtype, prefill_skip,
                               memory)
     _register_attention()

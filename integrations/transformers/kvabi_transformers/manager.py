@@ -53,6 +53,13 @@ class KvabiPagedCache(PagedAttentionCache):
         self.kvabi = Session(integration, num_blocks=allocator.num_blocks,
                              stride=allocator.block_physical_stride, first_block=first)
 
+    def update(self, key_states, value_states, layer_idx, kwargs):
+        """The new K/V as given: kvabi's attention writes them, into kvabi caches.  From
+        transformers 5.24 the model's own attention layers call this before the attention
+        function (5.23: the attention function did, and kvabi's never does); transformers'
+        bookkeeping tensor holds no K/V (its rows are not the model's heads)."""
+        return key_states, value_states
+
     def perform_cache_copy(self, copy_src_and_dst) -> None:
         """Forked requests (``num_return_sequences``) get copies of their parent's blocks
         that are not shared: transformers copies its bookkeeping rows, kvabi the K/V."""
@@ -79,7 +86,8 @@ class KvabiManager(ContinuousBatchingManager):
         if not integration.all_full:
             cb.allow_block_sharing = False
         try:
-            super().__init__(model, generation_config, cb, workload_hints)
+            super().__init__(model=model, generation_config=generation_config,
+                             continuous_batching_config=cb, workload_hints=workload_hints)
         except BaseException:
             self.restore_attention(model)
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import threading
 import time
 
 import numpy as np
@@ -14,6 +15,22 @@ from kvabi import tensors as kt
 from kvabi.probe import backend_writer, verify_layout
 
 from .step import step_metadata
+
+
+# The session whose step the model is running in this thread (set by the model's forward
+# pre-hook): transformers >= 5.24 no longer hands the paged cache to the attention function,
+# and KV-shared layers never see it at all, so attention finds its session here.
+_ACTIVE = threading.local()
+
+
+def activate(session) -> None:
+    """Make ``session`` (None: none) the one this thread's attention calls answer from."""
+    _ACTIVE.session = session
+
+
+def active_session():
+    """The session of the step running in this thread, or None."""
+    return getattr(_ACTIVE, "session", None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,6 +117,10 @@ class Session:
         self.timing = collections.Counter()
         self.sinks = {i: kt.to_numpy(s.detach().float()).astype(np.float64)
                       for i, s in integration.sinks.items()}
+
+    def serves(self, module) -> bool:
+        """Whether ``module`` is an attention module of the model this session serves."""
+        return self.integration.modules.get(getattr(module, "layer_idx", None)) is module
 
     # -- per step ------------------------------------------------------------------------
     def begin_step(self, kwargs, prefill_skip: bool) -> Step:

@@ -9,7 +9,7 @@ from kvabi.reference import ReferenceBackend
 from kvabi_transformers.tools.compare import cb_config, run_batch
 from kvabi_transformers.tools.tiny_models import tiny_prompts
 
-from tf_cases import model_of
+from tf_cases import model_of, model_state
 
 IDS = torch.tensor([[5, 6, 7, 8, 9]])
 
@@ -36,27 +36,20 @@ class BrokenAttention(ReferenceBackend):
         raise kvabi.KVABIError("attention: broken on purpose")
 
 
-def _state(model):
-    return (model.config._attn_implementation, getattr(model, "_kvabi_integration", None),
-            tuple(getattr(model, "_kvabi_hooks", ()) or ()),
-            dict(model._forward_pre_hooks), dict(model._forward_hooks),
-            model.__dict__.get("init_continuous_batching"))
-
-
 @pytest.mark.parametrize("kwargs", [dict(block_size=2**40), dict(block_size=3),
                                     dict(backend=kvabi.Backend()), dict(memory="1KiB"),
                                     dict(layout="no-such-layout")])
 def test_a_refused_use_changes_nothing(kwargs):
     model = model_of("llama")
-    before = _state(model)
+    before = model_state(model)
     with pytest.raises(kvabi.KVABIError):
         kvabi_transformers.use(model, **kwargs)
-    assert _state(model) == before
+    assert model_state(model) == before
     used = kvabi_transformers.use(model)  # an earlier integration survives a refusal too
-    before = _state(used)
+    before = model_state(used)
     with pytest.raises(kvabi.KVABIError):
         kvabi_transformers.use(used, **kwargs)
-    assert _state(used) == before
+    assert model_state(used) == before
 
 
 @pytest.mark.parametrize("backend, error", [(NoMemory(), MemoryError),

@@ -18,6 +18,14 @@ def model_of(family):
     return tiny_model(family, layers=LAYERS[family], seed=1)
 
 
+def model_state(model):
+    """What use() changes on a model (a refused use() must leave all of it as it was)."""
+    return (model.config._attn_implementation, getattr(model, "_kvabi_integration", None),
+            tuple(getattr(model, "_kvabi_hooks", ()) or ()),
+            dict(model._forward_pre_hooks), dict(model._forward_hooks),
+            model.__dict__.get("init_continuous_batching"))
+
+
 def baseline(family):
     """transformers' own generate_batch (its default CB attention) on the tiny model:
     (tokens per prompt, logits per step), computed once per family."""
