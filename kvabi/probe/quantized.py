@@ -123,8 +123,8 @@ def _check(layout, mem, rows, data, q, s, cells) -> dict:
         bad = np.flatnonzero(got != want[r, hh, dd])
         if bad.size:
             i = int(bad[0])
-            raise KVABIError(f"{_name(rows, r[i], name)}, head {int(hh[i])}, dim {int(dd[i])}: byte "
-                             f"{int(got[i])} at plane {int(p[i])}, byte {int(o[i])}, where "
+            raise KVABIError(f"{_name(rows, r[i], name)}, head {int(hh[i])}, dim "
+                             f"{int(dd[i])}: byte {int(got[i])} at plane {int(p[i])}, byte {int(o[i])}, where "
                              f"{layout.name or 'the layout'} puts it, not the value written "
                              f"({int(want[r[i], hh[i], dd[i]])})")
         cover(p, o, 1)
