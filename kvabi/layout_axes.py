@@ -9,7 +9,7 @@ import math
 
 import attrs
 
-from .coerce import checked
+from .coerce import checked_bytes
 from .component import Component
 from .dtypes import check_dtype, itemsize
 from .errors import KVABIError, require
@@ -17,15 +17,6 @@ from .frozen import FrozenDict
 
 AXES = ("L", "B", "KV", "N", "H", "D")
 PLANE_AXES = ("L", "KV")
-
-
-def _int64(v: int, field: str, what: str) -> int:
-    """``v`` (exact Python int arithmetic) if it fits int64, else KVABIError naming
-    ``field`` and what ``v`` is."""
-    try:
-        return checked(v, field)
-    except KVABIError:
-        raise KVABIError(f"{field}: {what} ({v} bytes) does not fit in int64") from None
 
 
 @attrs.frozen
@@ -76,7 +67,7 @@ def axis_geometry(lay) -> AxisGeometry:
         stride, s = {}, isz
         for a in reversed(lay.order):
             stride[a] = s
-            s = _int64(s * extent(a), "sizes", f"the bytes spanned by axes up to {a}")
+            s = checked_bytes(s * extent(a), "sizes", f"the bytes spanned by axes up to {a}")
     else:
         require(set(lay.strides) == set(lay.order), "strides",
                 f"must give a byte stride for each of {lay.order}",
@@ -91,7 +82,7 @@ def axis_geometry(lay) -> AxisGeometry:
             require(stride[outer] >= need, f"strides.{outer}",
                     f"overlaps axis {inner} (needs >= {need})", stride[outer])
     stride = FrozenDict((a, stride[a]) for a in lay.order)
-    natural = _int64(sum((extent(a) - 1) * stride[a] for a in lay.order) + isz,
+    natural = checked_bytes(sum((extent(a) - 1) * stride[a] for a in lay.order) + isz,
                      "strides" if lay.strides is not None else "sizes",
                      "the bytes one plane spans")
     if lay.plane_bytes is None:
@@ -103,7 +94,7 @@ def axis_geometry(lay) -> AxisGeometry:
         require(nbytes >= natural, "plane_bytes",
                 f"must be an int >= {natural} (the bytes the strides reach)", nbytes)
     nplanes = math.prod(sizes[a] for a in lay.planes)
-    _int64(nplanes * nbytes, "sizes", f"the bytes of all {nplanes} planes")
+    checked_bytes(nplanes * nbytes, "sizes", f"the bytes of all {nplanes} planes")
     groups = _view_groups(lay)
     _check_folds(lay, stride, extent)
     h_group = next(i for i, g in enumerate(groups) if "H" in g)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from .coerce import checked
+from .coerce import checked_bytes
 from .component import DATA, NAMES, Component, check_component, component_field
 from .errors import KVABIError
 from .frozen import FrozenDict
@@ -27,13 +27,6 @@ MAX_COMPONENTS = 16
 MAX_LISTED_PLANES = 1 << 16
 #: axes of a component layout's sizes
 SIZE_AXES = ("L", "B", "N", "H")
-
-
-def _int64(v: int, field: str, what: str) -> int:
-    try:
-        return checked(v, field)
-    except KVABIError:
-        raise KVABIError(f"{field}: {what} ({v} bytes) does not fit in int64") from None
 
 
 @attrs.frozen
@@ -136,9 +129,9 @@ def _placed(c: Component, sizes, nplanes_hint) -> Placed:
         if s < inner:
             raise KVABIError(f"{f}.strides.{a}: {s} overlaps the axes inside it (needs >= "
                              f"{inner})")
-        inner = _int64(inner + (n - 1) * s, f"{f}.strides", "the bytes one index spans")
+        inner = checked_bytes(inner + (n - 1) * s, f"{f}.strides", "the bytes one index spans")
     span = inner
-    _int64(c.offset + span, f"{f}.offset", "the component's last byte")
+    checked_bytes(c.offset + span, f"{f}.offset", "the component's last byte")
     ps = c.plane_strides.get("L")
     last = c.plane + (nl - 1) * ps if ps else c.plane
     if last >= nplanes_hint:
@@ -248,7 +241,7 @@ def check_components(components, sizes, plane_bytes) -> Checked:
         if len(set(listed)) == 1:
             uniform, listed = listed[0], None
     total = uniform * nplanes if uniform is not None else sum(listed)
-    _int64(total, "plane_bytes", f"the bytes of all {nplanes} planes")
+    checked_bytes(total, "plane_bytes", f"the bytes of all {nplanes} planes")
     items = list(placed.values())
     for i, a in enumerate(items):
         for b in items[i + 1:]:

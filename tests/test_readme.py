@@ -32,3 +32,21 @@ def test_readme_quantized_example_runs(monkeypatch):
     assert "key_scale" in ns["lay_q"].component_names
     k = np.asarray(view[ns["plan8"].write_rows[1], ns["plan8"].write_rows[2]], np.float64)
     assert np.allclose(k * np.float32(0.04), ns["v"], rtol=0.07, atol=0.04 * 2 ** -6)
+
+
+def test_readme_component_layout_runs():
+    text = (ROOT / "README.md").read_text()
+    snippet = re.search(r"state your own in a few lines:\n\n```python\n(.*?)```", text,
+                        re.S).group(1)
+    ns = {}
+    exec(compile("from kvabi import KVSpec, Layout\n" + snippet, "README.md", "exec"), ns)
+    assert ns["int8"].component("value_scale").offset == 260
+
+
+def test_spec_component_layout_runs():
+    text = (ROOT / "specs" / "layout.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    ns = {}
+    exec(compile(snippet, "layout.md", "exec"), ns)
+    assert ns["layout"].element_offset("value_scale", block=3, token=5, head=2) == \
+        (0, ((3 * 8 + 2) * 16 + 5) * 264 + 2 * 128 + 4)

@@ -277,3 +277,22 @@ def test_the_schema_closes_the_readers_own_minor():
     bound = SCHEMA["if"]["properties"]["kvabi_abi"]["prefixItems"][1]["maximum"]
     assert bound == ABI_VERSION[1]
 
+
+
+@pytest.mark.parametrize("name", ["vllm.fp8_per_token_head", "flashinfer.HND.fp8_scale_plane",
+                                  "vllm.cpu"])
+def test_component_layouts_travel_in_the_handshake(name):
+    """A 2.0 component descriptor (scales, planes of different sizes) is carried, accepted
+    by parser and schema alike, and read back equal; a plane smaller than its own size is
+    refused by the parser (a rule beyond the schema)."""
+    lay = Layout.preset(name, SPEC, 6, 2)
+    planes = [(4096 * (i + 1) << 20, n, 0) for i, n in enumerate(lay.plane_sizes)]
+    msg = json.loads(make_handshake(agent_name="prefill-0", host="127.0.0.1", port=5600,
+                                    memory="DRAM", layout=lay, planes=planes))
+    VALIDATOR.validate(msg)
+    assert parse_handshake(json.dumps(msg)).layout == lay
+    assert msg["layout"]["kvabi_abi"] == [2, 0] and "components" in msg["layout"]
+    msg["planes"][-1]["nbytes"] = lay.plane_sizes[-1] - 1
+    VALIDATOR.validate(msg)
+    with pytest.raises(KVABIError, match=rf"^planes\[{len(planes) - 1}\]\.nbytes"):
+        parse_handshake(json.dumps(msg))

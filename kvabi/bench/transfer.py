@@ -6,12 +6,13 @@ For each preset: regions per transfer and GB/s of a local ``execute`` (cache to 
 NIXL READ between two processes (UCX on loopback; skipped without nixl), and of host
 offload/onload through a ``HostPool``; and relayout rows (``flashinfer.HND`` block 16 ->
 ``tpu.combined`` block 64; vLLM's CPU cache ``vllm.cpu`` block 16 -> its cross-layer
-``vllm.cpu.BLHNC`` block 64, keys ``[D, N]`` and values ``[N, D]`` per block-head).  Each figure is timed alternately with its reference, the same
-bytes moved by one ``memcpy`` (for NIXL rows: by one single-region READ), so that the ratios
-hold while the machine's load changes.  Then: staged NIXL relayout pulls (both relayouts)
-against a same-layout pull of the same tokens, the bounds check of a post, torch planes against numpy
-planes on the same plans, and ``from_lengths`` of Python lists.  Each goal is printed as a
-"goal" line and a "measured" line.
+``vllm.cpu.BLHNC`` block 64, keys ``[D, N]`` and values ``[N, D]`` per block-head).  Each
+figure is timed alternately with its reference, the same bytes moved by one ``memcpy`` (for
+NIXL rows: by one single-region READ), so that the ratios hold while the machine's load
+changes.  Then: staged NIXL relayout pulls (both relayouts) against a same-layout pull of
+the same tokens, the bounds check of a post, torch planes against numpy planes on the same
+plans, and ``from_lengths`` of Python lists.  Each goal is printed as a "goal" line and a
+"measured" line.
 """
 from __future__ import annotations
 

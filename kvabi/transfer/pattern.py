@@ -10,6 +10,8 @@ extremes, and :func:`~kvabi.transfer.execute` copies each run of sub-blocks as s
 """
 from __future__ import annotations
 
+import weakref
+
 import attrs
 import numpy as np
 
@@ -72,6 +74,33 @@ def _int64(a) -> np.ndarray:
     return frozen_array(a, np.int64)
 
 
+#: extremes of the templates in use (keyed by the immutable template array; a template kept
+#: by its caller for the next move is not scanned again)
+_EXTREMES: dict = {}
+
+
+def _template_extremes(t: np.ndarray) -> tuple:
+    """Per side (source, destination) the extremes of template ``t`` per plane."""
+    hit = _EXTREMES.get(id(t))
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    ext = tuple(_extremes(t[:, k], t[:, k + 1], t[:, 4]) for k in (0, 2))
+    key = id(t)
+    _EXTREMES[key] = (weakref.ref(t), ext)
+    weakref.finalize(t, _EXTREMES.pop, key, None)
+    return ext
+
+
+def _extremes(plane: np.ndarray, rel: np.ndarray, n: np.ndarray):
+    """(distinct planes, lowest ``rel`` per plane, furthest ``rel + n`` per plane)."""
+    planes, inv = np.unique(plane, return_inverse=True)
+    lo = np.full(planes.size, np.iinfo(np.int64).max, np.int64)
+    hi = np.full(planes.size, np.iinfo(np.int64).min, np.int64)
+    np.minimum.at(lo, inv, rel)
+    np.maximum.at(hi, inv, rel + n)
+    return planes, lo, hi
+
+
 @attrs.frozen(eq=False)
 class BlockPattern:
     """Sub-block ``i`` moves tokens ``src_slots[i] + [0, u)`` to ``dst_slots[i] + [0, u)``
@@ -88,11 +117,13 @@ class BlockPattern:
     #: the components this pattern moves (None: every one); see :class:`GroupedPattern`
     components: tuple | None = None
     # destination sub-blocks distinct: a property of the (immutable) slots, found once
-    _distinct: bool = attrs.field(init=False, repr=False)
-
-    def __attrs_post_init__(self):
-        object.__setattr__(self, "_distinct",
-                           bool(np.unique(self.dst_slots).size == self.dst_slots.size))
+    _distinct: bool = attrs.field(init=False, repr=False, default=attrs.Factory(
+        lambda self: bool(np.unique(self.dst_slots).size == self.dst_slots.size),
+        takes_self=True))
+    # per side, the template's extremes per plane: (planes, lowest offset, furthest end),
+    # so that a bounds check costs the planes, not the template's rows
+    _extent: tuple = attrs.field(init=False, repr=False, default=attrs.Factory(
+        lambda self: _template_extremes(self.template), takes_self=True))
 
     def within(self, src_sizes: np.ndarray, dst_sizes: np.ndarray) -> bool:
         """True when every region (template row + any base) lies inside its planes, from
@@ -100,12 +131,11 @@ class BlockPattern:
         template's are (it is checked in full when built) and destination sub-blocks are
         distinct tokens.  False: the caller checks region by region (and names the bad
         one)."""
-        t = self.template
-        for p, rel, base, sizes in ((t[:, 0], t[:, 1], self.src_base, src_sizes),
-                                    (t[:, 2], t[:, 3], self.dst_base, dst_sizes)):
-            if p.min() < 0 or p.max() >= len(sizes):
+        for (planes, lo, hi), base, sizes in ((self._extent[0], self.src_base, src_sizes),
+                                              (self._extent[1], self.dst_base, dst_sizes)):
+            if planes.size and (planes.min() < 0 or planes.max() >= len(sizes)):
                 return False
-            if np.any((rel + base.min() < 0) | (rel + t[:, 4] + base.max() > sizes[p])):
+            if np.any((lo + base.min() < 0) | (hi + base.max() > sizes[planes])):
                 return False
         return self._distinct
 

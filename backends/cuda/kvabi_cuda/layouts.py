@@ -21,10 +21,10 @@ def d_contiguous_presets(spec, first=FIRST, families=None) -> tuple[str, ...]:
             continue
         try:
             lay = Layout.preset(name, spec, num_blocks=1)
-            contiguous = lay.stride("D") == lay.itemsize
-        except KVABIError:  # the preset refuses this spec (packing, page_align, Dv != D),
-            continue  # or its keys and values step differently along D (vllm.cpu)
-        if contiguous:
+        except KVABIError:  # the preset refuses this spec (packing, page_align, Dv != D)
+            continue
+        # the axis form (one order for keys and values: vllm.cpu's differ), D contiguous
+        if lay.is_axis_form and lay.stride("D") == lay.itemsize:
             ok.append(name)
     head = [n for n in first if n in ok]
     return tuple(head + [n for n in ok if n not in head])
