@@ -41,6 +41,7 @@ ROUNDINGS = ("nearest_even", "nearest_away", "toward_zero")
 SCALE_EPSILON = np.float32(1e-6)
 #: the dtype of every scale
 SCALE_DTYPE = "float32"
+_F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
 
 
 @attrs.frozen
@@ -104,7 +105,7 @@ def as_scale(value, field: str) -> float:
     float32 rounding is a positive normal number (so that ``1 / scale`` is finite)."""
     v = as_float(value, field)
     s = float(np.float32(v)) if abs(v) < 3.5e38 else math.inf
-    if not (np.finfo(np.float32).tiny <= s < math.inf):
+    if not (_F32_TINY <= s < math.inf):
         raise KVABIError(f"{field}: must be a positive float32 normal number "
                          f"(>= 2**-126, < 2**128), got {value!r}")
     return s

@@ -230,8 +230,9 @@ class CpuVllmBackend(kvabi.Backend):
             t(written), t(slots[written] // bs), t(slots[written] % bs),
             t(slots.astype(np.int64)), native and values_in_kernel_order(layout),
             opts.scale, opts.softcap, opts.sinks, num_q_heads)
-        if num_q_heads is not None and not spec.is_quantized:  # fp8: the query's dtype
-            self._schedule(plan, num_q_heads, kvabi.tensors.torch_dtype(spec.dtype))
+        if num_q_heads is not None:  # fp8 codes: the query's dtype, float32 most likely
+            self._schedule(plan, num_q_heads, torch.float32 if spec.is_quantized else
+                           kvabi.tensors.torch_dtype(spec.dtype))
         return plan
 
     @staticmethod
