@@ -20,9 +20,10 @@ class _Liar(ReferenceBackend):
     def preferred_layouts(self, spec):
         return ("vllm.LBHNC", "flash_attn")
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
+    def write(self, plan, cache, key, value, layer):
+        layout = plan.layout
         if layout.name != "vllm.LBHNC":
-            return super().write_kv(cache, layout, key, value, plan, layer=layer)
+            return super().write(plan=plan, cache=cache, key=key, value=value, layer=layer)
         real = kvabi.Layout(order=("L", "B", "H", "KV", "N", "D"), sizes=layout.sizes,
                             dtype=layout.dtype)
         layout_writer(real, list(cache))(layer, plan.meta.slot_mapping, np.asarray(key),

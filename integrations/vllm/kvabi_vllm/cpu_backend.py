@@ -23,15 +23,15 @@ vLLM is imported on first use (``available``/``plan``), never by ``import kvabi_
 """
 from __future__ import annotations
 
-import dataclasses
 import platform
 import threading
 
+import attrs
 import numpy as np
 import torch
 
 import kvabi
-from kvabi.tensors import to_torch
+from kvabi.tensors import ConvertOnce
 
 from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, key_tiles,
                          keys_in_kernel_order, to_kernel_blocks, value_scratch,
@@ -50,9 +50,9 @@ def _ops():
     return _custom_ops
 
 
-@dataclasses.dataclass(eq=False)
-class CpuVllmPlan:
-    """One step of one KV group, for any layer.
+@attrs.frozen(eq=False)
+class CpuVllmSteps:
+    """What ``cpu.vllm`` prepares for one step of one KV group, for any layer.
 
     ``native``: the layout's keys are in kernel order (read in place). Then ``entries``
     [U] are the distinct cache blocks the step reads, ``table`` the step's block table,
@@ -63,13 +63,11 @@ class CpuVllmPlan:
     the entry's request sees. ``hidden`` holds those rows as row indices of the value
     scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is.
     ``write_*``: the tokens written (slot != -1) and their block and offset. ``sched``:
-    scheduler metadata per number of query heads (filled in ``plan`` when it is given,
-    else on first use).
+    the kernels' scheduler metadata for the plan's query heads.  Frozen: nothing here can
+    be rebound after ``plan`` (the kernels index the cache through ``entries`` and
+    ``table``).
     """
 
-    meta: kvabi.CommonAttentionMetadata
-    spec: kvabi.KVSpec
-    layout: object
     isa: str
     native: bool
     num_tokens: int  # real tokens (the rest is padding)
@@ -81,11 +79,9 @@ class CpuVllmPlan:
     write_tokens: torch.Tensor
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
-    scale: float
-    softcap: float | None
-    sinks: np.ndarray | None
-    num_q_heads: int | None
-    sched: dict = dataclasses.field(default_factory=dict)
+    #: the plan's sinks as float32 (the kernels' ``s_aux``), or None
+    s_aux: torch.Tensor | None
+    sched: object
 
 
 class CpuVllmBackend(kvabi.Backend):
@@ -94,11 +90,11 @@ class CpuVllmBackend(kvabi.Backend):
     sizes that are multiples of 16."""
 
     name = "cpu.vllm"
-    abi_version = (1, 1)
     framework = "torch"
 
     def __init__(self):
         self._available = None
+        self._s_aux = ConvertOnce("torch", dtype="float32")  # per-call sinks, once each
         # Scratch memory per thread and dtype, grown as needed and reused by every layer
         # and step: a fresh buffer per step would pay its page faults again every time.
         self._scratch = threading.local()
@@ -147,16 +143,9 @@ class CpuVllmBackend(kvabi.Backend):
     def device(self):
         return torch.device("cpu")
 
-    # -- plan -----------------------------------------------------------------------------
-    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
-             sinks=None):
-        self.check_supported(spec, softcap=softcap, sinks=sinks)
-        kvabi.check_step(meta, spec, layout)
-        opts = kvabi.AttentionOptions.resolve(spec, scale, softcap, sinks,
-                                              num_q_heads=num_q_heads)
-        ok, why = self.available()
-        if not ok:
-            raise kvabi.UnsupportedError(f"{self.name}: unavailable: {why}")
+    # -- once per step --------------------------------------------------------------------
+    def prepare(self, plan) -> CpuVllmSteps:
+        meta, spec, layout = plan.meta, plan.spec, plan.layout
         bs = spec.block_size
         qsl = meta.query_start_loc.astype(np.int64)
         seq = meta.seq_lens.astype(np.int64)
@@ -198,146 +187,105 @@ class CpuVllmBackend(kvabi.Backend):
         slots = meta.slot_mapping
         written = np.nonzero(slots >= 0)[0]
         t = torch.from_numpy
-        plan = CpuVllmPlan(
-            meta, spec, layout, choose_isa(spec.head_dim, bs), native, int(qsl[-1]),
-            t(meta.query_start_loc.astype(np.int32)), t(meta.seq_lens.astype(np.int32)),
-            t(entries), t(table), t(rows) if len(rows) else None,
-            t(written),
-            t(slots[written] // bs), t(slots[written] % bs), opts.scale, opts.softcap,
-            opts.sinks, num_q_heads)
-        if num_q_heads is not None:
-            self._schedule(plan, num_q_heads)
-        return plan
+        isa = choose_isa(spec.head_dim, bs)
+        qsl32 = t(meta.query_start_loc.astype(np.int32))
+        seq32 = t(meta.seq_lens.astype(np.int32))
+        sched = _ops().cpu_attn_get_scheduler_metadata(
+            num_reqs=meta.num_reqs, num_heads=plan.num_q_heads,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, seq_lens=seq32,
+            dtype=kvabi.tensors.torch_dtype(spec.dtype), query_start_loc=qsl32, causal=True,
+            sliding_window_size=spec.window if spec.kind == "sliding_window" else -1,
+            isa=isa, enable_kv_split=False)
+        return CpuVllmSteps(
+            isa, native, int(qsl[-1]), qsl32, seq32, t(entries), t(table),
+            t(rows) if len(rows) else None, t(written), t(slots[written] // bs),
+            t(slots[written] % bs),
+            None if plan.sinks is None else t(plan.sinks.astype(np.float32)), sched)
 
-    @staticmethod
-    def _schedule(plan: CpuVllmPlan, hq: int):
-        """The kernels' scheduler metadata for ``hq`` query heads (once per plan)."""
-        md = plan.sched.get(hq)
-        if md is None:
-            spec = plan.spec
-            md = plan.sched[hq] = _ops().cpu_attn_get_scheduler_metadata(
-                num_reqs=plan.meta.num_reqs, num_heads=hq, num_kv_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim, seq_lens=plan.seq_lens,
-                dtype=kvabi.tensors.torch_dtype(spec.dtype),
-                query_start_loc=plan.query_start_loc, causal=True,
-                sliding_window_size=spec.window if spec.kind == "sliding_window" else -1,
-                isa=plan.isa, enable_kv_split=False)
-        return md
-
-    def _check_plan(self, plan, layout):
-        if not isinstance(plan, CpuVllmPlan):
-            raise kvabi.KVABIError(f"plan: must come from {self.name}'s plan(), got "
-                                   f"{type(plan).__name__}")
-        if layout != plan.layout:
-            raise kvabi.KVABIError("layout: differs from the layout the plan was made for")
-
-    # -- write ----------------------------------------------------------------------------
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = kvabi.as_cache(cache, layout, self.framework)
-        self._check_plan(plan, layout)
-        spec = plan.spec
-        key, value = to_torch(key), to_torch(value)
-        kvabi.check_kv(key, value, plan.meta, spec)
-        tok, blk, off = plan.write_tokens, plan.write_blocks, plan.write_offsets
+    # -- per layer ------------------------------------------------------------------------
+    def write(self, plan, cache, key, value, layer):
+        p = plan.prepared
+        tok, blk, off = p.write_tokens, p.write_blocks, p.write_offsets
         kview, vview = cache.kv_view(layer, 0), cache.kv_view(layer, 1)
         kview[blk, off] = key[tok].to(kview.dtype)  # index_put_ writes through the view
         vview[blk, off] = value[tok].to(vview.dtype)
         return cache
 
-    # -- attention ------------------------------------------------------------------------
-    def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, out=None,
-                  return_lse=False):
-        cache = kvabi.as_cache(cache, layout, self.framework)
-        self._check_plan(plan, layout)
-        spec = plan.spec
-        query = to_torch(query)
-        hq = kvabi.check_query(query, plan.meta, spec)
-        if plan.num_q_heads is not None and hq != plan.num_q_heads:
-            raise kvabi.KVABIError(f"query: {hq} query heads, the plan was made for "
-                                   f"{plan.num_q_heads}")
-        sink = plan.sinks if sinks is None else kvabi.AttentionOptions.resolve(
-            spec, plan.scale, plan.softcap, sinks, num_q_heads=hq).sinks
-        if sink is not None and sink.shape != (hq,):
-            raise kvabi.KVABIError(f"sinks: must have one logit per query head ({hq}), "
-                                   f"got shape {sink.shape}")
-        t_all, n, d = plan.meta.num_tokens, plan.num_tokens, spec.head_dim
-        if out is not None and (tuple(out.shape) != (t_all, hq, d) or out.dtype != query.dtype):
-            raise kvabi.KVABIError(f"out: must be {[t_all, hq, d]} {query.dtype}, got "
-                                   f"{list(out.shape)} {out.dtype}")
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse):
+        spec, p, hq = plan.spec, plan.prepared, plan.num_q_heads
+        t_all, n, d = plan.meta.num_tokens, p.num_tokens, spec.head_dim
         cdt = kvabi.tensors.torch_dtype(spec.dtype)
         kview, vview = cache.kv_view(layer, 0), cache.kv_view(layer, 1)
-        e = len(plan.entries)
-        if plan.native:
+        e = len(p.entries)
+        if p.native:
             kc = key_tiles(torch, kview)
             vc, rows = value_scratch(torch, kc, cdt,
                                      self._buffer(value_scratch_numel(kc), cdt))
             if e:
-                values_to_kernel_order(vview, plan.entries, vc, rows, plan.hidden)
+                values_to_kernel_order(vview, p.entries, vc, rows, p.hidden)
         else:
             h, bs = spec.num_kv_heads, spec.block_size
             scratch, kc, vc = kernel_scratch(torch, e, h, bs, d, cdt,
                                              self._buffer(e * h * 2 * bs * d, cdt))
             if e:
-                to_kernel_blocks(kview, vview, plan.entries, scratch, plan.hidden)
+                to_kernel_blocks(kview, vview, p.entries, scratch, p.hidden)
         direct = out is not None and out.dtype == cdt and out.is_contiguous()
         result = out if direct else torch.empty((t_all, hq, d), dtype=cdt)
         result[n:].zero_()  # padding tokens: unspecified by the ABI, zero here
         if n and e:
             q = query[:n].to(cdt).contiguous()
-            s_aux = None if sink is None else torch.from_numpy(sink.astype(np.float32))
+            s_aux = p.s_aux if sinks is plan.sinks else self._s_aux(sinks)
             _ops().cpu_attention_with_kv_cache(
                 query=q, key_cache=kc, value_cache=vc, output=result[:n],
-                query_start_loc=plan.query_start_loc, seq_lens=plan.seq_lens,
+                query_start_loc=p.query_start_loc, seq_lens=p.seq_lens,
                 scale=plan.scale, causal=True, alibi_slopes=None,
                 sliding_window=spec.window if spec.kind == "sliding_window" else -1,
-                block_table=plan.table, softcap=plan.softcap or 0.0,
-                scheduler_metadata=self._schedule(plan, hq), s_aux=s_aux)
+                block_table=p.table, softcap=plan.softcap or 0.0,
+                scheduler_metadata=p.sched, s_aux=s_aux)
         elif n:
             result[:n].zero_()  # no request has a key: nothing to attend
         if not direct:
-            result = result.to(query.dtype)
-            if out is not None:
-                result = out.copy_(result)
+            result = result.to(query.dtype)  # the base class copies it into ``out``
         if not return_lse:
-            return result
-        if plan.native:
+            return result, None
+        if p.native:
             keys = kview  # [B, N, H, D], indexed by the step's block table
         else:  # [E, N, H, D] over the copied entries
             keys = kc.view(e, spec.num_kv_heads, d, spec.block_size).permute(0, 3, 1, 2)
-        return result, _lse(plan, query, keys, hq, sink)
+        return result, _lse(plan, query, keys, sinks)
 
 
-def _lse(plan: CpuVllmPlan, query, keys, hq: int, sink) -> torch.Tensor:
+def _lse(plan, query, keys, sink) -> torch.Tensor:
     """Log-sum-exp [T, Hq] float32 of the step (the kernels return none), in torch:
-    ``keys`` [X, N, H, D] indexed by ``plan.table``; per real token, its request's keys,
-    masked by select."""
-    meta, spec = plan.meta, plan.spec
-    n, bs, h, d = plan.num_tokens, spec.block_size, spec.num_kv_heads, spec.head_dim
+    ``keys`` [X, N, H, D] indexed by the prepared ``table``; per real token, its request's
+    keys, masked by select."""
+    meta, spec, p, hq = plan.meta, plan.spec, plan.prepared, plan.num_q_heads
+    n, bs, h, d = p.num_tokens, spec.block_size, spec.num_kv_heads, spec.head_dim
     full = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32)
-    if not n or not len(plan.entries):
+    if not n or not len(p.entries):
         if sink is not None and n:
-            full[:n] = torch.from_numpy(sink.astype(np.float32))[None, :]
+            full[:n] = torch.tensor(sink, dtype=torch.float32)[None, :]
         return full
     req = torch.from_numpy(meta.token_request[:n].astype(np.int64))
     pos = meta.positions[:n].astype(np.int64)
-    width = plan.table.shape[1]
+    width = p.table.shape[1]
     j = np.arange(width * bs)[None, :]
     lo = np.asarray(spec.first_visible_key(pos), np.int64)[:, None]
     seq = meta.seq_lens.astype(np.int64)[meta.token_request[:n]][:, None]
     vis = torch.from_numpy((j >= lo) & (j <= pos[:, None]) & (j < seq))
     # float64: the lse is compared in absolute terms, and logits of large head dims are
     # large (|logit| ~ 30 leaves float32 accumulation ~1e-5 off)
-    k = keys[plan.table.long()[req]].reshape(n, width * bs, h, d).double()
+    k = keys[p.table.long()[req]].reshape(n, width * bs, h, d).double()
     q = query[:n].double().reshape(n, h, hq // h, d)
     logits = torch.einsum("nhgd,nshd->nhgs", q, k) * plan.scale
     if plan.softcap is not None:
         logits = plan.softcap * torch.tanh(logits / plan.softcap)
     logits = torch.where(vis[:, None, None, :], logits, float("-inf"))
     if sink is not None:
-        s = torch.from_numpy(sink).reshape(1, h, hq // h, 1)
+        s = torch.tensor(sink).reshape(1, h, hq // h, 1)
         logits = torch.cat([logits, s.expand(n, h, hq // h, 1)], dim=-1)
     full[:n] = torch.logsumexp(logits, dim=-1).reshape(n, hq).float()
     return full
 
 
-__all__ = ["CpuVllmBackend", "CpuVllmPlan"]
+__all__ = ["CpuVllmBackend", "CpuVllmSteps"]

@@ -97,8 +97,8 @@ def _kvabi_variant(backend, name, spec, meta, blocks, q, k, v):
         state["plan"] = backend.plan(meta, spec, layout, num_q_heads=HEADS)
 
     def layer():
-        backend.write_kv(cache, layout, k, v, state["plan"])
-        backend.attention(q, cache, layout, state["plan"])
+        backend.write_kv(state["plan"], cache, key=k, value=v)
+        backend.attention(state["plan"], cache, query=q)
     return step, layer
 
 
