@@ -1,29 +1,33 @@
 """kvabi: a hardware-agnostic ABI for the KV cache of LLM inference engines."""
-from .abi import ABI_VERSION, Backend, Capabilities, UnsupportedError, abi_at_least, hookimpl
-from .cache import KVCache, as_cache
-from .errors import KVABIError
+from . import tensors
+from .backend import Backend
+from .cache import KVCache
+from .capabilities import Capabilities
+from .component import Component
+from .errors import KVABIError, UnsupportedError
+from .hookspecs import hookimpl
+from .layout import Layout
 from .metadata import CommonAttentionMetadata
 from .quant import check_scales
-from .step_limits import StepLimits
 from .spec import KVGroup, KVSpec, LayerKV, ModelKV
-from .step_checks import (AttentionOptions, check_kv, check_layer, check_num_q_heads, check_query, check_sinks,
-                          check_step, index_dtype)
+from .step_checks import (AttentionOptions, check_layer, check_num_q_heads, check_step,
+                          index_dtype)
+from .step_limits import StepLimits
+from .step_plan import StepPlan
+from .version import ABI_VERSION, WIRE_VERSION
 
 __version__ = "0.1.0"
 
+# Modules `import kvabi` does not load (the registry scans entry points on first use).
 _LAZY = {
-    "Layout": ("kvabi.layout", "Layout"),
-    "Component": ("kvabi.component", "Component"),
     "get_backend": ("kvabi.registry", "get_backend"),
     "backend_names": ("kvabi.registry", "backend_names"),
     "merge_attention": ("kvabi.merge", "merge_attention"),
     "transforms": ("kvabi.transforms", None),
-    "tensors": ("kvabi.tensors", None),
 }
 
 
 def __getattr__(name):
-    # Lazy so that `import kvabi` stays cheap and modules under construction don't break it.
     if name in _LAZY:
         import importlib
 
@@ -33,7 +37,9 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvabi' has no attribute {name!r}")
 
 
-__all__ = ["ABI_VERSION", "AttentionOptions", "Component", "KVCache", "abi_at_least", "as_cache", "tensors", "Backend", "Capabilities", "CommonAttentionMetadata", "KVABIError",
-           "KVGroup", "KVSpec", "LayerKV", "Layout", "ModelKV", "StepLimits", "UnsupportedError",
-           "backend_names", "check_kv", "check_scales", "check_layer", "check_num_q_heads", "check_query", "check_sinks", "check_step", "index_dtype", "get_backend", "hookimpl", "merge_attention", "transforms",
+__all__ = ["ABI_VERSION", "AttentionOptions", "Backend", "Capabilities",
+           "CommonAttentionMetadata", "Component", "KVABIError", "KVCache", "KVGroup", "KVSpec", "LayerKV",
+           "Layout", "ModelKV", "StepLimits", "StepPlan", "UnsupportedError", "WIRE_VERSION",
+           "backend_names", "check_layer", "check_num_q_heads", "check_scales", "check_step", "get_backend",
+           "hookimpl", "index_dtype", "merge_attention", "tensors", "transforms",
            "__version__"]

@@ -1,14 +1,12 @@
-"""The KV cache handle a step passes around (ABI 1.1): a layout, its planes, and the
-per-layer views computed once.
+"""The KV cache handle a step passes around: a layout, its planes, and the per-layer views
+computed once.
 
 :class:`KVCache` is where cache memory enters kvabi, so it is where that memory is checked
 against the layout, once: the number of planes, each plane's shape, dtype and strides, and
 that the memory under each plane reaches the furthest byte the layout addresses (a plane of
 the right shape over too small a buffer is refused, never written past).  Behind the check,
-a view costs a dictionary lookup.
-
-A KVCache *is* a tuple of its planes, so code written for ABI 1.0 (which passed a plain
-list of planes) keeps working when handed one.
+a view costs a dictionary lookup.  A KVCache is a tuple of its planes (``cache[i]``,
+``len(cache)``); backends take nothing else as a cache.
 """
 from __future__ import annotations
 
@@ -19,8 +17,8 @@ import numpy as np
 from .coerce import as_int, is_int
 from .errors import FrozenError, KVABIError
 from .layout import check_layout as _check_layout
-from .planes import (check_plane, check_planes, check_torch, check_torch_devices,
-                     plane_stamp)
+from .planes import (byte_span, check_plane, check_planes, check_torch,
+                     check_torch_devices, plane_stamp)
 from .tensors import framework, torch_dtype
 from .views import allocate_numpy, component_view, layer_view
 
@@ -33,7 +31,7 @@ class KVCache(tuple):
     arrays are immutable, so a jax write returns a new handle (:meth:`replace`).
 
     Its attributes cannot be rebound (``layout``, ``framework``): code that trusts a handle
-    by identity (:func:`as_cache`) trusts what was checked.  What a caller can still change
+    by identity (``Backend.write_kv``) trusts what was checked.  What a caller can still change
     is the planes' own state (a torch ``set_()``, a storage ``resize_()``, a numpy
     ``shape``/``strides`` assignment): a fingerprint of each plane is kept at wrap and
     compared where the plane is used (:meth:`check_unchanged`, and every view lookup).
@@ -220,6 +218,18 @@ class KVCache(tuple):
         self._check_view(hit[1], hit[0], hit[2])
         return hit[0]
 
+    def layer_spans(self, layer: int) -> tuple:
+        """:func:`kvabi.planes.byte_span` of each plane holding ``layer`` (an index already
+        checked), computed once: what an ``out=`` buffer must not overlap."""
+        hit = self._views.get(("spans", layer))
+        if hit is None:
+            kvs = (0, 1) if "KV" in self.layout.planes else (0,)
+            idx = dict.fromkeys(self.layout.plane_index(layer, kv) for kv in kvs)
+            self.check_unchanged(tuple(idx))
+            hit = self._views[("spans", layer)] = tuple(byte_span(self[i], self.framework)
+                                                        for i in idx)
+        return hit
+
     def _check_view(self, i, view, stamp):
         """The plane under a cached view, and the view itself (handed out, so a caller
         could reshape or re-point it), are as they were checked."""
@@ -248,21 +258,6 @@ class KVCache(tuple):
 
     def __reduce__(self):
         return (KVCache, (self.layout, tuple(self)))
-
-
-def as_cache(cache, layout, framework: str | None = None) -> KVCache:
-    """The handle for ``cache`` (a KVCache, or an ABI 1.0 list of planes) and ``layout``:
-    a lookup for a KVCache of that layout, a full check otherwise.  Every backend calls
-    this before it touches cache memory, passing its own ``framework`` ("numpy", "torch",
-    "jax"): a cache of another framework is refused by name (KVABIError naming both)."""
-    if type(cache) is KVCache and cache.layout is layout:
-        c = cache
-    else:
-        c = KVCache.wrap(layout, cache)
-    if framework is not None and c.framework != framework:
-        raise KVABIError(f"cache: this backend takes {framework} planes, got a cache of "
-                         f"{c.framework} planes (kvabi.tensors.convert copies them)")
-    return c
 
 
 def _plane_index(i, n: int, what: str) -> int:

@@ -17,3 +17,8 @@ def require(cond: bool, field: str, msg: str, value=None) -> None:
 class FrozenError(KVABIError, AttributeError):
     """An attempt to change an object kvabi checked (a :class:`~kvabi.KVCache` attribute,
     a read-only mapping of a :class:`~kvabi.Layout`): it stays as it was checked."""
+
+
+class UnsupportedError(KVABIError):
+    """A backend was asked for something outside its capabilities (the message lists every
+    reason)."""

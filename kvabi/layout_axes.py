@@ -12,7 +12,7 @@ import attrs
 from .coerce import checked_bytes
 from .component import Component
 from .dtypes import check_dtype, itemsize
-from .errors import KVABIError, require
+from .errors import require
 from .frozen import FrozenDict
 
 AXES = ("L", "B", "KV", "N", "H", "D")

@@ -1,7 +1,7 @@
 """The JSON form of a layout descriptor, and parsing untrusted ones (``specs/layout.md``,
 JSON Schema in ``specs/layout.schema.json``, threat model in ``specs/security.md``).
 
-A descriptor is written at :data:`~kvabi.version.LAYOUT_VERSION` (2.0): the axis form's
+A descriptor is written at :data:`~kvabi.version.WIRE_VERSION` (2.0): the axis form's
 fields, or ``sizes`` and ``components``.  Every 1.x descriptor (the axis form) is still
 read.  The text goes through the strict reader (:mod:`kvabi.safe_json`: size, depth,
 duplicate keys, UTF-8, int64), every field's JSON type is checked here against the schema,
@@ -13,14 +13,14 @@ from __future__ import annotations
 from .coerce import as_int
 from .errors import KVABIError
 from .safe_json import loads
-from .version import LAYOUT_VERSION, wire_version
+from .version import WIRE_VERSION, wire_version
 
 #: Size limit of a descriptor's text (a real one is well under 4 KiB).
 MAX_DESCRIPTOR_BYTES = 64 * 2**10
 #: Nesting limit of a descriptor (the schema nests 4 deep).
 MAX_DESCRIPTOR_DEPTH = 8
 #: the descriptor majors a reader of this version takes
-READS = (1, LAYOUT_VERSION[0])
+READS = (1, WIRE_VERSION[0])
 
 _AXIS_FIELDS = ("name", "dtype", "order", "planes", "sizes", "extents", "strides",
                 "plane_bytes", "folds", "packing")
@@ -28,8 +28,8 @@ _COMPONENT_FIELDS = ("name", "dtype", "count", "offset", "strides", "plane", "pl
 
 
 def layout_to_dict(layout) -> dict:
-    """The descriptor of ``layout`` as a JSON object at :data:`LAYOUT_VERSION`."""
-    head = {"kvabi_abi": list(LAYOUT_VERSION), "name": layout.name}
+    """The descriptor of ``layout`` as a JSON object at :data:`WIRE_VERSION`."""
+    head = {"kvabi_abi": list(WIRE_VERSION), "name": layout.name}
     if layout.is_axis_form:
         return {**head,
                 "dtype": layout.dtype,
@@ -103,7 +103,7 @@ def layout_from_json(cls, text, *, max_bytes=None):
     if ver[0] not in READS:
         raise KVABIError(f"kvabi_abi: descriptor is ABI {ver[0]}.{ver[1]}; this reader "
                          f"understands majors {' and '.join(map(str, READS))}")
-    newer = ver > LAYOUT_VERSION
+    newer = ver > WIRE_VERSION
     name = d.get("name")
     if name is not None and not isinstance(name, str):
         raise KVABIError(f"name: must be a string or null, got {name!r:.80}")

@@ -152,6 +152,26 @@ def _byte_bounds(a):
     return bb(a) if bb is not None else np.byte_bounds(a)  # numpy < 2
 
 
+def byte_span(x, fw):
+    """``(device, first byte, end byte)`` of the memory the elements of a numpy or torch
+    array occupy (None for jax arrays and empty arrays): two arrays alias when their spans
+    on one device overlap."""
+    if fw == "numpy":
+        return None if x.size == 0 else ("cpu",) + tuple(_byte_bounds(x))
+    if fw == "torch":
+        if x.numel() == 0:
+            return None
+        start = x.data_ptr()
+        last = sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+        return str(x.device), start, start + (last + 1) * x.element_size()
+    return None
+
+
+def overlaps(a, b) -> bool:
+    """Whether two :func:`byte_span` results share a byte."""
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
 def plane_stamp(p, fw):
     """What must not change in a plane (or a view of it) after its check: compared at use
     by :class:`kvabi.KVCache` (see ``KVCache.check_unchanged``)."""

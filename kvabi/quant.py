@@ -117,6 +117,8 @@ def check_scales(spec, k_scale, v_scale) -> tuple[float, float] | None:
     other spec, which must be given none (KVABIError naming the field).  An MLA latent
     uses ``k_scale`` only."""
     if spec.quant != "per_tensor":
+        if k_scale is None and v_scale is None:  # every unquantized call: no more work
+            return None
         for name, v in (("k_scale", k_scale), ("v_scale", v_scale)):
             require(v is None, name, f"static scales are for a per_tensor cache, this spec's "
                     f"quant is {spec.quant!r}", v)

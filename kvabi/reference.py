@@ -1,4 +1,4 @@
-"""The ``reference`` backend: the numpy float64 oracle of ``specs/semantics.md`` (ABI 1.1).
+"""The ``reference`` backend: the numpy float64 oracle of ``specs/semantics.md``.
 
 Caches are held in the layout's own dtype (numpy, or ``ml_dtypes`` for bfloat16 and
 float8), written and read through the strided per-layer views of a :class:`kvabi.KVCache`
@@ -6,9 +6,9 @@ float8), written and read through the strided per-layer views of a :class:`kvabi
 Attention upcasts to float64 and is computed densely with a written-out masked softmax
 (``reference_attention``): slow by design, obvious by design, memory bounded.
 
-Per-step work (which rows each write and each query touches, the masks) is done once in
-:meth:`ReferenceBackend.plan`; a layer's ``write_kv`` or ``attention`` checks its own
-arguments (shapes, the cache against the plan's layout) and does the arithmetic.
+Per-step work (which rows each write and each query touches, the masks) is prepared once
+per plan; a layer's ``write`` or ``attend`` does the arithmetic.  Every argument check is
+:class:`kvabi.Backend`'s.
 """
 from __future__ import annotations
 
@@ -17,21 +17,18 @@ import threading
 import attrs
 import numpy as np
 
-from .abi import Backend, Capabilities, UnsupportedError
-from .cache import as_cache
-from .coerce import as_int, real_array
+from .backend import Backend
+from .capabilities import Capabilities
+from .coerce import as_int
 from .dtypes import DTYPES, numpy_dtype
 from .errors import KVABIError
 from .layout import Layout
-from .metadata import CommonAttentionMetadata
 from .presets import preset_names
 from .presets_components import QUANTIZED
-from .quant import (ROUNDINGS, check_quant_layout, check_scales, quantize_per_tensor,
+from .quant import (ROUNDINGS, check_quant_layout, quantize_per_tensor,
                     quantize_per_token_head)
 from .reference_attention import Pieces, attend, step_work
-from .spec import KINDS, KVSpec
-from .step_checks import (AttentionOptions, check_kv, check_layer, check_query, check_sinks,
-                          check_step)
+from .spec import KINDS
 
 #: the quantization granularities the oracle computes (semantics section 11): per_token_head
 #: over any layout with scale components (its presets: vllm.*_per_token_head, flashinfer.*)
@@ -39,54 +36,26 @@ QUANT = ("none", "per_tensor", "per_token_head")
 
 
 @attrs.frozen(eq=False)
-class ReferencePlan:
-    """The reference backend's per-step plan: the metadata, the attention options and the
-    step's precomputed work.
+class ReferenceWork:
+    """What the reference prepares for a step: ``pieces``, the batched work list;
+    ``write_rows``, the (token, block, row) of every real token (tokens None: every token
+    is real); and the chunks of the step's query heads (built on first use)."""
 
-    ``scale`` multiplies q.k (default ``1/sqrt(spec.head_dim)``); ``softcap`` (or None)
-    caps the scaled logits as ``cap * tanh(x / cap)``; ``sinks`` (or None) holds one
-    float64 logit per query head, the default of every layer; ``num_q_heads`` (or None:
-    taken from each query).  ``pieces`` is the batched work list; ``write_rows`` the
-    (token, block, row) of every real token.  Nothing in a plan depends on the layer.
-    """
-
-    meta: CommonAttentionMetadata
-    spec: KVSpec
-    layout: object
-    scale: float
-    softcap: float | None = None
-    sinks: np.ndarray | None = None
-    pieces: Pieces | None = None
-    num_q_heads: int | None = None
-    query_piece: int = 64
-    chunk_elements: int = 1 << 23
-    write_rows: tuple | None = None
-    # {num_q_heads: [ChunkWork]}: built on first use per head count (layer-independent)
+    pieces: Pieces
+    write_rows: tuple
+    chunk_elements: int
     _work: dict = attrs.field(init=False, factory=dict, repr=False)
     _lock: object = attrs.field(init=False, factory=threading.Lock, repr=False)
 
-    def __attrs_post_init__(self):
-        if self.pieces is None:
-            object.__setattr__(self, "pieces",
-                               Pieces.from_meta(self.meta, self.spec, self.query_piece))
-        if self.write_rows is None:
-            slots = self.meta.slot_mapping
-            real = np.nonzero(slots >= 0)[0]
-            tokens = None if len(real) == len(slots) else real  # None: every token
-            s = slots[real]
-            bs = self.spec.block_size
-            object.__setattr__(self, "write_rows", (tokens, s // bs, s % bs))
-
-    def work(self, num_q_heads: int):
-        """The step's chunks for ``num_q_heads`` query heads (built once, then shared)."""
-        w = self._work.get(num_q_heads)
+    def work(self, plan):
+        """The step's chunks for the plan's query heads (built once, then shared)."""
+        w = self._work.get(None)
         if w is None:
             with self._lock:
-                w = self._work.get(num_q_heads)
+                w = self._work.get(None)
                 if w is None:
-                    w = step_work(self.meta, self.spec, self.pieces, num_q_heads,
-                                  self.chunk_elements)
-                    self._work[num_q_heads] = w
+                    w = self._work[None] = step_work(plan.meta, plan.spec, self.pieces,
+                                                     plan.num_q_heads, self.chunk_elements)
         return w
 
 
@@ -134,72 +103,47 @@ class ReferenceBackend(Backend):
                 out.append(name)
         return tuple(out)
 
-    # -- plan --------------------------------------------------------------------------
-    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
-             sinks=None):
-        check_step(meta, spec, layout)
-        if spec.quant not in QUANT:
-            raise UnsupportedError(f"{self.name}: unsupported: quant {spec.quant!r} not in "
-                                   f"{QUANT}")
-        opts = AttentionOptions.resolve(spec, scale, softcap, sinks, num_q_heads=num_q_heads)
-        hq = None if num_q_heads is None else int(num_q_heads)
-        plan = ReferencePlan(meta, spec, layout, opts.scale, opts.softcap, opts.sinks,
-                             Pieces.from_meta(meta, spec, self.query_piece), hq,
-                             self.query_piece, self.chunk_elements)
-        if hq is not None:
-            plan.work(hq)  # the per-step work belongs to plan time when the heads are known
-        return plan
+    def prepare(self, plan) -> ReferenceWork:
+        slots = plan.meta.slot_mapping
+        real = np.nonzero(slots >= 0)[0]
+        tokens = None if len(real) == len(slots) else real
+        s = slots[real]
+        bs = plan.spec.block_size
+        work = ReferenceWork(Pieces.from_meta(plan.meta, plan.spec, self.query_piece),
+                             (tokens, s // bs, s % bs), self.chunk_elements)
+        work.work(plan)  # the per-step work belongs to plan time
+        return work
 
-    # -- cache views -------------------------------------------------------------------
     @staticmethod
-    def _views(cache, layout, plan, layer):
-        """(handle, key view, value view) of ``layer``: [B, N, H, D] and [B, N, H, Dv].
-
-        ``check_step`` at plan time checked the plan's layout against the step; a call
-        with another layout object is checked again.  The cache is checked against the
-        call's layout (a lookup for a KVCache of it)."""
-        if layout is not plan.layout:
-            check_step(plan.meta, plan.spec, layout)
-        handle = as_cache(cache, layout, "numpy")
+    def _views(cache, plan, layer):
+        """(key view, value view) of ``layer``: [B, N, H, D] and [B, N, H, Dv]."""
         spec = plan.spec
+        k = cache.kv_view(layer, 0)
         if spec.is_mla:
-            lat = handle.kv_view(layer, 0)
-            return handle, lat[..., :spec.head_dim], lat[..., :spec.head_dim_v]
-        k = handle.kv_view(layer, 0)
-        v = handle.kv_view(layer, 1)
-        if k.shape[3] != spec.head_dim:
-            k = k[..., :spec.head_dim]
-        if v.shape[3] != spec.head_dim_v:
-            v = v[..., :spec.head_dim_v]
-        return handle, k, v
+            return k, k[..., :spec.head_dim_v]
+        v = cache.kv_view(layer, 1)
+        return k, v if v.shape[3] == spec.head_dim_v else v[..., :spec.head_dim_v]
 
-    # -- write -------------------------------------------------------------------------
-    def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0, k_scale=None,
-                 v_scale=None):
-        """Write new K/V at the plan's slots, in place; returns ``cache`` as given.
+    def write(self, plan, cache, key, value, layer, scales=None):
+        """New K/V at the plan's slots, in place; returns ``cache``.
 
-        A ``per_tensor`` cache stores codes under the layer's static ``k_scale`` and
-        ``v_scale`` (float32 values, 1.0 when not given); a ``per_token_head`` cache codes
-        and one float32 scale per token and head in the layout's ``key_scale`` and
+        A ``per_tensor`` cache stores codes under the layer's static ``scales`` (``(k_scale,
+        v_scale)`` float32 values, checked by the base class); a ``per_token_head`` cache
+        codes and one float32 scale per token and head in the layout's ``key_scale`` and
         ``value_scale`` components (semantics section 11)."""
         spec = plan.spec
-        scales = check_scales(spec, k_scale, v_scale)
-        key = real_array(key, "key")
-        value = None if value is None else real_array(value, "value")
-        check_kv(key, value, plan.meta, spec)
-        _, kview, vview = self._views(cache, layout, plan, check_layer(layer, layout))
+        kview, vview = self._views(cache, plan, layer)
         if not (kview.flags.writeable and vview.flags.writeable):
             raise KVABIError(f"cache: the planes of layer {layer} are read-only")
-        tokens, blk, off = plan.write_rows
+        tokens, blk, off = plan.prepared.write_rows
         k = key if tokens is None else key[tokens]
         v = None if spec.is_mla else value if tokens is None else value[tokens]
         if spec.quant == "per_token_head":
             kq, ks = quantize_per_token_head(k, spec.dtype, spec.rounding, "key")
             vq, vs = quantize_per_token_head(v, spec.dtype, spec.rounding, "value")
-            handle = as_cache(cache, layout, "numpy")
             kview[blk, off], vview[blk, off] = kq, vq
-            handle.component_view("key_scale", layer)[blk, off, :, 0] = ks
-            handle.component_view("value_scale", layer)[blk, off, :, 0] = vs
+            cache.component_view("key_scale", layer)[blk, off, :, 0] = ks
+            cache.component_view("value_scale", layer)[blk, off, :, 0] = vs
             return cache
         if scales is None:
             dt = numpy_dtype(spec.dtype)
@@ -215,57 +159,26 @@ class ReferenceBackend(Backend):
             vview[blk, off] = vq
         return cache
 
-    # -- attention ---------------------------------------------------------------------
-    def attention(self, query, cache, layout, plan, *, layer: int = 0, sinks=None,
-                  out=None, return_lse=False, k_scale=None, v_scale=None):
-        """Attention in float64: returns float64 ``out`` [T, Hq, Dv] (and lse [T, Hq]),
-        the oracle's precision; with ``out=`` the result is written there (in its dtype)
-        and ``out`` is returned.  ``sinks`` overrides the plan's for this call; a
-        ``per_tensor`` cache is read as codes times the layer's ``k_scale``/``v_scale``."""
-        spec, meta = plan.spec, plan.meta
-        scales = check_scales(spec, k_scale, v_scale) or (1.0, 1.0)
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse, scales=None):
+        """float64 output [T, Hq, Dv] and lse [T, Hq], the oracle's precision (the base
+        class copies the output into ``out`` when one is given); a ``per_tensor`` cache is
+        read as codes times the layer's ``scales``, a ``per_token_head`` one as codes times
+        their row's stored scale."""
+        spec, hq = plan.spec, plan.num_q_heads
         if spec.quant == "per_token_head":  # [B, N, H, 1] float32 views
-            handle = as_cache(cache, layout, "numpy")
-            scales = tuple(handle.component_view(n, check_layer(layer, layout))
+            scales = tuple(cache.component_view(n, layer)
                            for n in ("key_scale", "value_scale"))
-        query = real_array(query, "query")
-        hq = check_query(query, meta, spec)
-        if plan.num_q_heads is not None and hq != plan.num_q_heads:
-            raise KVABIError(f"query: the plan was made for num_q_heads={plan.num_q_heads}, "
-                             f"got {hq} query heads")
+        elif scales is None:
+            scales = (1.0, 1.0)
         h = spec.num_kv_heads
-        s = check_sinks(sinks, hq) if sinks is not None else plan.sinks
-        if s is None:
-            sink = np.full((h, hq // h), -np.inf)
-        else:
-            if s.shape != (hq,):
-                AttentionOptions(plan.scale, plan.softcap, s).check_heads(hq)
-            sink = s.reshape(h, hq // h)
-        t = meta.num_tokens
-        dst = None if out is None else _check_out(out, (t, hq, spec.head_dim_v))
-        _, kview, vview = self._views(cache, layout, plan, check_layer(layer, layout))
+        sink = np.full((h, hq // h), -np.inf) if sinks is None else sinks.reshape(h, hq // h)
+        kview, vview = self._views(cache, plan, layer)
+        t = plan.meta.num_tokens
         res = np.zeros((t, hq, spec.head_dim_v), np.float64)
         lse = np.full((t, hq), -np.inf, np.float64)
-        attend(query, kview, vview, spec, plan.work(hq), plan.scale, plan.softcap, sink,
-               res, lse, scales)
-        if dst is not None:
-            dst[...] = res
-            res = out
-        return (res, lse) if return_lse else res
-
-
-def _check_out(out, shape) -> np.ndarray:
-    """``out=``: a writable numpy array of the output's shape and a real float dtype."""
-    if not isinstance(out, np.ndarray):
-        raise KVABIError(f"out: must be a numpy array for the reference backend, got "
-                         f"{type(out).__name__}")
-    if out.shape != shape:
-        raise KVABIError(f"out: must have shape {list(shape)}, got {list(out.shape)}")
-    if not (out.dtype.kind == "f" or (out.dtype.kind == "V" and out.dtype.itemsize in (1, 2))):
-        raise KVABIError(f"out: must have a floating dtype, got {out.dtype}")
-    if not out.flags.writeable:
-        raise KVABIError("out: must be writable")
-    return out
+        attend(query, kview, vview, spec, plan.prepared.work(plan), plan.scale, plan.softcap,
+               sink, res, lse, scales)
+        return res, lse
 
 
 def to_cache_dtype(x: np.ndarray, dt: np.dtype) -> np.ndarray:

@@ -3,7 +3,7 @@
 kvabi's registry also loads this module directly, so the oracle is present even when kvabi
 runs from a source tree without installed entry points.
 """
-from .abi import hookimpl
+from .hookspecs import hookimpl
 
 
 @hookimpl

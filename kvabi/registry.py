@@ -7,9 +7,10 @@ backends register the same way), and plugins registered programmatically with
 names) restricts which entry points load; unset loads all.
 
 A plugin that fails to import, an entry point that loads but implements no kvabi hook, a
-hook that raises, an object that is not a :class:`~kvabi.abi.Backend`, a backend built for
-another ABI major version, and a second backend with an already-taken name are all
-*refused*: kvabi keeps working, and the reason is listed by :func:`refused` and ``kvabi
+hook that raises, an object that is not a :class:`kvabi.Backend`, a backend built for
+another ABI major version (the reason names both versions), a backend that overrides a
+method the base class runs (``plan``, ``write_kv``, ``attention``...), and a second
+backend with an already-taken name are all *refused*: kvabi keeps working, and the reason is listed by :func:`refused` and ``kvabi
 backends`` and raised by :func:`get_backend`.
 
 Mistakes that register nothing without failing are *warnings* (:func:`warnings`, listed by
@@ -29,8 +30,10 @@ import threading
 import attrs
 import pluggy
 
-from .abi import ABI_VERSION, PROJECT, Backend, HookSpecs
+from .backend import BOUNDARY, Backend
 from .errors import KVABIError
+from .hookspecs import PROJECT, HookSpecs
+from .version import ABI_VERSION
 
 #: the entry-point group (and pluggy project name) of kvabi plugins
 ENTRY_POINT_GROUP = PROJECT
@@ -221,6 +224,11 @@ def _check_backend(b, plugin: str) -> str | None:
     if v[0] != ABI_VERSION[0]:
         return (f"built for kvabi ABI {v[0]}.{v[1]}, but this kvabi speaks ABI "
                 f"{ABI_VERSION[0]}.{ABI_VERSION[1]} (major versions must match)")
+    own = [m for m in BOUNDARY if getattr(type(b), m, None) is not getattr(Backend, m)]
+    if own:
+        return (f"overrides {', '.join(f'Backend.{m}' for m in own)}, which the base class "
+                f"runs (its checks are every backend's); implement prepare, write and "
+                f"attend instead")
     return None
 
 

@@ -236,16 +236,12 @@ class ModelKV:
     def owners(self) -> tuple[str, ...]:
         """Names of the layers that own a cache, in order: the layers a layout's L axis
         holds (owner i is index i on it), like :attr:`shared_layers` and
-        :attr:`prefill_skip_layers` give names.
-
-        Until 1.2 this returned the :class:`LayerKV` objects; each name still answers
-        ``.name``, ``.spec`` and ``.shares`` with a DeprecationWarning for the rest of 1.x.
-        Use :attr:`owner_layers` for the objects."""
-        return tuple(_OwnerName(l) for l in self.owner_layers)
+        :attr:`prefill_skip_layers` give names (:attr:`owner_layers`: the objects)."""
+        return tuple(l.name for l in self.owner_layers)
 
     @property
     def owner_layers(self) -> tuple[LayerKV, ...]:
-        """The :class:`LayerKV` of each layer that owns a cache, in order (1.2)."""
+        """The :class:`LayerKV` of each layer that owns a cache, in order."""
         return tuple(l for l in self.layers if l.shares is None)
 
     @property
@@ -285,26 +281,3 @@ class ModelKV:
 
         return model_from_hf_config(config, block_size=block_size, kv_dtype=kv_dtype,
                                     kv_quant=kv_quant, rounding=rounding)
-
-
-class _OwnerName(str):
-    """A layer name from :attr:`ModelKV.owners` that still answers the attributes of the
-    LayerKV the property returned until ABI 1.2 (deprecated; removed in 2.0)."""
-
-    def __new__(cls, layer: LayerKV):
-        self = super().__new__(cls, layer.name)
-        self._layer = layer
-        return self
-
-    def __getattr__(self, attr):
-        if attr in ("name", "spec", "shares"):
-            import warnings
-
-            warnings.warn(f"ModelKV.owners returns layer names since ABI 1.2; "
-                          f"owners[i].{attr} is deprecated: use ModelKV.owner_layers",
-                          DeprecationWarning, stacklevel=2)
-            return getattr(self._layer, attr)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
-
-    def __reduce__(self):  # pickles (and copies) as the plain name
-        return (str, (str(self),))

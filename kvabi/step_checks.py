@@ -1,6 +1,6 @@
-"""Validation every backend performs on a step: attention options, and that metadata,
-spec, layout and tensors belong together.  Public so that third-party backends refuse bad
-input with the same messages as the built-in ones."""
+"""The checks of a step, in one place: attention options, and that metadata, spec, layout
+and tensors belong together.  :class:`kvabi.Backend` runs them at its boundary, so every
+backend refuses bad input with the same messages."""
 from __future__ import annotations
 
 import math
@@ -12,8 +12,10 @@ from .coerce import INT32_MAX, INT64_MAX, as_float, as_int, real_array
 from .errors import KVABIError
 from .layout import check_layout
 from .metadata import CommonAttentionMetadata
+from .planes import byte_span, overlaps
 from .quant import check_quant_layout
 from .spec import KVSpec
+from .tensors import framework
 
 
 def _positive(x, field):
@@ -21,8 +23,8 @@ def _positive(x, field):
 
 
 def check_sinks(sinks, num_q_heads: int | None = None) -> np.ndarray | None:
-    """Attention sinks as float64, one logit per query head (``num_q_heads`` when known),
-    or None.  Real numbers only (complex, bool, str refused); NaN and +inf refused (-inf is
+    """Attention sinks as a read-only float64 copy, one logit per query head
+    (``num_q_heads`` when known), or None.  Real numbers only (complex, bool, str refused); NaN and +inf refused (-inf is
     a head without a sink)."""
     if sinks is None:
         return None
@@ -30,12 +32,13 @@ def check_sinks(sinks, num_q_heads: int | None = None) -> np.ndarray | None:
     if a.ndim != 1:
         raise KVABIError(f"sinks: must be 1-D, one logit per query head, got shape "
                          f"{a.shape}")
-    a = np.asarray(a, np.float64)
+    a = np.array(a, np.float64)  # kvabi's own copy: the caller may change its array
     if np.isnan(a).any() or np.isposinf(a).any():
         raise KVABIError("sinks: must not be NaN or +inf")
     if num_q_heads is not None and a.shape != (num_q_heads,):
         raise KVABIError(f"sinks: must have one logit per query head ({num_q_heads}), "
                          f"got shape {a.shape}")
+    a.flags.writeable = False
     return a
 
 
@@ -59,15 +62,9 @@ class AttentionOptions:
         softcap = _positive(softcap, "softcap")
         return cls(scale, softcap, check_sinks(sinks, num_q_heads))
 
-    def check_heads(self, num_q_heads: int) -> None:
-        """Sinks, when given, hold one logit per query head."""
-        if self.sinks is not None and self.sinks.shape != (num_q_heads,):
-            raise KVABIError(f"sinks: must have one logit per query head ({num_q_heads}), "
-                             f"got shape {self.sinks.shape}")
-
 
 def check_num_q_heads(num_q_heads, spec: KVSpec) -> int:
-    """``num_q_heads`` (ABI 1.1 ``plan`` keyword): a positive multiple of the KV heads."""
+    """``num_q_heads`` (``plan``'s keyword): a positive multiple of the KV heads."""
     hq = as_int(num_q_heads, "num_q_heads", lo=1, hi=INT32_MAX)
     if hq % spec.num_kv_heads:
         raise KVABIError(f"num_q_heads: must be a positive multiple of the "
@@ -97,8 +94,8 @@ def check_layer(layer, layout) -> int:
 
 
 def check_step(meta, spec, layout) -> None:
-    """Metadata, spec and layout belong together: types, block size, dtype, heads, head dim,
-    and block ids inside the layout's blocks.
+    """Metadata, spec and layout belong together: types, block size, dtype, heads, head dim
+    (the layout's ``D`` is the spec's), and block ids inside the layout's blocks.
 
     What a backend may rely on after it (before any kernel runs): every used block id is in
     ``[0, layout.num_blocks)``, so every real token's slot is in ``[0, layout.num_blocks *
@@ -124,8 +121,8 @@ def check_step(meta, spec, layout) -> None:
         if layout.size(axis) != want:
             raise KVABIError(f"layout.sizes.{axis}: must be {want} for this spec, got "
                              f"{layout.size(axis)}")
-    if layout.size("D") < spec.head_dim:
-        raise KVABIError(f"layout.sizes.D: must be >= head_dim {spec.head_dim}, got "
+    if layout.size("D") != spec.head_dim:
+        raise KVABIError(f"layout.sizes.D: must equal spec.head_dim {spec.head_dim}, got "
                          f"{layout.size('D')}")
     n = layout.num_blocks
     if n * spec.block_size - 1 > INT64_MAX:
@@ -161,21 +158,49 @@ def _check_block_ids(bt, meta, spec, n) -> None:
                              f"outside the layout's {n} blocks")
 
 
-def _real_dtype(x, field: str) -> None:
+# dtype -> "float", "real" (integers) or "other": str() of a numpy dtype costs microseconds,
+# and a step's few dtypes are classified once
+_DTYPE_CLASS: dict = {}
+
+
+def dtype_class(dt) -> str:
+    """``"float"``, ``"real"`` (integers) or ``"other"`` for a numpy, torch or jax dtype."""
+    try:
+        return _DTYPE_CLASS[dt]
+    except (KeyError, TypeError):
+        pass
+    name = str(dt).replace("torch.", "")
+    if getattr(dt, "kind", None) in ("c", "b", "U", "S", "O") or "complex" in name or \
+            name.endswith("bool"):
+        c = "other"
+    else:
+        c = "float" if name.startswith(("float", "bfloat")) else "real"
+    try:
+        if len(_DTYPE_CLASS) < 256:
+            _DTYPE_CLASS[dt] = c
+    except TypeError:  # an unhashable dtype-like object: classified every time
+        pass
+    return c
+
+
+def real_dtype(x, field: str) -> None:
     """``x`` holds real numbers (any framework): complex, bool, string and object arrays
     would lose data or fail deep inside a kernel."""
     dt = getattr(x, "dtype", None)
     if dt is None:
         raise KVABIError(f"{field}: must be an array, got {type(x).__name__}")
-    kind = getattr(dt, "kind", None)
-    name = str(dt)
-    if kind in ("c", "b", "U", "S", "O") or "complex" in name or name.endswith("bool"):
-        raise KVABIError(f"{field}: must hold real numbers, got dtype {name}")
+    if dtype_class(dt) == "other":
+        raise KVABIError(f"{field}: must hold real numbers, got dtype {dt}")
 
 
 def check_query(query, meta, spec) -> int:
-    """Check a query tensor [T, Hq, D] (any framework; real dtype); returns Hq."""
-    _real_dtype(query, "query")
+    """Check a query tensor [T, Hq, D] (any framework; a floating dtype, which the output
+    takes); returns Hq."""
+    dt = getattr(query, "dtype", None)
+    if dt is None or dtype_class(dt) != "float":
+        real_dtype(query, "query")
+        raise KVABIError(f"query.dtype: must be a floating-point dtype (the output has the "
+                         f"query's), got {_dtype(query)}")
     t, h = meta.num_tokens, spec.num_kv_heads
     shape = tuple(query.shape)
     if len(shape) != 3 or shape[0] != t or shape[2] != spec.head_dim:
@@ -189,9 +214,9 @@ def check_query(query, meta, spec) -> int:
 
 def check_kv(key, value, meta, spec) -> None:
     """Check new K/V tensors [T, H, D] / [T, H, Dv] (value None for MLA; real dtypes)."""
-    _real_dtype(key, "key")
+    real_dtype(key, "key")
     if value is not None:
-        _real_dtype(value, "value")
+        real_dtype(value, "value")
     t, h = meta.num_tokens, spec.num_kv_heads
     if tuple(key.shape) != (t, h, spec.head_dim):
         raise KVABIError(f"key: must be [{t}, {h}, {spec.head_dim}], got {tuple(key.shape)}")
@@ -202,3 +227,35 @@ def check_kv(key, value, meta, spec) -> None:
     elif value is None or tuple(value.shape) != (t, h, spec.head_dim_v):
         got = None if value is None else tuple(value.shape)
         raise KVABIError(f"value: must be [{t}, {h}, {spec.head_dim_v}], got {got}")
+
+
+def check_out(out, shape: tuple, query, fw: str, avoid=()) -> None:
+    """``out=``: an array of the backend's framework ``fw``, of ``shape``, of the query's
+    dtype (and device), writable, sharing no byte with the query nor with the spans in
+    ``avoid`` (:meth:`kvabi.KVCache.layer_spans`: a kernel writing its output over the
+    cache it reads would compute from its own output).  A jax ``out`` is only checked for
+    shape and dtype: jax writes nothing in place."""
+    if framework(out) != fw:
+        raise KVABIError(f"out: must be a {fw} array (the backend's framework), got "
+                         f"{type(out).__name__}")
+    if tuple(out.shape) != shape:
+        raise KVABIError(f"out.shape: must be {list(shape)}, got {list(out.shape)}")
+    if out.dtype != query.dtype:
+        raise KVABIError(f"out.dtype: must be the query's {_dtype(query)}, got {_dtype(out)}")
+    if fw == "jax":
+        return
+    if fw == "numpy" and not out.flags.writeable:
+        raise KVABIError("out: must be writable")
+    if fw == "torch" and out.device != query.device:
+        raise KVABIError(f"out.device: must be the query's {query.device}, got {out.device}")
+    span = byte_span(out, fw)
+    if overlaps(span, byte_span(query, fw)):
+        raise KVABIError("out: shares memory with the query; the output needs its own")
+    for s in avoid:
+        if overlaps(span, s):
+            raise KVABIError("out: shares memory with the cache the attention reads; the "
+                             "output needs its own")
+
+
+def _dtype(x) -> str:
+    return str(x.dtype).replace("torch.", "")

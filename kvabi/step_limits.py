@@ -2,8 +2,7 @@
 
 Backends that compile per shape (XLA, CUDA graphs) round each step's shapes up to buckets;
 :class:`StepLimits` bounds the steps an engine will run, so that the set of buckets is
-finite and :meth:`kvabi.Backend.warmup` can build all of them before the first step (ABI
-1.2, ``specs/versioning.md``).
+finite and :meth:`kvabi.Backend.warmup` can build all of them before the first step.
 """
 from __future__ import annotations
 

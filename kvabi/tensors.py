@@ -142,3 +142,28 @@ def _jax_on_cpu(x) -> bool:
         return all(d.platform == "cpu" for d in x.devices())
     except Exception:  # noqa: BLE001
         return False
+
+
+class ConvertOnce:
+    """``convert`` of an array to ``framework`` (optionally to kvabi ``dtype``, on
+    ``device``), made once per array object and reused while it lives: for arrays kvabi
+    hands out read-only, such as the checked sinks ``kvabi.Backend`` passes a backend (the
+    same object for the same sinks tensor, call after call)."""
+
+    def __init__(self, framework: str, *, dtype: str | None = None, device=None,
+                 limit: int = 4096):
+        self.framework, self.dtype, self.device, self.limit = framework, dtype, device, limit
+        self._memo: dict = {}
+
+    def __call__(self, a):
+        import weakref
+
+        hit = self._memo.get(id(a))
+        if hit is not None and hit[0]() is a:
+            return hit[1]
+        x = a if self.dtype is None else np.asarray(a).astype(numpy_dtype(self.dtype))
+        x = convert(x, self.framework, device=self.device)
+        if len(self._memo) >= self.limit:
+            self._memo.clear()
+        self._memo[id(a)] = (weakref.ref(a), x)
+        return x

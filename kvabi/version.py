@@ -1,15 +1,21 @@
-"""The ABI version and the check of a message's version field: the bottom of kvabi's
-dependency order (the layout descriptor, the transfer handshake and the backend ABI all
-carry it)."""
+"""kvabi's version numbers and the check of a message's version field: the bottom of
+kvabi's dependency order.
+
+Two numbers, kept apart because they move apart: :data:`ABI_VERSION` is the version of the
+Python calls between an engine, kvabi and a backend (``Backend`` methods, hooks, the step
+plan); :data:`WIRE_VERSION` is the ``kvabi_abi`` field of what kvabi writes for another
+process to read (the layout descriptor's JSON and the transfer handshake message).
+"""
 from __future__ import annotations
 
 from .errors import KVABIError
 
-#: (major, minor) of the backend ABI and of the layout descriptor format.
-ABI_VERSION = (1, 2)
-#: (major, minor) of the layout descriptor's JSON form (``specs/layout.md``; 2.0: components).
-#: Readers take this major and every 1.x descriptor.
-LAYOUT_VERSION = (2, 0)
+#: (major, minor) of the Python ABI: the Backend calls and hooks (``specs/versioning.md``).
+ABI_VERSION = (2, 0)
+
+#: (major, minor) of the descriptor JSON and the handshake message (``kvabi_abi``); 2.0:
+#: components in the descriptor. Readers take this major and every 1.x message.
+WIRE_VERSION = (2, 0)
 
 
 def wire_version(ver) -> tuple[int, int]:

@@ -25,7 +25,7 @@ def test_allocate_numpy_torch_wrap_and_views_are_the_layouts():
     for fw in ("numpy", "torch"):
         c = KVCache.allocate(CROSS, fw)
         assert isinstance(c, tuple) and c.layout is CROSS and c.framework == fw
-        assert kvabi.as_cache(c, CROSS) is c
+        assert KVCache.wrap(CROSS, c) is c
         v = c.kv_view(1, 1)
         assert c.kv_view(1, 1) is v  # cached
         v[2, 3, 1, 5] = 7
@@ -36,9 +36,9 @@ def test_allocate_numpy_torch_wrap_and_views_are_the_layouts():
         assert flat[off // 4] == 7 and np.count_nonzero(flat) == 1
 
 
-def test_a_list_of_planes_is_wrapped_like_abi_1_0():
+def test_a_list_of_planes_is_wrapped_over_the_same_memory():
     planes = allocate_numpy(CROSS)
-    c = kvabi.as_cache(planes, CROSS)
+    c = KVCache.wrap(CROSS, planes)
     assert isinstance(c, KVCache) and c[0] is planes[0]
 
 

@@ -28,7 +28,7 @@ def _step(backend, layout, fw="numpy"):
     k = np.ones((3, 2, 8), np.float32)
     if fw == "torch":
         k = torch.from_numpy(k)
-    return k, backend.plan(meta, SPEC, layout)
+    return k, backend.plan(meta, SPEC, layout, num_q_heads=2)
 
 
 def test_meta_planes_are_refused_at_wrap_and_allocate():
@@ -45,10 +45,9 @@ def test_a_cache_of_another_framework_is_refused_by_name(name, fw, given_fw):
     backend = kvabi.get_backend(name)
     k, plan = _step(backend, CROSS, fw)
     cache = KVCache.allocate(CROSS, given_fw)
-    for call in (lambda: backend.write_kv(cache, CROSS, k, k, plan),
-                 lambda: backend.attention(k.repeat(1, 2, 1) if fw == "torch" else
-                                           np.repeat(k, 2, 1), cache, CROSS, plan)):
-        with pytest.raises(KVABIError, match=f"^cache: this backend takes {fw} planes, got a "
+    for call in (lambda: backend.write_kv(plan, cache, key=k, value=k),
+                 lambda: backend.attention(plan, cache, query=k)):
+        with pytest.raises(KVABIError, match=f"^cache: {name} takes {fw} planes, got a "
                                              f"cache of {given_fw} planes"):
             call()
 
@@ -60,7 +59,7 @@ def test_reference_write_into_read_only_planes_is_refused():
         p.flags.writeable = False
     k, plan = _step(ref, CROSS)
     with pytest.raises(KVABIError, match="read-only"):
-        ref.write_kv(planes, CROSS, k, k, plan)
+        ref.write_kv(plan, KVCache.wrap(CROSS, planes), key=k, value=k)
 
 
 @pytest.mark.parametrize("layout,match", [(None, "NoneType"), ("flashinfer.HND", "preset name"),

@@ -170,7 +170,7 @@ def test_views_check_plane_memory(bad_planes, match):
 
 def test_views_of_sound_planes_write_inside_the_layout():
     layout = _page_aligned()
-    planes = allocate_numpy(layout, fill=-1)  # a 1.0 caller's plain list
+    planes = allocate_numpy(layout, fill=-1)  # a plain list, wrapped (checked)
     k = KVCache.wrap(layout, planes).kv_view(1, 1)
     k[...] = 7
     raw = np.concatenate([np.asarray(np.lib.stride_tricks.as_strided(

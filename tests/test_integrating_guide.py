@@ -34,7 +34,7 @@ def test_guide_runs(monkeypatch):
     layouts, caches, plans = ns["layouts"], ns["caches"], ns["plans"]
     backend = ns["backend"]
     q, out5 = ns["outputs"]["l5"]
-    own = backend.attention(q, caches[1], layouts[1], plans[1], layer=1)
+    own = backend.attention(plans[1], caches[1], query=q, layer=1)
     n = int(ns["query_lens"][:2].sum())
     assert np.array_equal(kvabi.tensors.to_numpy(own)[:n], kvabi.tensors.to_numpy(out5)[:n])
     # and the host round trip: request 0's first 3 blocks now also sit in request 2's

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import numpy as np
 import pytest
 
@@ -38,15 +39,14 @@ class WrongSlot(ReferenceBackend):
 
     name = "planted.diag_wrong_slot"
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
+    def prepare(self, plan):
         m = plan.meta
         s = m.slot_mapping.copy()
         s[0] += 1
         shifted = kvabi.CommonAttentionMetadata._trusted(
             m.query_start_loc, m.seq_lens, m.context_lens, m.positions, s, m.block_table,
             m.block_size, m.num_blocks)
-        p = super().plan(shifted, plan.spec, layout)
-        return super().write_kv(cache, layout, key, value, p, layer=layer, **scales)
+        return super().prepare(attrs.evolve(plan, meta=shifted))
 
 
 class WritesPadding(ReferenceBackend):
@@ -54,11 +54,11 @@ class WritesPadding(ReferenceBackend):
 
     name = "planted.diag_writes_padding"
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
-        cache = super().write_kv(cache, layout, key, value, plan, layer=layer, **scales)
+    def write(self, plan, cache, key, value, layer, **scales):
+        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer,
+                              **scales)
         pad = np.nonzero(plan.meta.slot_mapping < 0)[0]
-        c = kvabi.as_cache(cache, layout)
-        c.kv_view(layer, 1)[-1, -1] = np.asarray(value[pad[-1]])
+        cache.kv_view(layer, 1)[-1, -1] = np.asarray(value[pad[-1]])
         return cache
 
 
@@ -90,8 +90,8 @@ def test_write_failure_names_a_padding_token():
 class NoSoftcap(ReferenceBackend):
     name = "planted.diag_no_softcap"
 
-    def plan(self, meta, spec, layout, **kw):
-        return super().plan(meta, spec, layout, **{**kw, "softcap": None})
+    def attend(self, plan, **kw):
+        return super().attend(plan=attrs.evolve(plan, softcap=None), **kw)
 
 
 def test_attention_failure_names_the_worst_element():
@@ -121,19 +121,20 @@ def _step(backend, case):
     cache (every slot filled from the case's pool)."""
     from kvabi.testing.harness import oracle_cache
 
-    cache = oracle_cache(case, via_backend_allocate=True)
+    cache = kvabi.KVCache.wrap(case.layout, oracle_cache(case, via_backend_allocate=True))
     i = case.inputs()
-    plan = backend.plan(case.meta, case.spec, case.layout, softcap=case.softcap)
-    cache = backend.write_kv(cache, case.layout, i.key, i.value, plan)
-    return np.asarray(backend.attention(i.query, cache, case.layout, plan), np.float64)
+    plan = backend.plan(case.meta, case.spec, case.layout, num_q_heads=case.num_q_heads,
+                        softcap=case.softcap)
+    cache = backend.write_kv(plan, cache, key=i.key, value=i.value)
+    return np.asarray(backend.attention(plan, cache, query=i.query), np.float64)
 
 
 class LseLog2(ReferenceBackend):
     name = "planted.diag_lse_log2"
 
-    def attention(self, *a, return_lse=False, **kw):
-        got = super().attention(*a, return_lse=return_lse, **kw)
-        return (got[0], got[1] / math.log(2)) if return_lse else got
+    def attend(self, **kw):
+        out, lse = super().attend(**kw)
+        return out, lse / math.log(2)
 
 
 def test_base2_lse_shows_its_ratio():

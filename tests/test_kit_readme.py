@@ -1,6 +1,6 @@
-"""README's "Writing a backend" stays true: its skeleton has the ABI 1.1 signatures, registers
-and refuses unclaimed specs in ``plan``; it follows the worked example; and README and
-specs/conformance.md say the same about the kit's three entry points."""
+"""README's "Writing a backend" stays true: its skeleton has the ABI's signatures, registers
+and is refused what it does not claim (by the base class); it follows the worked example;
+and README and specs/conformance.md say the same about the kit's three entry points."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -47,8 +47,10 @@ def test_readme_and_spec_describe_the_entry_points_identically():
 def test_skeleton_has_the_abi_signatures_and_registers(monkeypatch):
     mod = skeleton()
     cls = mod.MyBackend
-    for name in ("capabilities", "preferred_layouts", "plan", "write_kv", "attention"):
+    for name in ("capabilities", "preferred_layouts", "prepare", "write", "attend"):
         assert params(getattr(cls, name)) == params(getattr(kvabi.Backend, name)), name
+    for name in ("plan", "write_kv", "attention"):  # the base class's, not overridden
+        assert getattr(cls, name) is getattr(kvabi.Backend, name), name
     assert cls.abi_version == kvabi.ABI_VERSION
     monkeypatch.setenv(registry.ENV_ALLOW, "")
     registry.reset()
@@ -61,7 +63,7 @@ def test_skeleton_has_the_abi_signatures_and_registers(monkeypatch):
         registry.reset()
 
 
-def test_skeleton_plan_refuses_what_it_does_not_claim():
+def test_skeleton_is_refused_what_it_does_not_claim():
     backend = skeleton().MyBackend()
     meta = kvabi.CommonAttentionMetadata.from_lengths([2], [0], [[0]], 16, num_blocks=1)
     for dtype, refused in (("float32", True), ("bfloat16", False)):
@@ -69,21 +71,20 @@ def test_skeleton_plan_refuses_what_it_does_not_claim():
         layout = kvabi.Layout.preset("flashinfer.HND", spec, num_blocks=1)
         if refused:
             with pytest.raises(kvabi.UnsupportedError, match="dtype 'float32'"):
-                backend.plan(meta, spec, layout)
+                backend.plan(meta, spec, layout, num_q_heads=2)
         else:
-            backend.plan(meta, spec, layout)
+            plan = backend.plan(meta, spec, layout, num_q_heads=2)
     with pytest.raises(kvabi.KVABIError, match="sinks"):
-        backend.plan(meta, spec, layout, sinks=np.zeros(2))  # sinks are not claimed
-    with pytest.raises(kvabi.KVABIError):
-        backend.write_kv([np.zeros(3)], layout, None, None, None)  # as_cache checks planes
+        backend.plan(meta, spec, layout, num_q_heads=2, sinks=np.zeros(2))  # not claimed
+    with pytest.raises(kvabi.KVABIError, match="cache: must be a kvabi.KVCache"):
+        backend.write_kv(plan, [np.zeros(3)], key=None, value=None)
 
 
 def test_skeleton_follows_the_worked_example():
     source = (EXAMPLE / "kvabi_example_torch" / "backend.py").read_text()
     plugin = (EXAMPLE / "kvabi_example_torch" / "plugin.py").read_text()
-    for call in ("self.check_supported(spec, softcap=softcap, sinks=sinks)",
-                 "kvabi.check_step(meta, spec, layout)", "kvabi.AttentionOptions.resolve(",
-                 "cache = kvabi.as_cache(cache, layout, self.framework)"):
+    for call in ("def prepare(self, plan):", "def write(self, plan, cache, key, value, layer):",
+                 "def attend(self, plan, cache, query, layer, sinks, out, return_lse):"):
         assert call in SECTION and call in source, call
     assert "@kvabi.hookimpl\ndef kvabi_backends():" in plugin
     assert "[project.entry-points.kvabi]" in (EXAMPLE / "pyproject.toml").read_text()

@@ -43,6 +43,6 @@ def test_backends(backend_name):
     plan = backend.plan(meta, SPEC, layout, num_q_heads=1)
     kv = kvabi.tensors.convert(np.ones((2, 1, 8), np.float32), backend.framework)
     with pytest.raises(KVABIError, match=WANT.format(2)):
-        backend.write_kv(cache, layout, kv, kv, plan, layer=2)
+        backend.write_kv(plan, cache, key=kv, value=kv, layer=2)
     with pytest.raises(KVABIError, match=WANT.format(2)):
-        backend.attention(kv, cache, layout, plan, layer=2)
+        backend.attention(plan, cache, query=kv, layer=2)

@@ -186,14 +186,14 @@ def test_a_checked_object_changed_later_is_refused_or_harmless(setup):
     cache = KVCache.wrap(layout, g.planes)
     backend = BACKENDS[fw]
     meta = _step(layout)
-    plan = backend.plan(meta, SPEC, layout)
+    plan = backend.plan(meta, SPEC, layout, num_q_heads=1)
     t = meta.num_tokens
     rng = np.random.default_rng(t)
     key = rng.standard_normal((t, 1, 4)).astype(np.float32)
     value = rng.standard_normal((t, 1, 4)).astype(np.float32)
     k, v = (key, value) if fw == "numpy" else (torch.from_numpy(key), torch.from_numpy(value))
     if warm:
-        backend.write_kv(cache, layout, k, v, plan, layer=layer)
+        backend.write_kv(plan, cache, key=k, value=v, layer=layer)
         for s in g.starts:
             g.buf[s:s + layout.plane_nbytes] = 0
     cache, outcome = _mutate(g, cache, mutation, i, layer, meta)
@@ -207,7 +207,7 @@ def test_a_checked_object_changed_later_is_refused_or_harmless(setup):
         assert outcome != "applied", mutation  # refused where it was attempted
     used = "ok"
     try:
-        backend.write_kv(cache, layout, k, v, plan, layer=layer)
+        backend.write_kv(plan, cache, key=k, value=v, layer=layer)
         cache.check_unchanged()
     except KVABIError:
         used = "refused"

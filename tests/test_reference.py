@@ -21,7 +21,7 @@ from kvabi import CommonAttentionMetadata, KVABIError, KVCache, KVSpec
 from kvabi.dtypes import DTYPES, numpy_dtype
 from kvabi.layout import Layout
 from kvabi.presets import AXIS_PRESETS, preset_names
-from kvabi.reference import ReferenceBackend, ReferencePlan, to_cache_dtype
+from kvabi.reference import ReferenceBackend, to_cache_dtype
 from kvabi.views import allocate_numpy
 
 BACKEND = ReferenceBackend()
@@ -173,7 +173,7 @@ def run_step(b):
     # MLA: the latent is the key; attention returns its first head_dim_v elements.
     hist_v = [k[..., :dv] if spec.is_mla else cache_values(rng, spec.dtype, (s, h, dv))
               for s, k in zip(seq, hist_k)]
-    cache = allocate_numpy(layout, fill=poison(spec.dtype))
+    cache = KVCache.wrap(layout, allocate_numpy(layout, fill=poison(spec.dtype)))
 
     def write(meta, rows):
         n = meta.num_tokens
@@ -183,8 +183,8 @@ def run_step(b):
         if real:
             key[:real] = np.concatenate([hist_k[r][a:z] for r, (a, z) in enumerate(rows)])
             val[:real] = np.concatenate([hist_v[r][a:z] for r, (a, z) in enumerate(rows)])
-        plan = backend.plan(meta, spec, layout)
-        return backend.write_kv(cache, layout, key, None if spec.is_mla else val, plan,
+        plan = backend.plan(meta, spec, layout, num_q_heads=b["hq"])
+        return backend.write_kv(plan, cache, key=key, value=None if spec.is_mla else val,
                                 layer=layer)
 
     pre = CommonAttentionMetadata.from_lengths(ctx, np.zeros_like(ctx), table,
@@ -198,9 +198,9 @@ def run_step(b):
         evict_invisible_blocks(spec, layout, cache, layer, ctx, qlen, table)
     query = rng.standard_normal((meta.num_tokens, b["hq"], d))
     sinks = rng.uniform(-2, 2, b["hq"]) if b["sinks"] else None
-    plan = backend.plan(meta, spec, layout, scale=b["scale"], softcap=b["softcap"],
-                        sinks=sinks)
-    out, lse = backend.attention(query, cache, layout, plan, layer=layer, return_lse=True)
+    plan = backend.plan(meta, spec, layout, num_q_heads=b["hq"], scale=b["scale"],
+                        softcap=b["softcap"], sinks=sinks)
+    out, lse = backend.attention(plan, cache, query=query, layer=layer, return_lse=True)
     scale = 1 / math.sqrt(d) if b["scale"] is None else b["scale"]
     want_out, want_lse = oracle(spec, hist_k, hist_v, query, meta.query_start_loc, ctx,
                                 scale=scale, softcap=b["softcap"], sinks=sinks)
@@ -236,10 +236,11 @@ def test_last_token_equals_decode_of_it(b):
     dmeta = CommonAttentionMetadata.from_lengths(
         has.astype(int)[has], (b["ctx"] + b["qlen"] - 1)[has], b["table"][has],
         b["spec"].block_size, num_blocks=b["num_blocks"])
-    plan = BACKEND.plan(dmeta, b["spec"], b["layout"], scale=r["plan"].scale,
-                        softcap=r["plan"].softcap, sinks=r["plan"].sinks)
-    out, lse = BACKEND.attention(r["query"][last], r["cache"], b["layout"], plan,
-                                 layer=b["layer"], return_lse=True)
+    plan = BACKEND.plan(dmeta, b["spec"], b["layout"], num_q_heads=b["hq"],
+                        scale=r["plan"].scale, softcap=r["plan"].softcap,
+                        sinks=r["plan"].sinks)
+    out, lse = BACKEND.attention(plan, r["cache"], query=r["query"][last], layer=b["layer"],
+                                 return_lse=True)
     np.testing.assert_allclose(out, r["out"][last], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse, r["lse"][last], rtol=1e-12, atol=1e-12)
 
@@ -249,11 +250,11 @@ def test_sink_takes_mass_but_adds_no_value():
     spec = KVSpec("full", 1, 1, 2, dtype="float32")
     layout = Layout.preset("flash_attn", spec, num_blocks=1)
     meta = CommonAttentionMetadata.from_lengths([1], [0], [[0]], 1)
-    cache = allocate_numpy(layout)
-    plan = BACKEND.plan(meta, spec, layout, scale=1.0, sinks=[0.5])
-    BACKEND.write_kv(cache, layout, np.array([[[1.0, 0.0]]]), np.array([[[2.0, 4.0]]]), plan)
-    out, lse = BACKEND.attention(np.array([[[1.5, 7.0]]]), cache, layout, plan,
-                                 return_lse=True)
+    cache = KVCache.allocate(layout)
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=1, scale=1.0, sinks=[0.5])
+    BACKEND.write_kv(plan, cache, key=np.array([[[1.0, 0.0]]]),
+                     value=np.array([[[2.0, 4.0]]]))
+    out, lse = BACKEND.attention(plan, cache, query=np.array([[[1.5, 7.0]]]), return_lse=True)
     w = math.exp(1.5) / (math.exp(1.5) + math.exp(0.5))
     np.testing.assert_allclose(out[0, 0], [2.0 * w, 4.0 * w], rtol=1e-14)
     np.testing.assert_allclose(lse[0, 0], math.log(math.exp(1.5) + math.exp(0.5)), rtol=1e-14)
@@ -280,12 +281,12 @@ def test_visible_nan_propagates_invisible_nan_does_not():
     spec = KVSpec("sliding_window", 2, 1, 2, dtype="float32", window=2)
     layout = Layout.preset("flash_attn", spec, num_blocks=2)
     meta = CommonAttentionMetadata.from_lengths([3], [0], [[0, 1]], 2)
-    cache = allocate_numpy(layout)
-    plan = BACKEND.plan(meta, spec, layout)
+    cache = KVCache.allocate(layout)
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=1)
     val = np.ones((3, 1, 2))
     val[0, 0, 1] = np.nan  # position 0: seen by the queries at 0 and 1, not by 2
-    BACKEND.write_kv(cache, layout, np.ones((3, 1, 2)), val, plan)
-    out = BACKEND.attention(np.ones((3, 1, 2)), cache, layout, plan)
+    BACKEND.write_kv(plan, cache, key=np.ones((3, 1, 2)), value=val)
+    out = BACKEND.attention(plan, cache, query=np.ones((3, 1, 2)))
     assert np.isnan(out[0, 0, 1]) and np.isnan(out[1, 0, 1])
     assert np.isfinite(out[:, 0, 0]).all() and out[2, 0, 1] == 1.0
 
@@ -338,10 +339,10 @@ def test_write_kv_writes_exactly_the_slots(name, dtype, kind, bs, h, d, dv, laye
     hd, hv, n = spec.num_kv_heads, spec.head_dim_v, meta.num_tokens
     key = cache_values(rng, dtype, (n, hd, spec.head_dim))
     val = cache_values(rng, dtype, (n, hd, hv))
-    cache = allocate_numpy(layout, fill=poison(dtype))
+    cache = KVCache.wrap(layout, allocate_numpy(layout, fill=poison(dtype)))
     before = [raw(p, layout).copy() for p in cache]
-    plan = BACKEND.plan(meta, spec, layout)
-    BACKEND.write_kv(cache, layout, key, None if spec.is_mla else val, plan, layer=layer)
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=spec.num_kv_heads)
+    BACKEND.write_kv(plan, cache, key=key, value=None if spec.is_mla else val, layer=layer)
     # Expected: the poisoned buffers with each real token's elements placed by byte_offset,
     # its slot recomputed here from the block table and positions.
     want = [x.copy() for x in before]
@@ -385,37 +386,40 @@ def _small():
 
 def test_bad_inputs_raise_kvabi_error_naming_the_field():
     spec, layout, meta = _small()
-    cache = allocate_numpy(layout)
-    plan = BACKEND.plan(meta, spec, layout)
+    cache = KVCache.allocate(layout)
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=2)
     with pytest.raises(KVABIError, match="query"):
-        BACKEND.attention(np.zeros((3, 3, 4)), cache, layout, plan)  # 3 not multiple of 2
+        BACKEND.attention(plan, cache, query=np.zeros((3, 3, 4)))  # 3 not multiple of 2
     with pytest.raises(KVABIError, match="query"):
-        BACKEND.attention(np.zeros((4, 2, 4)), cache, layout, plan)
+        BACKEND.attention(plan, cache, query=np.zeros((4, 2, 4)))
     with pytest.raises(KVABIError, match="sinks"):
-        BACKEND.attention(np.zeros((3, 4, 4)), cache, layout,
-                          BACKEND.plan(meta, spec, layout, sinks=[0.0, 1.0]))
+        BACKEND.plan(meta, spec, layout, num_q_heads=4, sinks=[0.0, 1.0])
     with pytest.raises(KVABIError, match="key"):
-        BACKEND.write_kv(cache, layout, np.zeros((3, 2, 5)), np.zeros((3, 2, 4)), plan)
+        BACKEND.write_kv(plan, cache, key=np.zeros((3, 2, 5)), value=np.zeros((3, 2, 4)))
     with pytest.raises(KVABIError, match="value"):
-        BACKEND.write_kv(cache, layout, np.zeros((3, 2, 4)), None, plan)
+        BACKEND.write_kv(plan, cache, key=np.zeros((3, 2, 4)), value=None)
     with pytest.raises(KVABIError, match="softcap"):
-        BACKEND.plan(meta, spec, layout, softcap=0)
+        BACKEND.plan(meta, spec, layout, num_q_heads=2, softcap=0)
     with pytest.raises(KVABIError, match="scale"):
-        BACKEND.plan(meta, spec, layout, scale="x")
+        BACKEND.plan(meta, spec, layout, num_q_heads=2, scale="x")
     with pytest.raises(KVABIError, match="block_table"):
-        BACKEND.plan(meta, spec, Layout.preset("flashinfer.NHD", spec, num_blocks=2))
+        BACKEND.plan(meta, spec, Layout.preset("flashinfer.NHD", spec, num_blocks=2),
+                     num_q_heads=2)
     with pytest.raises(KVABIError, match="dtype"):
         BACKEND.plan(meta, spec, Layout.preset("flashinfer.NHD",
-                                               KVSpec("full", 2, 2, 4, dtype="float16"), 3))
+                                               KVSpec("full", 2, 2, 4, dtype="float16"), 3),
+                     num_q_heads=2)
     with pytest.raises(KVABIError, match="block_size"):
-        BACKEND.plan(meta, KVSpec("full", 4, 2, 4, dtype="float32"), layout)
+        BACKEND.plan(meta, KVSpec("full", 4, 2, 4, dtype="float32"), layout, num_q_heads=2)
+    with pytest.raises(KVABIError, match="head_dim"):  # the layout's D is 4
+        BACKEND.plan(meta, KVSpec("full", 2, 2, 2, dtype="float32"), layout, num_q_heads=2)
 
 
 def test_plan_is_frozen_with_default_scale():
     spec, layout, meta = _small()
-    plan = BACKEND.plan(meta, spec, layout)
-    assert isinstance(plan, ReferencePlan) and plan.scale == 0.5
-    assert plan.softcap is None and plan.sinks is None
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=2)
+    assert isinstance(plan, kvabi.StepPlan) and plan.scale == 0.5
+    assert plan.softcap is None and plan.sinks is None and plan.backend == "reference"
     with pytest.raises(AttributeError):
         plan.scale = 1.0
 
@@ -434,7 +438,7 @@ def test_capabilities_and_layouts():
         BACKEND.check_supported(s, softcap=30.0, sinks=True)
 
 
-# -- ABI 1.1: KVCache handles, num_q_heads, per-call sinks, out= -----------------------------
+# -- KVCache handles, num_q_heads, per-call sinks, out= --------------------------------------
 @settings(max_examples=60, **SETTINGS)
 @given(batches())
 def test_one_plan_serves_every_layer_with_per_layer_sinks(b):
@@ -459,13 +463,13 @@ def test_one_plan_serves_every_layer_with_per_layer_sinks(b):
         hist.append((hk, hv))
         key = np.concatenate(hk) if len(hk) else np.zeros((0, h, d))
         val = np.concatenate(hv) if len(hv) else np.zeros((0, h, dv))
-        assert BACKEND.write_kv(cache, layout, key, None if spec.is_mla else val, plan,
+        assert BACKEND.write_kv(plan, cache, key=key, value=None if spec.is_mla else val,
                                 layer=layer) is cache
     query = rng.standard_normal((meta.num_tokens, hq, d))
     scale = 1 / math.sqrt(d) if b["scale"] is None else b["scale"]
     for layer in reversed(layers):
         sinks = rng.uniform(-2, 2, hq)
-        out, lse = BACKEND.attention(query, cache, layout, plan, layer=layer, sinks=sinks,
+        out, lse = BACKEND.attention(plan, cache, query=query, layer=layer, sinks=sinks,
                                      return_lse=True)
         assert out.dtype == np.float64 and lse.dtype == np.float64
         want_out, want_lse = oracle(spec, *hist[layer], query, meta.query_start_loc,
@@ -482,27 +486,44 @@ def test_out_is_written_in_place_and_returned():
     assert isinstance(cache, kvabi.KVCache) and cache.framework == "numpy"
     rng = np.random.default_rng(1)
     plan = BACKEND.plan(meta, spec, layout, num_q_heads=4)
-    BACKEND.write_kv(cache, layout, rng.standard_normal((3, 2, 4)),
-                     rng.standard_normal((3, 2, 4)), plan)
-    q = rng.standard_normal((3, 4, 4)).astype(np.float32)
-    want = BACKEND.attention(q, cache, layout, plan)
+    BACKEND.write_kv(plan, cache, key=rng.standard_normal((3, 2, 4)),
+                     value=rng.standard_normal((3, 2, 4)))
     for dt in (np.float32, np.float64):
+        q = rng.standard_normal((3, 4, 4)).astype(dt)
+        want = BACKEND.attention(plan, cache, query=q)
         out = np.full((3, 4, 4), np.nan, dt)
-        got = BACKEND.attention(q, cache, layout, plan, out=out)
+        got = BACKEND.attention(plan, cache, query=q, out=out)
         assert got is out
         np.testing.assert_allclose(out, want.astype(dt), rtol=1e-6)
-    got, lse = BACKEND.attention(q, cache, layout, plan, out=np.zeros((3, 4, 4), np.float32),
+    q = q.astype(np.float32)
+    got, lse = BACKEND.attention(plan, cache, query=q, out=np.zeros((3, 4, 4), np.float32),
                                  return_lse=True)
     assert got.dtype == np.float32 and lse.shape == (3, 4)
-    for bad, match in [(np.zeros((3, 4, 5)), "out: must have shape"),
-                       (np.zeros((3, 4, 4), np.int32), "out: must have a floating dtype"),
+    for bad, match in [(np.zeros((3, 4, 5), np.float32), r"out.shape: must be \[3, 4, 4\]"),
+                       (np.zeros((3, 4, 4)), "out.dtype: must be the query's float32"),
                        ([[[0.0]]], "out: must be a numpy array")]:
         with pytest.raises(KVABIError, match=match):
-            BACKEND.attention(q, cache, layout, plan, out=bad)
-    ro = np.zeros((3, 4, 4))
+            BACKEND.attention(plan, cache, query=q, out=bad)
+    ro = np.zeros((3, 4, 4), np.float32)
     ro.flags.writeable = False
     with pytest.raises(KVABIError, match="out: must be writable"):
-        BACKEND.attention(q, cache, layout, plan, out=ro)
+        BACKEND.attention(plan, cache, query=q, out=ro)
+
+
+def test_out_sharing_memory_with_the_query_or_the_cache_is_refused():
+    """A kernel writing its output over what it reads would compute from its own output."""
+    spec, layout, meta = _small()
+    cache = BACKEND.allocate(layout)
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=4)
+    q = np.zeros((3, 4, 4), np.float32)
+    with pytest.raises(KVABIError, match="out: shares memory with the query"):
+        BACKEND.attention(plan, cache, query=q, out=q)
+    over = cache[0].reshape(-1)[5:5 + q.size].reshape(q.shape)  # inside layer 0's plane
+    with pytest.raises(KVABIError, match="out: shares memory with the cache"):
+        BACKEND.attention(plan, cache, query=q, out=over)
+    before = cache[0].copy()
+    BACKEND.attention(plan, cache, query=q, out=np.zeros_like(q))  # its own memory: fine
+    assert np.array_equal(cache[0], before)
 
 
 def test_num_q_heads_and_call_options_are_checked():
@@ -510,7 +531,7 @@ def test_num_q_heads_and_call_options_are_checked():
     cache = BACKEND.allocate(layout)
     plan = BACKEND.plan(meta, spec, layout, num_q_heads=4)
     with pytest.raises(KVABIError, match="query: the plan was made for num_q_heads=4"):
-        BACKEND.attention(np.zeros((3, 2, 4)), cache, layout, plan)
+        BACKEND.attention(plan, cache, query=np.zeros((3, 2, 4)))
     for hq in (3, 0, 4.0, True):
         with pytest.raises(KVABIError, match="num_q_heads"):
             BACKEND.plan(meta, spec, layout, num_q_heads=hq)
@@ -518,64 +539,72 @@ def test_num_q_heads_and_call_options_are_checked():
         BACKEND.plan(meta, spec, layout, num_q_heads=4, sinks=[0.0, 1.0])
     for sinks in ([0.0] * 2, [1j] * 4, ["a"] * 4, [np.nan] * 4, [np.inf] * 4):
         with pytest.raises(KVABIError, match="sinks"):
-            BACKEND.attention(np.zeros((3, 4, 4)), cache, layout, plan, sinks=sinks)
+            BACKEND.attention(plan, cache, query=np.zeros((3, 4, 4)), sinks=sinks)
     for layer in (1, -1, 0.0, True):
         with pytest.raises(KVABIError, match="layer"):
-            BACKEND.attention(np.zeros((3, 4, 4)), cache, layout, plan, layer=layer)
+            BACKEND.attention(plan, cache, query=np.zeros((3, 4, 4)), layer=layer)
     with pytest.raises(KVABIError, match="query"):
-        BACKEND.attention(np.zeros((3, 4, 4), complex), cache, layout, plan)
+        BACKEND.attention(plan, cache, query=np.zeros((3, 4, 4), complex))
     with pytest.raises(KVABIError, match="key"):
-        BACKEND.write_kv(cache, layout, np.zeros((3, 2, 4), complex), np.zeros((3, 2, 4)),
-                         plan)
+        BACKEND.write_kv(plan, cache, key=np.zeros((3, 2, 4), complex), value=np.zeros((3, 2, 4)))
 
 
 def test_caches_are_checked_before_any_write():
-    """1.0 plain lists still work; lists with too little memory or another dtype, and
-    another layout's cache, are refused before a byte is written."""
+    """Only a KVCache of the plan's layout is written: a plain list of planes, and another
+    layout's cache, are refused before a byte is written."""
     spec, layout, meta = _small()
-    plan = BACKEND.plan(meta, spec, layout)
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=2)
     k = np.ones((3, 2, 4))
     planes = allocate_numpy(layout)
-    BACKEND.write_kv(planes, layout, k, k, plan)  # ABI 1.0: a list of planes
+    with pytest.raises(KVABIError, match="cache: must be a kvabi.KVCache"):
+        BACKEND.write_kv(plan, planes, key=k, value=k)
+    assert not any(p.any() for p in planes)
+    other = KVCache.allocate(Layout.preset("flash_attn", spec, num_blocks=3))
+    with pytest.raises(KVABIError, match="cache: its layout"):
+        BACKEND.write_kv(plan, other, key=k, value=k)
+    with pytest.raises(KVABIError, match="cache: its layout"):
+        BACKEND.attention(plan, other, query=k)
+    assert not any(p.any() for p in other)
+    handle = KVCache.wrap(layout, planes)
+    assert BACKEND.write_kv(plan, handle, key=k, value=k) is handle
     assert any(p.any() for p in planes)
-    short = [np.zeros(layout.plane_shape, np.float32)[..., :0] for _ in planes]
-    for bad in ([p.astype(np.float16) for p in planes], short, planes[:-1]):
-        with pytest.raises(KVABIError, match="cache"):
-            BACKEND.write_kv(bad, layout, k, k, plan)
-    other = Layout.preset("flash_attn", spec, num_blocks=3)
-    with pytest.raises(KVABIError, match="cache"):
-        BACKEND.write_kv(KVCache.allocate(other), layout, k, k, plan)
 
 
-def test_a_1_0_style_caller_and_a_kvcache_give_the_same_bytes():
+def test_a_plan_is_accepted_only_by_the_backend_object_that_made_it():
+    """A copy of a plan, a plan rebuilt with other metadata, or another backend object's
+    plan would carry arrays nobody checked against the step: refused."""
+    import copy
+
+    import attrs
+
     spec, layout, meta = _small()
-    plan = BACKEND.plan(meta, spec, layout)
-    rng = np.random.default_rng(3)
-    k, v = rng.standard_normal((3, 2, 4)), rng.standard_normal((3, 2, 4))
-    planes = allocate_numpy(layout)
-    handle = KVCache.allocate(layout)
-    BACKEND.write_kv(planes, layout, k, v, plan)
-    BACKEND.write_kv(handle, layout, k, v, plan)
-    for a, b in zip(planes, handle):
-        assert np.array_equal(a, b)
-    q = rng.standard_normal((3, 4, 4))
-    np.testing.assert_array_equal(BACKEND.attention(q, planes, layout, plan),
-                                  BACKEND.attention(q, handle, layout, plan))
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=2)
+    cache = BACKEND.allocate(layout)
+    k = np.ones((3, 2, 4))
+    other_meta = CommonAttentionMetadata.from_lengths([1], [0], [[2]], 2)
+    for bad in (copy.copy(plan), attrs.evolve(plan, meta=other_meta),
+                ReferenceBackend().plan(meta, spec, layout, num_q_heads=2), "plan"):
+        with pytest.raises(KVABIError, match="plan: must come from reference.plan"):
+            BACKEND.write_kv(bad, cache, key=k, value=k)
+        with pytest.raises(KVABIError, match="plan: must come from reference.plan"):
+            BACKEND.attention(bad, cache, query=k)
+    assert not any(p.any() for p in cache)
 
 
 def test_planes_of_the_right_shape_over_too_little_memory_are_refused():
     """A page-aligned layout addresses more bytes than its shape's product: dense planes
-    of that shape would be written past their end, so they are refused (issue 10)."""
+    of that shape would be written past their end, so they are refused where they enter
+    (issue 10)."""
     spec = KVSpec("full", 4, 2, 6, dtype="float32", page_align=256)
     layout = Layout.preset("flashinfer.NHD", spec, num_blocks=3)
     meta = CommonAttentionMetadata.from_lengths([1], [10], [[0, 1, 2]], 4)
-    plan = BACKEND.plan(meta, spec, layout)
+    plan = BACKEND.plan(meta, spec, layout, num_q_heads=2)
     dense = [np.zeros(layout.plane_shape, np.float32) for _ in range(layout.num_planes)]
     with pytest.raises(KVABIError, match="cache"):
-        BACKEND.write_kv(dense, layout, np.ones((1, 2, 6)), np.ones((1, 2, 6)), plan)
-    good = allocate_numpy(layout)
-    BACKEND.write_kv(good, layout, np.ones((1, 2, 6)), np.ones((1, 2, 6)), plan)
-    assert BACKEND.attention(np.ones((1, 2, 6)), good, layout, plan).shape == (1, 2, 6)
+        KVCache.wrap(layout, dense)
+    good = KVCache.wrap(layout, allocate_numpy(layout))
+    BACKEND.write_kv(plan, good, key=np.ones((1, 2, 6)), value=np.ones((1, 2, 6)))
+    assert BACKEND.attention(plan, good, query=np.ones((1, 2, 6))).shape == (1, 2, 6)
 
 
 @settings(max_examples=40, **SETTINGS)
@@ -590,8 +619,8 @@ def test_work_built_per_call_equals_work_kept_in_the_plan(b):
     with mock.patch.object(ra, "WORK_KEEP_ELEMENTS", 0), \
             mock.patch.object(ra, "MASK_KEEP_ELEMENTS", 0):
         r = run_step(b)
-        assert r["meta"].num_actual_tokens == 0 or isinstance(r["plan"].work(b["hq"]),
-                                                              ra._PerCall)
+        assert r["meta"].num_actual_tokens == 0 or isinstance(
+            r["plan"].prepared.work(r["plan"]), ra._PerCall)
     n = r["meta"].num_actual_tokens
     np.testing.assert_allclose(r["out"][:n], r["want_out"][:n], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(r["lse"][:n], r["want_lse"][:n], rtol=1e-9, atol=1e-12)

@@ -48,14 +48,14 @@ def test_per_tensor_write_and_attention(dtype, kind):
     hist[0][0, 0, 0] = 1e4  # saturates
     cache = ref.allocate(layout)
     meta0 = step(spec, rng, ctx=(0, 0), q=(5, 0))
-    plan0 = ref.plan(meta0, spec, layout)
-    ref.write_kv(cache, layout, hist[0][:5], vhist[0][:5], plan0, layer=1, k_scale=ks,
+    plan0 = ref.plan(meta0, spec, layout, num_q_heads=4)
+    ref.write_kv(plan0, cache, key=hist[0][:5], value=vhist[0][:5], layer=1, k_scale=ks,
                  v_scale=vs)
     meta = step(spec, rng)
     key = np.concatenate([hist[0][5:6], hist[1][:6]])
     val = np.concatenate([vhist[0][5:6], vhist[1][:6]])
     plan = ref.plan(meta, spec, layout, num_q_heads=4)
-    ref.write_kv(cache, layout, key, val, plan, layer=1, k_scale=ks, v_scale=vs)
+    ref.write_kv(plan, cache, key=key, value=val, layer=1, k_scale=ks, v_scale=vs)
     kview, vview = cache.kv_view(1, 0), cache.kv_view(1, 1)
     # request 0: blocks 0, 1 (positions 0..5); request 1: blocks 4, 5 (positions 0..5)
     kc = [np.concatenate([kview[0], kview[1]])[:6], np.concatenate([kview[4], kview[5]])[:6]]
@@ -71,7 +71,7 @@ def test_per_tensor_write_and_attention(dtype, kind):
     assert not np.asarray(cache.kv_view(0, 0)).view(np.uint8).any()
 
     query = rng.standard_normal((meta.num_tokens, 4, 8))
-    out, lse = ref.attention(query, cache, layout, plan, layer=1, return_lse=True,
+    out, lse = ref.attention(plan, cache, query=query, layer=1, return_lse=True,
                              k_scale=ks, v_scale=vs)
     kd = np.stack([c.astype(np.float64) * ks32 for c in kc])
     vd = np.stack([c.astype(np.float64) * vs32 for c in vc])
@@ -80,7 +80,7 @@ def test_per_tensor_write_and_attention(dtype, kind):
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
     # the scales matter: read with another scale, the output moves
-    other = ref.attention(query, cache, layout, plan, layer=1, k_scale=ks, v_scale=2 * vs)
+    other = ref.attention(plan, cache, query=query, layer=1, k_scale=ks, v_scale=2 * vs)
     np.testing.assert_allclose(other, 2 * out, rtol=1e-12, atol=1e-12)
 
 
@@ -89,13 +89,13 @@ def test_mla_per_tensor_uses_k_scale():
     layout = Layout.preset("vllm.LBHNC", spec, num_blocks=2)
     ref = kvabi.get_backend("reference")
     meta = kvabi.CommonAttentionMetadata.from_lengths([3], [0], [[1]], 4, num_blocks=2)
-    plan = ref.plan(meta, spec, layout)
+    plan = ref.plan(meta, spec, layout, num_q_heads=2)
     lat = np.random.default_rng(0).standard_normal((3, 1, 8)).astype(np.float32)
-    cache = ref.write_kv(ref.allocate(layout), layout, lat, None, plan, k_scale=0.01)
+    cache = ref.write_kv(plan, ref.allocate(layout), key=lat, k_scale=0.01)
     np.testing.assert_array_equal(cache.kv_view(0, 0)[1, :3].view(np.uint8),
                                   written("float8_e4m3fn", lat, 0.01).view(np.uint8))
     with pytest.raises(KVABIError, match="^v_scale:"):
-        ref.attention(np.zeros((3, 2, 8)), cache, layout, plan, k_scale=0.01, v_scale=0.5)
+        ref.attention(plan, cache, query=np.zeros((3, 2, 8)), k_scale=0.01, v_scale=0.5)
 
 
 def test_scales_refused_by_field_and_cache_unchanged():
@@ -106,17 +106,18 @@ def test_scales_refused_by_field_and_cache_unchanged():
     k = np.ones((2, 1, 8), np.float32)
     lay = Layout.preset("vllm.LBHNC", plain, num_blocks=1)
     with pytest.raises(KVABIError, match="^k_scale: static scales are for a per_tensor"):
-        ref.write_kv(ref.allocate(lay), lay, k, k, ref.plan(meta, plain, lay), k_scale=0.5)
+        ref.write_kv(ref.plan(meta, plain, lay, num_q_heads=1), ref.allocate(lay), key=k,
+                     value=k, k_scale=0.5)
     lay = Layout.preset("vllm.LBHNC", quant, num_blocks=1)
-    plan = ref.plan(meta, quant, lay)
+    plan = ref.plan(meta, quant, lay, num_q_heads=1)
     cache = ref.allocate(lay)
     for bad in (0.0, -1.0, float("nan"), float("inf"), "0.5"):
         with pytest.raises(KVABIError, match="^v_scale:"):
-            ref.write_kv(cache, lay, k, k, plan, v_scale=bad)
+            ref.write_kv(plan, cache, key=k, value=k, v_scale=bad)
     bad_v = k.copy()
     bad_v[1, 0, 3] = np.inf
     with pytest.raises(KVABIError, match=r"^value: .*\(1, 0, 3\)"):
-        ref.write_kv(cache, lay, k, bad_v, plan)
+        ref.write_kv(plan, cache, key=k, value=bad_v)
     assert not cache.planes[0].view(np.uint8).any()  # nothing written by a refused call
 
 
@@ -164,7 +165,7 @@ def test_per_token_head_write_and_attention(dtype, rounding):
     key = (rng.standard_normal((9, 2, 8)) * rng.uniform(0.1, 3, (9, 2, 1))).astype(np.float32)
     val = (rng.standard_normal((9, 2, 8)) * rng.uniform(0.1, 3, (9, 2, 1))).astype(np.float32)
     key[4, 1] = 0.0  # an all-zero row
-    cache = ref.write_kv(ref.allocate(layout), layout, key, val, plan)
+    cache = ref.write_kv(plan, ref.allocate(layout), key=key, value=val)
     raw = cache[0].view(np.uint8).reshape(8, 2, 4, 2 * (8 + 4))  # [B, H, N, record]
     slots = meta.slot_mapping
     rec = raw[slots // 4, :, slots % 4]  # [T, H, record]
@@ -176,7 +177,7 @@ def test_per_token_head_write_and_attention(dtype, rounding):
         np.testing.assert_array_equal(got_s, want_s)
     assert rec[4, 1, 8:12].copy().view(np.float32)[0] == np.float32(1e-6)
     query = rng.standard_normal((9, 4, 8))
-    out, lse = ref.attention(query, cache, layout, plan, return_lse=True)
+    out, lse = ref.attention(plan, cache, query=query, return_lse=True)
     kd = np.zeros((2, 8, 2, 8))
     vd = np.zeros((2, 8, 2, 8))
     for r, (blocks, n) in enumerate((([0, 1], 3), ([4, 5], 6))):
@@ -198,12 +199,12 @@ def test_scale_components_must_match_the_spec():
     meta = kvabi.CommonAttentionMetadata.from_lengths([2], [0], [[0]], 4, num_blocks=1)
     with pytest.raises(KVABIError, match="^layout.components: a per_token_head cache needs "
                                          "key_scale"):
-        ref.plan(meta, pth, Layout.preset("flash_attn", plain, num_blocks=1))
+        ref.plan(meta, pth, Layout.preset("flash_attn", plain, num_blocks=1), num_q_heads=1)
     with pytest.raises(KVABIError, match="^layout.components: hold scales"):
-        ref.plan(meta, plain, packed_layout(pth, 1))
+        ref.plan(meta, plain, packed_layout(pth, 1), num_q_heads=1)
     with pytest.raises(KVABIError, match="^spec.quant: preset 'vllm.LBHNC' stores no"):
         Layout.preset("vllm.LBHNC", pth, num_blocks=1)
     with pytest.raises(KVABIError, match="^k_scale: static scales are for a per_tensor"):
         lay = packed_layout(pth, 1)
-        ref.write_kv(ref.allocate(lay), lay, np.ones((2, 1, 8)), np.ones((2, 1, 8)),
-                     ref.plan(meta, pth, lay), k_scale=0.5)
+        ref.write_kv(ref.plan(meta, pth, lay, num_q_heads=1), ref.allocate(lay),
+                     key=np.ones((2, 1, 8)), value=np.ones((2, 1, 8)), k_scale=0.5)

@@ -248,10 +248,11 @@ def test_backends_command_table_and_json(install, monkeypatch, capsys):
     out = run_cmd([], capsys)
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["NAME", "AVAILABLE", "ABI"]
-    assert lines[1].split() == ["reference", "yes", "1.2", "all", "all", "any", "any", "yes",
+    abi = ".".join(map(str, kvabi.ABI_VERSION))
+    assert lines[1].split() == ["reference", "yes", abi, "all", "all", "any", "any", "yes",
                                 "yes"]
     fake = next(l for l in lines if l.startswith("fake.one"))
-    assert fake.split() == ["fake.one", "no", "1.0", "full", "float16", "64,128", "16",
+    assert fake.split() == ["fake.one", "no", abi, "full", "float16", "64,128", "16",
                             "no", "no"]
     assert "fake: no such hardware" in out and "flashinfer.HND" in out
     assert "refused:" in out and "future.major (plugin future)" in out
@@ -398,6 +399,11 @@ def test_backends_shows_layouts_for_a_spec_each_backend_claims(capsys, monkeypat
     out = run_cmd(["--dtype", "bfloat16"], capsys)
     block = out.split("  f32.only:", 1)[1]
     assert "sliding_window bfloat16" in block and "not claimed: dtype 'bfloat16'" in block
+    # every reason, not the first
+    out = run_cmd(["--dtype", "bfloat16", "--kind", "full", "--head-dim", "96"], capsys)
+    block = out.split("  f32.only:", 1)[1]
+    assert ("not claimed: kind 'full' not in ('sliding_window',); dtype 'bfloat16' not in "
+            "('float32',); head_dim 96 not in (64,)") in block
     data = json.loads(run_cmd(["--json"], capsys))
     f32 = next(b for b in data["backends"] if b["name"] == "f32.only")
-    assert f32["spec"]["dtype"] == "float32" and f32["unclaimed"] is None
+    assert f32["spec"]["dtype"] == "float32" and f32["unclaimed"] == []

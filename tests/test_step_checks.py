@@ -1,4 +1,4 @@
-"""The public step checks every backend shares name the offending field."""
+"""The step checks kvabi.Backend runs for every backend name the offending field."""
 import math
 
 import numpy as np
@@ -6,7 +6,8 @@ import pytest
 
 import kvabi
 from kvabi import (AttentionOptions, CommonAttentionMetadata, KVABIError, KVSpec, Layout,
-                   check_kv, check_query, check_step)
+                   check_step)
+from kvabi.step_checks import check_kv, check_query, check_sinks
 
 SPEC = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 META = CommonAttentionMetadata.from_lengths([2, 1], [3, 0], [[0, 1], [2, 0]], 4)
@@ -17,9 +18,7 @@ def test_options_resolve_default_scale_and_validate():
     assert o.scale == 1 / math.sqrt(8) and o.softcap is None and o.sinks is None
     o = AttentionOptions.resolve(SPEC, 0.5, 30, [0.1, 0.2, 0.3, 0.4])
     assert o.scale == 0.5 and o.softcap == 30.0 and o.sinks.dtype == np.float64
-    o.check_heads(4)
-    with pytest.raises(KVABIError, match=r"sinks: must have one logit per query head \(8\)"):
-        o.check_heads(8)
+    assert not o.sinks.flags.writeable
 
 
 @pytest.mark.parametrize("kw,match", [(dict(scale=0), "scale"), (dict(scale="x"), "scale"),
@@ -47,6 +46,11 @@ def test_check_step_matches_meta_spec_layout():
         check_step(CommonAttentionMetadata.from_lengths([1], [0], [[0]], 8), SPEC, layout)
     with pytest.raises(KVABIError, match="meta"):
         check_step("meta", SPEC, layout)
+    # a spec whose head dim is not the layout's: refused here, not in a kernel
+    for d in (4, 16):
+        with pytest.raises(KVABIError, match=f"layout.sizes.D: must equal spec.head_dim {d}"):
+            check_step(META, KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=d,
+                                    dtype="float32"), layout)
 
 
 def test_check_query_and_kv_shapes():
@@ -54,6 +58,8 @@ def test_check_query_and_kv_shapes():
     for bad in [(3, 3, 8), (2, 4, 8), (3, 4, 7), (3, 4)]:
         with pytest.raises(KVABIError, match="query"):
             check_query(np.zeros(bad), META, SPEC)
+    with pytest.raises(KVABIError, match="query.dtype: must be a floating-point dtype"):
+        check_query(np.zeros((3, 6, 8), np.int32), META, SPEC)
     check_kv(np.zeros((3, 2, 8)), np.zeros((3, 2, 8)), META, SPEC)
     with pytest.raises(KVABIError, match="key"):
         check_kv(np.zeros((3, 1, 8)), np.zeros((3, 2, 8)), META, SPEC)
@@ -87,14 +93,16 @@ def test_check_step_bounds_what_backends_index_with():
 
 
 def test_sinks_and_num_q_heads_checks():
-    assert kvabi.check_sinks(None) is None
-    s = kvabi.check_sinks(np.array([1, -np.inf], np.float32), 2)
+    assert check_sinks(None) is None
+    given = np.array([1, -np.inf])
+    s = check_sinks(given, 2)
     assert s.dtype == np.float64 and s.tolist() == [1.0, -np.inf]
+    assert s is not given and not s.flags.writeable and given.flags.writeable  # its own copy
     for bad in ([1j], ["x"], [True], [np.nan], [np.inf], [[1.0]], "1.0"):
         with pytest.raises(KVABIError, match="sinks"):
-            kvabi.check_sinks(bad)
+            check_sinks(bad)
     with pytest.raises(KVABIError, match=r"sinks: must have one logit per query head \(4\)"):
-        kvabi.check_sinks([1.0], 4)
+        check_sinks([1.0], 4)
     assert kvabi.check_num_q_heads(6, SPEC) == 6
     for bad in (3, 0, -2, 4.0, True, "4", None):
         with pytest.raises(KVABIError, match="num_q_heads"):

@@ -58,22 +58,8 @@ def test_check_names_the_exceeded_limit():
 
 def test_base_warmup_is_a_checked_no_op():
     ref = kvabi.get_backend("reference")
-    assert ref.abi_version == kvabi.ABI_VERSION == (1, 2) and kvabi.abi_at_least(ref, (1, 2))
+    assert ref.abi_version == kvabi.ABI_VERSION == (2, 0)
     layout = kvabi.Layout.preset("flashinfer.HND", SPEC, num_blocks=4)
     assert ref.warmup(SPEC, layout, StepLimits(8, 2, 16)) is None
     with pytest.raises(KVABIError, match="^limits: must be a kvabi.StepLimits, got dict"):
         ref.warmup(SPEC, layout, {"max_tokens": 8})
-
-
-def test_older_backends_are_not_asked_to_warm_up():
-    class Old(kvabi.Backend):
-        name = "old.one"
-        abi_version = (1, 1)
-
-    class Older:  # a 1.0 duck-typed backend without the base class
-        abi_version = (1, 0)
-
-    assert not kvabi.abi_at_least(Old(), (1, 2)) and kvabi.abi_at_least(Old(), (1, 1))
-    assert not kvabi.abi_at_least(Older(), (1, 2))
-    # a 1.1 subclass inherits the no-op, so calling it anyway is harmless
-    assert Old().warmup(SPEC, None, StepLimits(1, 1, 1)) is None

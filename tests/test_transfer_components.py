@@ -13,7 +13,6 @@ import pytest
 
 from kvabi import Component, KVABIError, KVCache, KVSpec, Layout
 from kvabi.dtypes import numpy_dtype
-from kvabi.presets import preset_names
 from kvabi.transfer import execute, plan_block_transfer, plan_transfer
 from kvabi.transfer.host_pool import cross_layer_twin
 

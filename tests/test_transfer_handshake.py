@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvabi import ABI_VERSION, KVABIError, KVSpec
+from kvabi import WIRE_VERSION, KVABIError, KVSpec
 from kvabi.layout import Layout
 from kvabi.transfer.handshake import MAX_HANDSHAKE_BYTES, make_handshake, parse_handshake
 
@@ -30,7 +30,7 @@ def message(**over):
 
 def test_round_trip():
     h = parse_handshake(json.dumps(message()))
-    assert h.layout == LAYOUT and h.abi == ABI_VERSION and h.port == 5600
+    assert h.layout == LAYOUT and h.abi == WIRE_VERSION and h.port == 5600
     assert h.agent_name == "prefill-0" and h.memory == "DRAM" and h.metadata == b"\x00agent-md"
     assert h.planes.dtype == np.int64 and h.planes.shape == (2, 3)
     assert list(h.plane_nbytes) == [LAYOUT.plane_nbytes] * 2
@@ -47,7 +47,7 @@ def test_schema_accepts_what_is_sent_and_refuses_a_bad_message():
         uri, referencing.Resource.from_contents(layout_schema))
     check = jsonschema.Draft202012Validator(schema, registry=registry).validate
     check(message())
-    for bad in (message(memory="HBM"), message(kvabi_abi=[2, 0]),
+    for bad in (message(memory="HBM"), message(kvabi_abi=[3, 0]),
                 _mutate(("layout", "dtype"), "float64"), _mutate(("planes",), KeyError)):
         with pytest.raises(jsonschema.ValidationError):
             check(bad)
@@ -66,7 +66,7 @@ def _mutate(path, value):
 
 
 @pytest.mark.parametrize("path, value, match", [
-    (("kvabi_abi",), [2, 0], "kvabi_abi: the peer speaks ABI 2.0"),
+    (("kvabi_abi",), [3, 0], "kvabi_abi: the peer speaks ABI 3.0"),
     (("kvabi_abi",), [1], r"kvabi_abi: must be \[major, minor\]"),
     (("kvabi_abi",), [True, 1], r"kvabi_abi: must be \[major, minor\]"),
     (("kvabi_abi",), [1, 0], "kvabi_abi: the handshake message exists since ABI 1.1"),
@@ -121,8 +121,8 @@ def test_a_parsed_handshake_cannot_change():
 
 
 def test_newer_minor_may_add_fields():
-    d = message(kvabi_abi=[ABI_VERSION[0], ABI_VERSION[1] + 1], future_field={"x": 1})
-    assert parse_handshake(json.dumps(d)).abi == (ABI_VERSION[0], ABI_VERSION[1] + 1)
+    d = message(kvabi_abi=[WIRE_VERSION[0], WIRE_VERSION[1] + 1], future_field={"x": 1})
+    assert parse_handshake(json.dumps(d)).abi == (WIRE_VERSION[0], WIRE_VERSION[1] + 1)
 
 
 def test_hostile_text():

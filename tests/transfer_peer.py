@@ -91,12 +91,12 @@ def write_all(be, layout, table, spec, num_blocks):
     for qlen, ctx, rows in steps:
         meta = CommonAttentionMetadata.from_lengths(qlen, ctx, table, spec.block_size,
                                                     num_blocks=num_blocks)
-        plan = be.plan(meta, spec, layout)
+        plan = be.plan(meta, spec, layout, num_q_heads=HQ)
         for layer in range(LAYERS):
             key = np.concatenate([kv[layer][r][0][a:z] for r, (a, z) in enumerate(rows)])
             val = np.concatenate([kv[layer][r][1][a:z] for r, (a, z) in enumerate(rows)])
-            cache = be.write_kv(cache, layout, convert(key, be.framework, device=be.device()),
-                                convert(val, be.framework, device=be.device()), plan,
+            cache = be.write_kv(plan, cache, key=convert(key, be.framework, device=be.device()),
+                                value=convert(val, be.framework, device=be.device()),
                                 layer=layer)
     return cache
 
@@ -105,10 +105,9 @@ def attend(be, cache, layout, table, spec, num_blocks):
     _, query = tokens()
     meta = CommonAttentionMetadata.from_lengths(QLEN, CTX, table, spec.block_size,
                                                 num_blocks=num_blocks)
-    plan = be.plan(meta, spec, layout, num_q_heads=HQ) if kvabi.abi_at_least(be, (1, 1)) \
-        else be.plan(meta, spec, layout)
+    plan = be.plan(meta, spec, layout, num_q_heads=HQ)
     q = convert(query, be.framework, device=be.device())
-    return np.stack([np.asarray(to_numpy(be.attention(q, cache, layout, plan, layer=layer)),
+    return np.stack([np.asarray(to_numpy(be.attention(plan, cache, query=q, layer=layer)),
                                 np.float64) for layer in range(LAYERS)])
 
 

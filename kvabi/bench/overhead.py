@@ -11,14 +11,16 @@ preferred layout): the compute is negligible, so the figures are dispatch.  Per 
 - ``plan_us``: one ``plan`` (once per step and KV group);
 - ``view_lookup_us`` / ``layout_view_us``: a layer's cache view from the KVCache handle
   (``cache.kv_view``; ``layer_view`` for jax) vs recomputed by the layout;
-- ``as_cache_us``, ``check_step_us``: the boundary checks (``wrap_list_us``: ``as_cache``
-  of an ABI 1.0 list of planes, the full memory check a 1.0 caller pays per call);
-  ``checks_pct`` is their cost per layer (two ``as_cache`` per layer plus one
-  ``check_step`` per step, spread over the layers) as a percentage of ``layer_us``.
+- ``boundary_us``: the checks :class:`kvabi.Backend` runs around one layer's ``write_kv``
+  and ``attention`` (the same calls, with the backend's ``write`` and ``attend`` replaced
+  by ones that return at once); ``plan_checks_us``: those of one ``plan`` (``prepare``
+  replaced likewise; ``check_step_us`` is the step check alone); ``checks_pct`` is their
+  cost per layer (``boundary_us`` plus ``plan_checks_us`` spread over the layers) as a
+  percentage of ``layer_us``.
 
-Only public ABI calls are used; 1.1 keywords only for backends declaring ABI 1.1.
-Interpreted backends (Triton interpreter, Pallas interpret mode) are slow: pick them with
-``--backends`` and lower ``--repeat``.  Progress goes to stderr.
+Only public ABI calls are used.  Interpreted backends (Triton interpreter, Pallas interpret
+mode) are slow: pick them with ``--backends`` and lower ``--repeat``.  Progress goes to
+stderr.
 """
 from __future__ import annotations
 
@@ -30,8 +32,7 @@ import time
 
 import numpy as np
 
-from ..abi import abi_at_least
-from ..cache import KVCache, as_cache
+from ..cache import KVCache
 from ..errors import KVABIError
 from ..metadata import CommonAttentionMetadata
 from ..spec import KVSpec
@@ -72,7 +73,7 @@ def _layout(backend, spec):
     for name in names:
         try:
             layout = Layout.preset(name, spec, NUM_BLOCKS, NUM_LAYERS)
-            backend.plan(meta, spec, layout)
+            backend.plan(meta, spec, layout, num_q_heads=Q_HEADS)
             backend.allocate(layout)
         except Exception as e:  # noqa: BLE001 - a foreign backend may refuse in its own way
             last = f"{name}: {type(e).__name__}: {e}"
@@ -113,8 +114,6 @@ def measure(backend, *, repeat: int, layers: int = NUM_LAYERS, log=None) -> dict
     layout, why = _layout(backend, spec)
     row.update(dtype=spec.dtype, layout=layout.name, layout_note=why)
     meta = _meta()
-    v11 = abi_at_least(backend, (1, 1))
-    kw = {"num_q_heads": Q_HEADS} if v11 else {}
     fw, dev = row["framework"], backend.device()
     rng = np.random.default_rng(0)
     from ..dtypes import numpy_dtype
@@ -125,15 +124,15 @@ def measure(backend, *, repeat: int, layers: int = NUM_LAYERS, log=None) -> dict
 
     key, value = arr((1, 8, 128)), arr((1, 8, 128))
     query = arr((1, Q_HEADS, 128))
-    plan = backend.plan(meta, spec, layout, **kw)
+    plan = backend.plan(meta, spec, layout, num_q_heads=Q_HEADS)
     cache = backend.allocate(layout)
 
     def step():
         nonlocal cache
         out = None
         for layer in range(layers):
-            cache = backend.write_kv(cache, layout, key, value, plan, layer=layer)
-            out = backend.attention(query, cache, layout, plan, layer=layer)
+            cache = backend.write_kv(plan, cache, key=key, value=value, layer=layer)
+            out = backend.attention(plan, cache, query=query, layer=layer)
         _sync(out)
 
     log(f"{backend.name}: {layout.name} {spec.dtype}, warm-up step ({layers} layers)")
@@ -153,9 +152,9 @@ def measure(backend, *, repeat: int, layers: int = NUM_LAYERS, log=None) -> dict
     fast = repeat >= 5
     runs, secs = (20, 0.2) if fast else (3, 0.0)
     log(f"{backend.name}: plan, views, boundary checks")
-    row["plan_us"] = median_us(lambda: backend.plan(meta, spec, layout, **kw),
+    row["plan_us"] = median_us(lambda: backend.plan(meta, spec, layout, num_q_heads=Q_HEADS),
                                min_runs=runs, min_seconds=secs)
-    handle = cache if isinstance(cache, KVCache) else as_cache(cache, layout)
+    handle = cache
     planes = list(handle)
     if handle.framework == "jax":
         row["view"] = "layer_view"
@@ -171,15 +170,37 @@ def measure(backend, *, repeat: int, layers: int = NUM_LAYERS, log=None) -> dict
                                           min_seconds=secs)
         row["layout_view_us"] = median_us(lambda: KVCache.wrap(layout, planes).kv_view(1, 0),
                                           min_runs=runs, min_seconds=secs)
-    row["as_cache_us"] = median_us(lambda: as_cache(handle, layout), min_runs=runs * 10,
-                                   min_seconds=secs)
-    row["wrap_list_us"] = median_us(lambda: as_cache(planes, layout), min_runs=runs,
-                                    min_seconds=secs)
     row["check_step_us"] = median_us(lambda: check_step(meta, spec, layout),
                                      min_runs=runs * 10, min_seconds=secs)
-    per_layer = 2 * row["as_cache_us"] + row["check_step_us"] / NUM_LAYERS
+    row["boundary_us"], row["plan_checks_us"] = _boundary(
+        backend, plan, handle, key, value, query, meta, spec, layout, runs * 10, secs)
+    per_layer = row["boundary_us"] + row["plan_checks_us"] / NUM_LAYERS
     row["checks_pct"] = 100.0 * per_layer / row["layer_us"]
     return row
+
+
+def _boundary(backend, plan, cache, key, value, query, meta, spec, layout, runs, secs):
+    """(checks around one layer's write_kv + attention, checks of one plan) in us: the
+    public calls with the backend's own methods replaced, on this instance only, by ones
+    that return at once."""
+    glue = {"prepare": lambda **kw: None,
+            "write": lambda **kw: kw["cache"],
+            "attend": lambda **kw: (kw["query"], None)}
+    saved = {n: backend.__dict__[n] for n in glue if n in backend.__dict__}
+    backend.__dict__.update(glue)
+    try:
+        def layer():
+            backend.write_kv(plan, cache, key=key, value=value, layer=1)
+            backend.attention(plan, cache, query=query, layer=1)
+
+        per_layer = median_us(layer, min_runs=runs, min_seconds=secs)
+        per_plan = median_us(lambda: backend.plan(meta, spec, layout, num_q_heads=Q_HEADS),
+                             min_runs=runs, min_seconds=secs)
+    finally:
+        for n in glue:
+            backend.__dict__.pop(n, None)
+        backend.__dict__.update(saved)
+    return per_layer, per_plan
 
 
 def _names(text: str) -> list[str]:
@@ -251,8 +272,8 @@ def _table(doc) -> None:
             ("layer_cpu_us", "(cpu)", "{:.1f}"),
             ("plan_us", "plan", "{:.1f}"),
             ("view_lookup_us", "view lookup", "{:.2f}"),
-            ("layout_view_us", "layout view", "{:.1f}"), ("as_cache_us", "as_cache", "{:.2f}"),
-            ("wrap_list_us", "as_cache(list)", "{:.1f}"),
+            ("layout_view_us", "layout view", "{:.1f}"),
+            ("boundary_us", "checks/layer", "{:.2f}"), ("plan_checks_us", "checks/plan", "{:.1f}"),
             ("check_step_us", "check_step", "{:.1f}"), ("checks_pct", "checks %", "{:.2f}")]
     cells = [[h for _, h, _ in cols]]
     cells += [[f.format(r[k]) for k, _, f in cols] for r in doc["results"]

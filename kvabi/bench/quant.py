@@ -74,8 +74,8 @@ def _variant(backend, label, dtype, quant, rounding, preset, meta, rng):
     plan = backend.plan(meta, spec, layout, num_q_heads=Q_HEADS)
 
     def layer():
-        backend.write_kv(cache, layout, kv[0], kv[1], plan, **scales)
-        backend.attention(q, cache, layout, plan, **scales)
+        backend.write_kv(plan, cache, key=kv[0], value=kv[1], **scales)
+        backend.attention(plan, cache, query=q, **scales)
     return layer
 
 

@@ -12,7 +12,7 @@ import json
 
 import attrs
 
-from ..abi import ABI_VERSION
+from ..version import ABI_VERSION
 from ..dtypes import DTYPES
 from ..spec import KINDS, KVSpec
 from ..argtypes import positive_int
@@ -92,11 +92,11 @@ def _err(e: Exception) -> str:
 
 def describe(backend, spec: KVSpec) -> dict:
     """One backend as a JSON-able dict; a method that raises is reported, never fatal.
-    ``preferred_layouts`` are those for ``spec``; ``unclaimed`` says why the backend does
-    not claim ``spec`` (None when it does)."""
+    ``preferred_layouts`` are those for ``spec``; ``unclaimed`` lists every reason the
+    backend does not claim ``spec`` (empty when it does)."""
     d: dict = {"name": backend.name, "abi_version": list(backend.abi_version),
                "available": False, "reason": "", "capabilities": None,
-               "spec": attrs.asdict(spec), "unclaimed": None,
+               "spec": attrs.asdict(spec), "unclaimed": [],
                "preferred_layouts": None, "errors": []}
     try:
         ok, why = backend.available()
@@ -110,7 +110,7 @@ def describe(backend, spec: KVSpec) -> dict:
     except Exception as e:  # noqa: BLE001
         d["errors"].append(f"capabilities() raised {_err(e)}")
     try:
-        d["unclaimed"] = backend.capabilities(spec).unsupported_reason(spec)
+        d["unclaimed"] = list(backend.capabilities(spec).refusals(spec))
     except Exception as e:  # noqa: BLE001
         d["errors"].append(f"capabilities(spec) raised {_err(e)}")
     try:
@@ -177,7 +177,7 @@ def run(args) -> int:
         print(f"  {d['name']}: {d['reason'] or ('available' if d['available'] else '')}")
         label = _spec_label(KVSpec(**d["spec"]))
         if d["unclaimed"]:
-            label += f" (not claimed: {d['unclaimed']})"
+            label += f" (not claimed: {'; '.join(d['unclaimed'])})"
         print(f"    spec: {label}")
         lay = d["preferred_layouts"]
         print(f"    layouts: {', '.join(lay) if lay else '(none)' if lay is not None else '?'}")

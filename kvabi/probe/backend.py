@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import KVCache, as_cache
+from ..cache import KVCache
 from ..metadata import CommonAttentionMetadata
 from ..tensors import FRAMEWORKS, convert
 
@@ -18,7 +18,7 @@ def backend_writer(backend, layout, spec, cache=None):
     immutable: ``planes`` are numpy copies, and each write runs on jax copies of them and
     copies the result back (the cache given is never touched).
     """
-    cache = backend.allocate(layout) if cache is None else as_cache(cache, layout)
+    cache = backend.allocate(layout) if cache is None else KVCache.wrap(layout, cache)
     jax = cache.framework == "jax"
     planes = [np.array(p) for p in cache] if jax else list(cache)
     fw = backend.framework if backend.framework in FRAMEWORKS else "numpy"
@@ -29,15 +29,15 @@ def backend_writer(backend, layout, spec, cache=None):
         meta = CommonAttentionMetadata.from_lengths(
             query_lens=np.ones(len(slots), np.int64), context_lens=slots % bs,
             block_table=(slots // bs)[:, None], block_size=bs, num_blocks=layout.num_blocks)
-        plan = backend.plan(meta, spec, layout)
+        plan = backend.plan(meta, spec, layout, num_q_heads=spec.num_kv_heads)
         k = convert(key, fw)
         v = None if value is None else convert(value, fw)
         if jax:
             handle = KVCache.wrap(layout, [convert(np.array(p), "jax") for p in planes])
-            new = backend.write_kv(handle, layout, k, v, plan, layer=layer)
+            new = backend.write_kv(plan, handle, key=k, value=v, layer=layer)
             for dst, src in zip(planes, new):
                 dst[...] = np.asarray(src)
         else:
-            backend.write_kv(cache, layout, k, v, plan, layer=layer)
+            backend.write_kv(plan, cache, key=k, value=v, layer=layer)
 
     return planes, write

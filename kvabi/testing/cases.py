@@ -255,7 +255,7 @@ def step_arrays(case: AttentionCase, salt: int, layer: int | None = None):
 
 def layer_sinks(case: AttentionCase, layer: int) -> np.ndarray:
     """Per-layer attention sinks (float32, one per query head) for ``layer`` of ``case``:
-    what a 1.1 caller passes per call, different for every layer."""
+    what a caller passes per call, different for every layer."""
     rng = np.random.default_rng([case.seed, 0x51C, layer])
     return rng.uniform(-2.0, 2.0, case.num_q_heads).astype(np.float32)
 

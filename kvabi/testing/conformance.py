@@ -99,11 +99,18 @@ class BackendConformance:
 
     # -- the tests --------------------------------------------------------------------------
     def test_registered(self):
-        """The backend is a kvabi Backend with a dotted name and sane capabilities."""
-        from ..abi import Backend, Capabilities
+        """The backend is a kvabi Backend with a dotted name and sane capabilities, built
+        for this ABI's major version, leaving the calls (and their checks) to the base
+        class."""
+        from ..backend import BOUNDARY, Backend
+        from ..capabilities import Capabilities
+        from ..version import ABI_VERSION
 
         backend = self.make_backend()
         assert isinstance(backend, Backend)
+        assert tuple(backend.abi_version)[:1] == ABI_VERSION[:1], backend.abi_version
+        own = [m for m in BOUNDARY if getattr(type(backend), m) is not getattr(Backend, m)]
+        assert not own, f"overrides {own}: implement prepare, write and attend instead"
         assert backend.name and all(backend.name.split("."))
         ok, why = backend.available()
         assert isinstance(ok, bool) and isinstance(why, str)

@@ -2,31 +2,27 @@
 
 The reference always works on numpy planes that span the layout's whole buffer (padding
 included), so :meth:`kvabi.Layout.kv_view` can address them.  Arrays cross the boundary
-with :func:`kvabi.tensors.convert` into the backend's ``framework`` (a 1.0 backend that
-overrides ``asarray``/``to_numpy`` keeps getting those); caches are handed as
-:class:`kvabi.KVCache` to 1.1 backends and as plain lists to 1.0 backends, and the kit
-always continues with the cache a write returns (a jax cache is consumed by the write).
-A backend's planes are copied back into full-buffer numpy planes before anything reads
-them through the layout.
+with :func:`kvabi.tensors.convert` into the backend's ``framework``; caches are handed as
+:class:`kvabi.KVCache`, and the kit always continues with the cache a write returns (a jax
+cache is consumed by the write).  A backend's planes are copied back into full-buffer
+numpy planes before anything reads them through the layout.
 
-A backend is called with the 1.1 keywords (``num_q_heads``, per-call ``sinks``, ``out``)
-only when it declares ABI 1.1 (:func:`kvabi.abi_at_least`); the reference, as the oracle,
-is always called the 1.0 way (one plan per set of sinks), so the oracle does not depend on
-the features under test.
+Every call is the ABI's keyword call (``plan(..., num_q_heads=)``, ``write_kv(plan, cache,
+key=, value=, layer=)``, ``attention(plan, cache, query=, ...)``); the reference, as the
+oracle, gets per-call sinks as a plan of their own, so the oracle does not depend on the
+features under test.
 """
 from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ..abi import Backend, abi_at_least
 from ..cache import KVCache
 from ..dtypes import numpy_dtype
 from ..errors import KVABIError
 from ..layout import Layout
 from ..metadata import CommonAttentionMetadata
-from ..tensors import convert
-from ..tensors import to_numpy as _to_numpy
+from ..tensors import convert, to_numpy
 from .cases import AttentionCase, input_dtype, stored
 from .measure import ConformanceFailure
 
@@ -37,59 +33,21 @@ UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 # -- the boundary -------------------------------------------------------------------------
-def is_abi_11(backend) -> bool:
-    """Whether the backend takes the 1.1 keywords and KVCache handles."""
-    return abi_at_least(backend, (1, 1))
+def in_framework(backend, x):
+    """``x`` (numpy) in the backend's framework, on its device."""
+    return None if x is None else convert(x, backend.framework, device=backend.device())
 
 
-def _overrides(backend, name: str) -> bool:
-    own = getattr(type(backend), name, None)
-    return own is not None and own is not getattr(Backend, name, None)
-
-
-def to_backend(backend, x):
-    """``x`` (numpy) in the backend's framework: :func:`kvabi.tensors.convert`, or a 1.0
-    backend's own ``asarray`` when it overrides it."""
-    if x is None:
-        return None
-    if not is_abi_11(backend) and _overrides(backend, "asarray"):
-        return backend.asarray(x)
-    dev = backend.device() if callable(getattr(backend, "device", None)) else None
-    return convert(x, getattr(backend, "framework", "numpy"), device=dev)
-
-
-def from_backend(backend, x) -> np.ndarray:
-    """A backend's array as numpy (a 1.0 backend's own ``to_numpy`` when it overrides it)."""
-    if not is_abi_11(backend) and _overrides(backend, "to_numpy"):
-        return np.asarray(backend.to_numpy(x))
-    return np.asarray(_to_numpy(x))
-
-
-def hand_cache(backend, layout: Layout, planes):
-    """Planes (already in the backend's framework) as the backend expects a cache: a
-    KVCache for 1.1, a plain list for 1.0."""
-    if is_abi_11(backend):
-        return KVCache.wrap(layout, list(planes))
-    return list(planes)
-
-
-def take_cache(backend, layout: Layout, cache, what: str):
-    """The cache a backend returned (from ``allocate`` or ``write_kv``), as the kit hands
-    it on; a 1.1 backend's list is wrapped (and checked) into a KVCache."""
-    if cache is None:
-        raise ConformanceFailure(f"{what} returned None; it must return the cache")
-    if not isinstance(cache, (list, tuple)):
-        raise ConformanceFailure(f"{what} returned a {type(cache).__name__}, not a cache "
-                                 f"(a KVCache or a list of planes)")
-    if not is_abi_11(backend):
-        return list(cache)
-    if isinstance(cache, KVCache) and cache.layout == layout:
-        return cache
-    try:
-        return KVCache.wrap(layout, list(cache))
-    except KVABIError as e:
-        raise ConformanceFailure(f"{what} returned planes that do not fit the layout: "
-                                 f"{e}") from e
+def take_cache(layout: Layout, cache, what: str) -> KVCache:
+    """The cache a backend returned (from ``allocate`` or ``write_kv``): a KVCache of
+    ``layout``, as the kit hands it on."""
+    if type(cache) is not KVCache:
+        raise ConformanceFailure(f"{what} returned a {type(cache).__name__}, not a "
+                                 f"kvabi.KVCache")
+    if cache.layout != layout:
+        raise ConformanceFailure(f"{what} returned a cache of another layout "
+                                 f"({cache.layout.name or 'custom'})")
+    return cache
 
 
 def dtype_str(x) -> str:
@@ -225,18 +183,16 @@ def backend_cache(backend, case: AttentionCase, pool=None):
     layout, spec, inputs = case.layout, case.spec, case.inputs()
     if use_host_planes(layout):
         planes = oracle_cache(case, via_backend_allocate=False, pool=pool)
-        return hand_cache(backend, layout, [to_backend(backend, np.array(p)) for p in planes])
+        return KVCache.wrap(layout, [in_framework(backend, np.array(p)) for p in planes])
     pk, pv = (inputs.pool_k, inputs.pool_v) if pool is None else pool
-    cache = take_cache(backend, layout, backend.allocate(layout), "allocate(layout)")
+    cache = take_cache(layout, backend.allocate(layout), "allocate(layout)")
     meta = fill_meta(layout, spec.block_size)
-    plan = backend.plan(meta, spec, layout)
+    plan = backend.plan(meta, spec, layout, num_q_heads=spec.num_kv_heads)
     for layer in range(layout.num_layers):
-        k = to_backend(backend, pk[layer])
-        v = None if pv is None else to_backend(backend, pv[layer])
-        cache = take_cache(backend, layout,
-                           backend.write_kv(cache, layout, k, v, plan, layer=layer,
-                                            **case.scales(layer)),
-                           "write_kv")
+        cache = take_cache(layout, backend.write_kv(
+            plan, cache, key=in_framework(backend, pk[layer]),
+            value=in_framework(backend, None if pv is None else pv[layer]), layer=layer,
+            **case.scales(layer)), "write_kv")
     return cache
 
 
@@ -245,7 +201,7 @@ def use_host_planes(layout: Layout) -> bool:
     return layout.is_c_contiguous
 
 
-def to_planes(backend, layout: Layout, cache) -> list[np.ndarray]:
+def to_planes(layout: Layout, cache) -> list[np.ndarray]:
     """A backend's cache as full-buffer numpy planes (checked for count, shape, dtype)."""
     if not isinstance(cache, (list, tuple)) or len(cache) != layout.num_planes:
         n = len(cache) if hasattr(cache, "__len__") else "?"
@@ -253,7 +209,7 @@ def to_planes(backend, layout: Layout, cache) -> list[np.ndarray]:
                                  f"{type(cache).__name__} of {n}")
     out = full_planes(layout, 0)
     for i, p in enumerate(cache):
-        a = from_backend(backend, p)
+        a = np.asarray(to_numpy(p))
         if tuple(a.shape) != plane_shape(layout, i):
             raise ConformanceFailure(f"cache plane {i}: shape {tuple(a.shape)}, the layout "
                                      f"says {plane_shape(layout, i)}")
@@ -425,15 +381,15 @@ class Runner:
         self.layout = case.layout
         self.spec = case.spec
         self.pool = pool
-        self.v11 = (not oracle) and is_abi_11(backend)
         self._cache = None
 
     @property
-    def cache(self):
+    def cache(self) -> KVCache:
         if self._cache is None:
             if self.oracle:
-                self._cache = oracle_cache(self.case, pool=self.pool,
-                                           via_backend_allocate=not use_host_planes(self.layout))
+                self._cache = _handle(self.layout, oracle_cache(
+                    self.case, pool=self.pool,
+                    via_backend_allocate=not use_host_planes(self.layout)))
             else:
                 self._cache = backend_cache(self.backend, self.case, self.pool)
         return self._cache
@@ -445,51 +401,40 @@ class Runner:
     def _x(self, a):
         if a is None:
             return None
-        return a if self.oracle else to_backend(self.backend, a)
+        return a if self.oracle else in_framework(self.backend, a)
 
     def plan(self, meta, spec=None, *, sinks=True, sink_values=None):
-        """A plan for ``meta``; the case's sinks (when it has them and ``sinks``), or
-        ``sink_values``; a 1.1 backend is also told the number of query heads."""
+        """A plan for ``meta`` and the case's query heads; the case's sinks (when it has
+        them and ``sinks``), or ``sink_values``."""
         c = self.case
         s = sink_values
         if s is None and sinks and c.sinks:
             s = c.inputs().sinks
-        kw = dict(scale=c.scale, softcap=c.softcap, sinks=self._x(s))
-        if self.v11:
-            kw["num_q_heads"] = c.num_q_heads
-        return self.backend.plan(meta, spec or self.spec, self.layout, **kw)
+        return self.backend.plan(meta, spec or self.spec, self.layout,
+                                 num_q_heads=c.num_q_heads, scale=c.scale, softcap=c.softcap,
+                                 sinks=self._x(s))
 
     def write(self, plan, key, value, layer=None):
         layer = self.case.layer if layer is None else layer
-        cache = self.cache
-        got = self.backend.write_kv(cache, self.layout, self._x(key), self._x(value), plan,
+        got = self.backend.write_kv(plan, self.cache, key=self._x(key), value=self._x(value),
                                     layer=layer, **self.case.scales(layer))
-        if self.oracle:
-            self._cache = got
-        else:
-            self._cache = take_cache(self.backend, self.layout, got, "write_kv")
+        self._cache = take_cache(self.layout, got, "write_kv")
 
     def attend(self, plan, query, layer=None, *, lse=False, sinks=None, out=False):
         """(out, lse or None) as float64 numpy.
 
-        ``sinks`` (numpy, 1.1 backends only) are passed per call; ``out`` passes a buffer
-        of the output's shape in the query's dtype (1.1 only) and checks it was written in
-        place (numpy, torch).  The output dtype must be the query's and lse float32 (the
-        reference: float64)."""
+        ``sinks`` (numpy) are passed per call; ``out`` passes a buffer of the output's
+        shape in the query's dtype and checks it was written in place (numpy, torch).  The
+        output dtype must be the query's and lse float32 (the reference: float64)."""
         layer = self.case.layer if layer is None else layer
-        kw = dict(self.case.scales(layer))
-        if sinks is not None:
-            if not self.v11:
-                raise ConformanceFailure("internal: per-call sinks for a 1.0 backend")
-            kw["sinks"] = self._x(sinks)
         buf = None
-        if out and self.v11:
+        if out:
             q = np.asarray(query)
             dv = self.spec.head_dim_v
             buf = self._x(np.full((q.shape[0], q.shape[1], dv), np.nan, q.dtype))
-            kw["out"] = buf
-        got = self.backend.attention(self._x(query), self.cache, self.layout, plan,
-                                     layer=layer, return_lse=lse, **kw)
+        got = self.backend.attention(plan, self.cache, query=self._x(query), layer=layer,
+                                     sinks=self._x(sinks), out=buf, return_lse=lse,
+                                     **self.case.scales(layer))
         if lse:
             if not isinstance(got, tuple) or len(got) != 2:
                 raise ConformanceFailure("attention(return_lse=True) must return (out, lse)")
@@ -498,7 +443,7 @@ class Runner:
             if isinstance(got, tuple):
                 raise ConformanceFailure("attention(return_lse=False) returned a tuple")
             o, l_ = got, None
-        if self.v11:
+        if not self.oracle:
             self._check_dtypes(query, o, l_)
         o_np = self._np(o)
         if buf is not None:
@@ -536,13 +481,12 @@ class Runner:
                  "want": float(returned[t, h, d])})
 
     def _np(self, x):
-        a = np.asarray(x) if self.oracle else from_backend(self.backend, x)
-        return a.astype(np.float64)
+        return np.asarray(to_numpy(x)).astype(np.float64)
 
     def planes(self) -> list[np.ndarray]:
         if self.oracle:
-            return self.cache
-        return to_planes(self.backend, self.layout, self.cache)
+            return list(self.cache)
+        return to_planes(self.layout, self.cache)
 
 
 def step_inputs(case: AttentionCase, rows=None):
@@ -557,6 +501,5 @@ def step_inputs(case: AttentionCase, rows=None):
 
 __all__ = ["SENTINEL", "Runner", "StepData", "as_cache_dtype", "backend_cache",
            "cache_difference", "copy_planes", "expect_same_cache", "fill_meta", "fill_pool",
-           "put_rows",
-           "from_backend", "full_planes", "hand_cache", "input_dtype", "is_abi_11",
-           "oracle_cache", "raw_items", "step_inputs", "to_backend", "to_planes"]
+           "full_planes", "in_framework", "input_dtype", "oracle_cache", "plane_shape",
+           "put_rows", "raw_items", "step_inputs", "take_cache", "to_planes"]

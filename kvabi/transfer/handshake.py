@@ -19,7 +19,7 @@ import re
 import attrs
 import numpy as np
 
-from ..abi import ABI_VERSION, wire_version
+from ..version import WIRE_VERSION, wire_version
 from ..coerce import as_int
 from ..errors import KVABIError
 from ..frozen import frozen_array
@@ -37,6 +37,9 @@ MAX_PLANES = 4096
 MAX_ADDRESS = 2**62
 #: the first minor version of the handshake message (ABI 1.0 had none)
 FIRST_MINOR = 1
+#: the majors a reader of this version takes (2.0: the layout may hold components; a 1.x
+#: message carries a 1.x descriptor, which the layout reader still takes)
+READS = (1, WIRE_VERSION[0])
 # matched whole (fullmatch): ``$`` would also match before a final "\n"
 _NAME = re.compile(r"[A-Za-z0-9_.:@\-]{1,128}")
 _HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")
@@ -72,7 +75,7 @@ def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout
     ``kv_scales``: per layer ``(k_scale, v_scale)`` of a per-tensor quantized cache
     (:mod:`kvabi.transfer.kv_scales`)."""
     msg = {
-        "kvabi_abi": list(ABI_VERSION),
+        "kvabi_abi": list(WIRE_VERSION),
         "message": MESSAGE,
         "agent": {"name": agent_name, "host": host, "port": int(port)},
         "memory": memory,
@@ -101,7 +104,7 @@ def _obj(v, field, keys, *, closed=False):
         extra = sorted(set(v) - set(keys))
         if extra:
             raise KVABIError(f"{field}.{extra[0]}: unknown field in a message of ABI "
-                             f"{ABI_VERSION[0]}.{ABI_VERSION[1]} or older")
+                             f"{WIRE_VERSION[0]}.{WIRE_VERSION[1]} or older")
     return v
 
 
@@ -129,21 +132,21 @@ def check_port(v, field: str = "agent.port") -> int:
 def parse_handshake(text) -> Handshake:
     """Validate an untrusted handshake message (str or bytes); KVABIError names the field.
 
-    Refuses another ABI major version; a newer minor version's unknown fields are ignored,
-    this version's messages must not carry any.
+    Refuses a major version other than 1 and this one; a newer minor version's unknown
+    fields are ignored, this version's (and every 1.x) messages must not carry any.
     """
     d = loads(text, what="handshake", max_bytes=MAX_HANDSHAKE_BYTES, max_depth=MAX_DEPTH)
     _obj(d, "handshake", ("kvabi_abi",))
     ver = wire_version(d["kvabi_abi"])
-    if ver[0] != ABI_VERSION[0]:
+    if ver[0] not in READS:
         raise KVABIError(f"kvabi_abi: the peer speaks ABI {ver[0]}.{ver[1]}; this reader "
-                         f"speaks {ABI_VERSION[0]}.x")
-    if ver[1] < FIRST_MINOR:
+                         f"speaks {' and '.join(f'{m}.x' for m in READS)}")
+    if ver[0] == 1 and ver[1] < FIRST_MINOR:
         raise KVABIError(f"kvabi_abi: the handshake message exists since ABI "
-                         f"{ABI_VERSION[0]}.{FIRST_MINOR}, the peer says {ver[0]}.{ver[1]}")
+                         f"1.{FIRST_MINOR}, the peer says {ver[0]}.{ver[1]}")
     # A message of our own or an older minor holds only the fields we know, at every level;
     # a newer minor's unknown fields are ignored.
-    closed = tuple(ver) <= ABI_VERSION
+    closed = tuple(ver) <= WIRE_VERSION
     _obj(d, "handshake", sorted(_FIELDS))
     if closed:
         extra = sorted(set(d) - _FIELDS - _OPTIONAL)

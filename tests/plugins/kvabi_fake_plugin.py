@@ -6,7 +6,6 @@ import kvabi
 
 
 class FakeBackend(kvabi.Backend):
-    abi_version = (1, 0)  # a backend written against ABI 1.0 keeps registering under 1.1
     name = "fake.one"
 
     def available(self):

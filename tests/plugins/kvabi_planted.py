@@ -13,7 +13,6 @@ import numpy as np
 
 import kvabi
 from kvabi.reference import ReferenceBackend
-from kvabi import KVCache
 
 
 class NoWindow(ReferenceBackend):
@@ -25,10 +24,10 @@ class NoWindow(ReferenceBackend):
         return attrs.evolve(super().capabilities(spec), kinds=("sliding_window",),
                             dtypes=("float32",))
 
-    def plan(self, meta, spec, layout, **kw):
-        if spec.kind == "sliding_window":
-            spec = attrs.evolve(spec, kind="full", window=None)
-        return super().plan(meta, spec, layout, **kw)
+    def prepare(self, plan):
+        if plan.spec.kind == "sliding_window":
+            plan = attrs.evolve(plan, spec=attrs.evolve(plan.spec, kind="full", window=None))
+        return super().prepare(plan)
 
 
 class LseLog2(ReferenceBackend):
@@ -39,13 +38,9 @@ class LseLog2(ReferenceBackend):
     def capabilities(self, spec=None):
         return attrs.evolve(super().capabilities(spec), kinds=("full",), dtypes=("float32",))
 
-    def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False, **kw):
-        got = super().attention(query, cache, layout, plan, layer=layer,
-                                return_lse=return_lse, **kw)
-        if return_lse:
-            out, lse = got
-            return out, np.asarray(lse) / np.log(2.0)
-        return got
+    def attend(self, **kw):
+        out, lse = super().attend(**kw)
+        return out, np.asarray(lse) / np.log(2.0)
 
 
 class WrongSlot(ReferenceBackend):
@@ -56,20 +51,21 @@ class WrongSlot(ReferenceBackend):
     def capabilities(self, spec=None):
         return attrs.evolve(super().capabilities(spec), kinds=("full",), dtypes=("float32",))
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0, **scales):
-        cache = super().write_kv(cache, layout, key, value, plan, layer=layer, **scales)
+    def write(self, plan, cache, key, value, layer, **scales):
+        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer,
+                              **scales)
         m, bs = plan.meta, plan.spec.block_size
         real = np.nonzero(m.slot_mapping >= 0)[0]
         if len(real):
-            s = (int(m.slot_mapping[real[-1]]) + 1) % (layout.num_blocks * bs)
-            view = KVCache.wrap(layout, cache).kv_view(layer, 0)
+            s = (int(m.slot_mapping[real[-1]]) + 1) % (plan.layout.num_blocks * bs)
+            view = cache.kv_view(layer, 0)
             view[s // bs, s % bs] = np.asarray(key[real[-1]]).astype(view.dtype)
         return cache
 
 
 class Recording(ReferenceBackend):
     """The correct reference, logging each example's spec, layout and batch to the file
-    named by ``$KVABI_RECORD`` (one line per ``plan`` call)."""
+    named by ``$KVABI_RECORD`` (one line per plan)."""
 
     name = "planted.recording"
 
@@ -77,14 +73,15 @@ class Recording(ReferenceBackend):
         return attrs.evolve(super().capabilities(spec), kinds=("full", "sliding_window"),
                             dtypes=("float32",))
 
-    def plan(self, meta, spec, layout, **kw):
+    def prepare(self, plan):
         path = os.environ.get("KVABI_RECORD")
         if path:
+            meta = plan.meta
             with open(path, "a") as f:
-                f.write(f"{spec} {layout.name} {meta.query_lens.tolist()} "
+                f.write(f"{plan.spec} {plan.layout.name} {meta.query_lens.tolist()} "
                         f"{meta.context_lens.tolist()} {meta.block_table.tolist()} "
-                        f"{kw.get('scale')} {kw.get('softcap')}\n")
-        return super().plan(meta, spec, layout, **kw)
+                        f"{plan.scale} {plan.softcap}\n")
+        return super().prepare(plan)
 
 
 ALL = (NoWindow, LseLog2, WrongSlot, Recording)

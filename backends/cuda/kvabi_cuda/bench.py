@@ -9,9 +9,7 @@ Without a CUDA device the Triton kernel runs in its interpreter: its figure then
 Python, not a kernel, and the output says so.
 
 Dispatch (:mod:`kvabi_cuda.bench_dispatch`): ``plan`` per step and ``write_kv`` +
-``attention`` per layer with the kernels replaced by no-ops, called the ABI 1.0 way (a
-list of planes, no ``num_q_heads``) and the 1.1 way (the KVCache handle, ``num_q_heads``,
-``out=``), side by side in one run.
+``attention`` per layer with the kernels replaced by no-ops (the host work alone).
 """
 from __future__ import annotations
 

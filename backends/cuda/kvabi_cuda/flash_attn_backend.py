@@ -11,22 +11,17 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from kvabi import UnsupportedError, check_kv, check_step
 from kvabi.tensors import to_torch, torch_dtype
 
-from . import boundary
 from .flash_attn_args import flash_attn_args
 from .library_backend import LibraryBackend
 from .torch_write import write_kv_torch, write_rows
 
 
-@attrs.define(eq=False)
-class FlashAttnPlan:
-    meta: object
-    spec: object
-    layout: object
-    opts: object  # AttentionOptions
-    num_q_heads: int | None
+@attrs.frozen(eq=False)
+class FlashAttnSteps:
+    """What the flash-attn adapter prepares for a step."""
+
     torch_dtype: object
     args: dict  # the translated arguments, numpy
     tensors: dict  # the same, as device tensors
@@ -49,37 +44,22 @@ class FlashAttnBackend(LibraryBackend):
                           "multiple of 256, head dim a multiple of 8 up to 256, D "
                           "contiguous; chunked local via kvabi's virtual batches; no sinks")
 
-    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
-             sinks=None):
-        self._require_available()
-        check_step(meta, spec, layout)
-        self.check_supported(spec, softcap=softcap, sinks=sinks)
-        self.check_layout(layout, spec)
-        opts, hq = boundary.plan_options(spec, num_q_heads, scale, softcap, sinks)
-        args = flash_attn_args(meta, spec, scale=opts.scale, softcap=opts.softcap)
-        dev = self.device()
+    def prepare(self, plan) -> FlashAttnSteps:
+        meta, spec, dev = plan.meta, plan.spec, self.device()
+        args = flash_attn_args(meta, spec, scale=plan.scale, softcap=plan.softcap)
         t = {k: to_torch(v, dev) for k, v in args.items() if isinstance(v, np.ndarray)}
         rows = tuple(to_torch(a, dev) for a in write_rows(meta.slot_mapping, spec.block_size))
-        return FlashAttnPlan(meta, spec, layout, opts, hq, torch_dtype(spec.dtype), args, t,
-                             rows)
+        return FlashAttnSteps(torch_dtype(spec.dtype), args, t, rows)
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
-        c = self.cache(cache, layout, plan, FlashAttnPlan)
-        spec = plan.spec
-        check_kv(key, value, plan.meta, spec)
-        dev = self.device()
-        write_kv_torch(to_torch(key, dev), to_torch(value, dev), c.kv_view(layer, 0),
-                       c.kv_view(layer, 1), plan.rows)
+    def write(self, plan, cache, key, value, layer):
+        write_kv_torch(key, value, cache.kv_view(layer, 0), cache.kv_view(layer, 1),
+                       plan.prepared.rows)
         return cache
 
-    def attention(self, query, cache, layout, plan, *, layer: int = 0, sinks=None, out=None,
-                  return_lse=False):
-        c = self.cache(cache, layout, plan, FlashAttnPlan)
-        if sinks is not None:
-            raise UnsupportedError(f"{self.name}: unsupported: attention sinks not supported")
-        args, t = plan.args, plan.tensors
-        hq = boundary.query_heads(query, plan)
-        q, k_view, v_view, o, lse = self.step_tensors(query, c, plan, layer, hq, out,
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse):
+        # no sinks are claimed (capabilities): a plan has none, and per-call ones are refused
+        args, t = plan.prepared.args, plan.prepared.tensors
+        q, k_view, v_view, o, lse = self.step_tensors(plan, query, cache, layer, out,
                                                       return_lse)
         a = args["num_actual_tokens"]
         if a:
@@ -93,4 +73,4 @@ class FlashAttnBackend(LibraryBackend):
             o[:a] = res
             if lse is not None:
                 lse[:a] = l.float().transpose(0, 1)  # flash-attn's lse is [Hq, total_q]
-        return (o, lse) if return_lse else o
+        return o, lse

@@ -3,12 +3,10 @@
 Writes go through ``append_paged_kv_cache``; attention through
 ``BatchDecodeWithPagedKVCacheWrapper`` (every request one query token, no sinks) or
 ``BatchPrefillWithPagedKVCacheWrapper`` (mixed batches, sinks).  FlashInfer's ``plan``
-needs the query head count: given ``num_q_heads`` (ABI 1.1), kvabi's ``plan`` plans the
-wrapper itself; without it (1.0 callers) the wrapper is planned at the first attention call
-of the step and reused by every other layer.  Per-layer sinks given to ``attention`` need
-the prefill wrapper: a plan whose wrapper is the decode one plans a prefill wrapper for
-them once, on first use.  All argument translation lives in the pure
-:func:`kvabi_cuda.flashinfer_args.flashinfer_args`.
+needs the query head count, which kvabi's plan carries: the wrapper is planned in
+``prepare``.  Per-layer sinks given to ``attention`` need the prefill wrapper: a plan whose
+wrapper is the decode one plans a prefill wrapper for them once, on first use.  All
+argument translation lives in the pure :func:`kvabi_cuda.flashinfer_args.flashinfer_args`.
 """
 from __future__ import annotations
 
@@ -17,10 +15,8 @@ import inspect
 import attrs
 import numpy as np
 
-from kvabi import UnsupportedError, check_kv, check_step
 from kvabi.tensors import to_torch, torch_dtype
 
-from . import boundary
 from .flashinfer_args import append_args, flashinfer_args, paged_kv_tensors
 from .layouts import nhd_or_hnd
 from .library_backend import LibraryBackend
@@ -29,19 +25,16 @@ from .library_backend import LibraryBackend
 WORKSPACE_BYTES = 128 << 20
 
 
-@attrs.define(eq=False)
-class FlashInferPlan:
-    meta: object
-    spec: object
-    layout: object
-    opts: object  # AttentionOptions
+@attrs.frozen(eq=False)
+class FlashInferSteps:
+    """What the FlashInfer adapter prepares for a step."""
+
     kv_layout: str
-    num_q_heads: int | None
     torch_dtype: object
     #: ``append_paged_kv_cache``'s index tensors on the device, built once per step
     append: dict
-    #: (num_qo_heads, wrapper for per-call sinks) -> (translated args, planned wrapper,
-    #: run kwargs as tensors)
+    #: wrapper for per-call sinks? -> (translated args, planned wrapper, run kwargs as
+    #: tensors); the plan's own in ``prepare``, the one for per-call sinks on first use
     planned: dict = attrs.field(factory=dict)
 
 
@@ -72,103 +65,81 @@ class FlashInferBackend(LibraryBackend):
             self._sinks_ok = _takes_sinks(self.lib)
         return self._sinks_ok
 
-    # -- plan --------------------------------------------------------------------------
-    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
-             sinks=None):
-        self._require_available()
-        check_step(meta, spec, layout)
-        self.check_supported(spec, softcap=softcap, sinks=sinks)
-        self.check_layout(layout, spec)
-        opts, hq = boundary.plan_options(spec, num_q_heads, scale, softcap, sinks)
-        kv_layout = nhd_or_hnd(layout)
+    # -- once per step -----------------------------------------------------------------
+    def prepare(self, plan) -> FlashInferSteps:
+        kv_layout = nhd_or_hnd(plan.layout)
         dev = self.device()
         append = {k: to_torch(v, dev) if isinstance(v, np.ndarray) else v
-                  for k, v in append_args(meta, spec, kv_layout).items()}
-        plan = FlashInferPlan(meta, spec, layout, opts, kv_layout, hq,
-                              torch_dtype(spec.dtype), append)
-        if hq is not None:  # FlashInfer's plan, at kvabi's plan time
-            self._planned(plan, hq, False)
-        return plan
+                  for k, v in append_args(plan.meta, plan.spec, kv_layout).items()}
+        steps = FlashInferSteps(kv_layout, torch_dtype(plan.spec.dtype), append)
+        self._planned(plan, steps, False)  # FlashInfer's plan, at kvabi's plan time
+        return steps
 
-    def _planned(self, plan, hq: int, call_sinks: bool):
-        """The wrapper planned for ``hq`` query heads (and for per-call sinks: the prefill
-        wrapper), translated and planned once per step."""
-        key = (hq, call_sinks)
-        hit = plan.planned.get(key)
+    def _planned(self, plan, steps, call_sinks: bool):
+        """The wrapper planned for the step (and for per-call sinks: the prefill wrapper),
+        translated and planned once per step."""
+        hit = steps.planned.get(call_sinks)
         if hit is not None:
             return hit
-        if call_sinks and (hq, False) in plan.planned and \
-                plan.planned[(hq, False)][0]["wrapper"] == "prefill":
-            hit = plan.planned[key] = plan.planned[(hq, False)]
+        if call_sinks and steps.planned[False][0]["wrapper"] == "prefill":
+            hit = steps.planned[True] = steps.planned[False]
             return hit
         import torch
 
-        spec, opts = plan.spec, plan.opts
+        spec, hq = plan.spec, plan.num_q_heads
         # Per-call sinks: plan as if sinks were given (zeros stand in; run gets the real ones).
-        sinks = opts.sinks if not call_sinks or opts.sinks is not None else np.zeros(hq)
-        args = flashinfer_args(plan.meta, spec, plan.kv_layout, num_qo_heads=hq,
-                               scale=opts.scale, softcap=opts.softcap, sinks=sinks)
+        sinks = plan.sinks if not call_sinks or plan.sinks is not None else np.zeros(hq)
+        args = flashinfer_args(plan.meta, spec, steps.kv_layout, num_qo_heads=hq,
+                               scale=plan.scale, softcap=plan.softcap, sinks=sinks)
         lib, dev = self.lib(), self.device()
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         cls = (lib.BatchDecodeWithPagedKVCacheWrapper if args["wrapper"] == "decode"
                else lib.BatchPrefillWithPagedKVCacheWrapper)
         wrapper = cls(self._workspace, args["kv_layout"])
-        dt = plan.torch_dtype
+        dt = steps.torch_dtype
         # Index arrays stay on the host for plan (FlashInfer copies them itself).
         kw = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
               for k, v in args["plan"].items()}
         wrapper.plan(**kw, q_data_type=dt, kv_data_type=dt)
         run = {k: to_torch(v, dev) if isinstance(v, np.ndarray) else v
                for k, v in args["run"].items()}
-        plan.planned[key] = (args, wrapper, run)
-        return plan.planned[key]
+        steps.planned[call_sinks] = (args, wrapper, run)
+        return steps.planned[call_sinks]
 
-    # -- write -------------------------------------------------------------------------
-    def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
-        c = self.cache(cache, layout, plan, FlashInferPlan)
-        spec, meta = plan.spec, plan.meta
-        check_kv(key, value, meta, spec)
-        a = meta.num_actual_tokens
+    # -- per layer ---------------------------------------------------------------------
+    def write(self, plan, cache, key, value, layer):
+        steps = plan.prepared
+        a = plan.meta.num_actual_tokens
         if a == 0:
             return cache
-        dev, dt = self.device(), plan.torch_dtype
         # append_paged_kv_cache takes exactly the real tokens, in the cache dtype.
-        key = to_torch(key, dev)[:a].to(dt)
-        value = to_torch(value, dev)[:a].to(dt)
-        k_view, v_view = c.kv_view(layer, 0), c.kv_view(layer, 1)
-        pair = paged_kv_tensors(k_view, v_view, plan.kv_layout)
-        t = plan.append
+        key, value = key[:a].to(steps.torch_dtype), value[:a].to(steps.torch_dtype)
+        k_view, v_view = cache.kv_view(layer, 0), cache.kv_view(layer, 1)
+        pair = paged_kv_tensors(k_view, v_view, steps.kv_layout)
+        t = steps.append
         self.lib().append_paged_kv_cache(key, value, t["batch_indices"], t["positions"], pair,
                                          t["kv_indices"], t["kv_indptr"],
                                          t["kv_last_page_len"], kv_layout=t["kv_layout"])
         return cache
 
-    # -- attention ---------------------------------------------------------------------
-    def attention(self, query, cache, layout, plan, *, layer: int = 0, sinks=None, out=None,
-                  return_lse=False):
-        c = self.cache(cache, layout, plan, FlashInferPlan)
-        spec = plan.spec
-        hq = boundary.query_heads(query, plan)
-        if sinks is None:
-            plan.opts.check_heads(hq)
-            args, wrapper, run = self._planned(plan, hq, False)
-        else:
-            if not self._run_takes_sinks():
-                raise UnsupportedError(f"{self.name}: unsupported: attention sinks not "
-                                       "supported")
-            args, wrapper, run = self._planned(plan, hq, True)
-            run = dict(run, sinks=self._sinks.get(sinks, hq, self.device()))
-        q, k_view, v_view, o, lse = self.step_tensors(query, c, plan, layer, hq, out,
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse):
+        steps = plan.prepared
+        if sinks is None or sinks is plan.sinks:
+            args, wrapper, run = self._planned(plan, steps, False)
+        else:  # sinks are claimed only where run() takes them (capabilities)
+            args, wrapper, run = self._planned(plan, steps, True)
+            run = dict(run, sinks=self.device_sinks(sinks))
+        q, k_view, v_view, o, lse = self.step_tensors(plan, query, cache, layer, out,
                                                       return_lse)
         a = args["num_actual_tokens"]
         if a:
-            res, l2 = wrapper.run(q[:a], paged_kv_tensors(k_view, v_view, plan.kv_layout),
+            res, l2 = wrapper.run(q[:a], paged_kv_tensors(k_view, v_view, steps.kv_layout),
                                   **run)
             o[:a] = res
             if lse is not None:
                 lse[:a] = l2.float() * args["lse_scale"]
-        return (o, lse) if return_lse else o
+        return o, lse
 
 
 def _takes_sinks(lib) -> bool:

@@ -53,12 +53,6 @@ def index_dtype(wide: bool):
     return np.int64 if wide else np.int32
 
 
-def index_values(x, field: str, wide: bool, *, ndim: int = 1) -> np.ndarray:
-    """``x`` as the kernel's index dtype, refusing (KVABIError naming ``field``) values
-    that do not fit instead of wrapping them."""
-    return index_array(x, field, index_dtype(wide), ndim=ndim)
-
-
 def library_int32(x, field: str, backend: str, *, ndim: int = 1) -> np.ndarray:
     """``x`` as int32 for a library that takes int32 indices (FlashInfer's CSR pages,
     flash-attn's block table and cumulative lengths); a value past int32 (a pool of more

@@ -8,12 +8,12 @@ so it is not bound to the real kernels' dtypes and head sizes).
 """
 from __future__ import annotations
 
-from kvabi import Backend, Capabilities, KVABIError, UnsupportedError
-from kvabi.tensors import to_torch
+from kvabi import Backend, Capabilities
+from kvabi.tensors import ConvertOnce
 
-from . import boundary, runtime
+from . import runtime
 from .layouts import CUDA_FAMILIES, d_contiguous_presets
-from .views import check_library_layout, kv_views
+from .views import kv_views, library_layout_refusals
 
 
 class LibraryBackend(Backend):
@@ -29,7 +29,7 @@ class LibraryBackend(Backend):
     def __init__(self, library=None, device=None):
         self._library = library
         self._device_name = device
-        self._sinks = boundary.SinkTensors()
+        self._sinks = None
         self._device = None
 
     # -- the library -----------------------------------------------------------------
@@ -60,11 +60,6 @@ class LibraryBackend(Backend):
             return False, f"{self.module} not importable: {type(e).__name__}: {e}"
         return True, f"{self.module} {getattr(lib, '__version__', '')} on {dev}".replace("  ", " ")
 
-    def _require_available(self):
-        ok, why = self.available()
-        if not ok:
-            raise UnsupportedError(f"{self.name}: unavailable: {why}")
-
     # -- capabilities ----------------------------------------------------------------
     def base_capabilities(self) -> dict:
         """Capabilities of the real library (fields of :class:`kvabi.Capabilities`)."""
@@ -78,17 +73,10 @@ class LibraryBackend(Backend):
         if spec is not None and spec.kind == "chunked_local" and spec.chunk % spec.block_size:
             # Virtual batches need whole blocks per chunk: this spec's chunk is not claimed.
             caps["kinds"] = tuple(k for k in caps["kinds"] if k != "chunked_local")
+            caps["notes"] = (f"chunked local attention runs as virtual batches, which need "
+                             f"chunk {spec.chunk} to be a multiple of block_size "
+                             f"{spec.block_size}; " + caps.get("notes", ""))
         return Capabilities(**caps)
-
-    def check_supported(self, spec, *, softcap=None, sinks=None) -> None:
-        # capabilities without a spec: the preferred-layout list is not needed to decide.
-        why = self.capabilities().unsupported_reason(spec, softcap=softcap, sinks=sinks)
-        if why:
-            raise UnsupportedError(f"{self.name}: unsupported: {why}")
-        if spec.kind == "chunked_local" and spec.chunk % spec.block_size:
-            raise UnsupportedError(f"{self.name}: unsupported: chunked local attention runs "
-                                   f"as virtual batches, which need chunk {spec.chunk} to be "
-                                   f"a multiple of block_size {spec.block_size}")
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
         return d_contiguous_presets(spec, first=self.first_layouts, families=CUDA_FAMILIES)
@@ -102,33 +90,29 @@ class LibraryBackend(Backend):
             self._device = torch.device(name)
         return self._device
 
-    def check_layout(self, layout, spec) -> None:
-        """The layout is one the library's kernels address (checked once, at plan time)."""
-        check_library_layout(self.name, layout, spec)
+    def layout_refusals(self, spec, layout) -> tuple[str, ...]:
+        """What the library's paged kernels address (see :func:`library_layout_refusals`)."""
+        return library_layout_refusals(layout, spec)
 
-    def cache(self, cache, layout, plan, cls):
-        """The checked :class:`kvabi.KVCache` for a call with ``plan`` (identity checks
-        first: this runs per layer)."""
-        boundary.check_plan(self, plan, cls, layout)
-        return boundary.torch_cache(self, cache, plan.layout, self.device().type == "cuda")
+    def device_sinks(self, sinks):
+        """Checked per-call sinks as float32 on the device, once per array."""
+        if self._sinks is None:
+            self._sinks = ConvertOnce("torch", dtype="float32", device=self.device())
+        return self._sinks(sinks)
 
-    def step_tensors(self, query, cache, plan, layer: int, hq: int, out, return_lse: bool):
-        """What an attention call needs: the query on the device in the cache dtype (what
-        the library computes in), the layer's K and V views, the output buffer in the
-        query's own dtype (``out`` checked, or new zeros) and the lse (-inf: padding
-        tokens stay so; None when not asked for)."""
+    def step_tensors(self, plan, query, cache, layer: int, out, return_lse: bool):
+        """What an attention call needs: the query in the cache dtype (what the library
+        computes in), the layer's K and V views, the output buffer in the query's own dtype
+        (``out``, or new zeros) and the lse (-inf: padding tokens stay so; None when not
+        asked for)."""
         import torch
 
-        spec, meta = plan.spec, plan.meta
-        dev = self.device()
-        q_in = to_torch(query, dev)
-        if not q_in.dtype.is_floating_point:
-            raise KVABIError(f"query.dtype: must be a floating-point dtype, got "
-                             f"{str(q_in.dtype).replace('torch.', '')}")
-        q = q_in if q_in.dtype == plan.torch_dtype else q_in.to(plan.torch_dtype)
+        spec, t, hq, dev = plan.spec, plan.meta.num_tokens, plan.num_q_heads, self.device()
+        dt = plan.prepared.torch_dtype
+        q = query if query.dtype == dt else query.to(dt)
         k_view, v_view = kv_views(cache, layer, False)
-        out = boundary.out_tensor(out, (meta.num_tokens, hq, spec.head_dim_v), q_in.dtype,
-                                  dev)
-        lse = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32,
+        if out is None:
+            out = torch.zeros((t, hq, spec.head_dim_v), dtype=query.dtype, device=dev)
+        lse = torch.full((t, hq), float("-inf"), dtype=torch.float32,
                          device=dev) if return_lse else None
         return q, k_view, v_view, out, lse

@@ -122,26 +122,22 @@ def host(x) -> np.ndarray:
     return np.asarray(to_numpy(x), dtype=np.float64)
 
 
-def run_step(backend, step: Step, layer: int = 1, *, scale=None, as_list=False):
+def run_step(backend, step: Step, layer: int = 1, *, scale=None):
     """Write the history and the step's K/V through ``backend``, then attend.
 
     Returns (out [A, Hq, Dv], lse [A, Hq], cache planes as numpy), float64, real tokens.
-    ``as_list`` hands the backend an ABI 1.0 list of planes instead of the handle.
     """
     spec, layout = step.spec, step.layout()
     kh, vh, k, v, q = step_data(step, layer)
     cache = backend.allocate(layout)
-    if as_list:
-        cache = list(cache)
     if step.hist.num_tokens:
-        p0 = backend.plan(step.hist, spec, layout)
-        backend.write_kv(cache, layout, arr(backend, kh), arr(backend, vh), p0, layer=layer)
+        p0 = backend.plan(step.hist, spec, layout, num_q_heads=step.num_q_heads)
+        backend.write_kv(p0, cache, key=arr(backend, kh), value=arr(backend, vh), layer=layer)
     p = backend.plan(step.meta, spec, layout, scale=scale, softcap=step.softcap,
-                     sinks=step.sinks)
-    backend.write_kv(cache, layout, arr(backend, k), arr(backend, v), p, layer=layer)
+                     sinks=step.sinks, num_q_heads=step.num_q_heads)
+    backend.write_kv(p, cache, key=arr(backend, k), value=arr(backend, v), layer=layer)
     qd = q.astype(numpy_dtype(spec.dtype)) if spec.dtype != "float32" else q
-    out, lse = backend.attention(arr(backend, qd), cache, layout, p, layer=layer,
-                                 return_lse=True)
+    out, lse = backend.attention(p, cache, query=arr(backend, qd), layer=layer, return_lse=True)
     a = step.meta.num_actual_tokens
     planes = [np.asarray(to_numpy(x)) for x in cache]
     return host(out)[:a], host(lse)[:a], planes
@@ -182,8 +178,8 @@ def fill_layer(backend, step: Step, cache, layout, layer: int):
     kh, vh, k, v, q = step_data(step, layer)
     for meta, kk, vv in ((step.hist, kh, vh), (step.meta, k, v)):
         if meta.num_tokens:
-            p = backend.plan(meta, spec, layout)
-            backend.write_kv(cache, layout, arr(backend, kk), arr(backend, vv), p,
+            p = backend.plan(meta, spec, layout, num_q_heads=step.num_q_heads)
+            backend.write_kv(p, cache, key=arr(backend, kk), value=arr(backend, vv),
                              layer=layer)
     return q.astype(numpy_dtype(spec.dtype))
 
@@ -194,8 +190,8 @@ def reference_layer(step: Step, layer: int, *, sinks=None, layout=None):
     layout = layout or step.layout()
     cache = ref.allocate(layout)
     q = fill_layer(ref, step, cache, layout, layer)
-    p = ref.plan(step.meta, step.spec, layout, softcap=step.softcap, sinks=sinks)
-    out, lse = ref.attention(q, cache, layout, p, layer=layer, return_lse=True)
+    p = ref.plan(step.meta, step.spec, layout, softcap=step.softcap, sinks=sinks, num_q_heads=step.num_q_heads)
+    out, lse = ref.attention(p, cache, query=q, layer=layer, return_lse=True)
     a = step.meta.num_actual_tokens
     return host(out)[:a], host(lse)[:a]
 

@@ -29,7 +29,7 @@ def test_bench_text(capsys):
                       "1", "--layers", "2"]) == 0
     out = capsys.readouterr().out
     assert "vs copy" in out and "Triton write_kv" in out and "torch index_put" in out
-    assert "ABI 1.0" in out and "write_kv + attention, per layer" in out
+    assert "host cost" in out and "write_kv + attention, per layer" in out
 
 
 def test_dispatch_json_and_kernels_restored(capsys):
@@ -40,8 +40,7 @@ def test_dispatch_json_and_kernels_restored(capsys):
                       "3"]) == 0
     d = json.loads(capsys.readouterr().out)["dispatch"]
     assert d["layers"] == 3 and d["repeats"] == 1
-    for k in ("plan_10_s", "plan_11_s", "layer_10_s", "layer_11_s", "step_10_s",
-              "step_11_s"):
+    for k in ("plan_s", "layer_s", "step_s"):
         assert d[k] > 0
     # The no-op launchers were only for the timing: the real ones are back.
     assert (triton_attention.paged_attention, triton_write.write_kv) == launchers

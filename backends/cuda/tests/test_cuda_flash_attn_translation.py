@@ -59,7 +59,7 @@ def test_capabilities_state_flash_attn_2_constraints():
     assert caps.block_size_multiple == 256 and not caps.sinks
     spec = make_step(query_lens=[1], context_lens=[0], block_size=16, dtype="float16",
                      head_dim=64).spec
-    assert "multiple of 256" in caps.unsupported_reason(spec)
+    assert any("multiple of 256" in r for r in caps.refusals(spec))
 
 
 # -- planted translation errors: each must make the comparison fail ---------------------

@@ -93,8 +93,7 @@ def _one_plan_two_layers(be, step, *, per_call_sinks: bool, poison: bool):
         q = arr(be, qs[layer])
         big = torch.full((2 * t, step.num_q_heads, step.spec.head_dim_v), float("nan"),
                          dtype=q.dtype, device=q.device)
-        out, lse = be.attention(q, cache, layout, plan, layer=layer, sinks=sinks,
-                                out=big[::2], return_lse=True)
+        out, lse = be.attention(plan, cache, query=q, layer=layer, sinks=sinks, out=big[::2], return_lse=True)
         assert out.data_ptr() == big.data_ptr() and lse.dtype == torch.float32
         want_o, want_l = reference_layer(step, layer, sinks=sinks, layout=layout)
         np.testing.assert_allclose(host(out)[:a], want_o, atol=atol, rtol=rtol)

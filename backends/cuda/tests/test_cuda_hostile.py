@@ -81,8 +81,8 @@ def test_poisoned_invisible_rows_change_nothing(backend, name):
     assert len(dirty) > 0
     _poison(cache, 1, dirty, step.spec.block_size, step.spec.is_mla, seed=3)
     _poison(cache, 0, np.arange(len(seen)), step.spec.block_size, step.spec.is_mla, seed=4)
-    plan = be.plan(step.meta, step.spec, layout)
-    out, lse = be.attention(arr(be, q), cache, layout, plan, layer=1, return_lse=True)
+    plan = be.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
+    out, lse = be.attention(plan, cache, query=arr(be, q), layer=1, return_lse=True)
     want_o, want_l = reference_layer(step, 1)  # the clean cache
     a = step.meta.num_actual_tokens
     assert np.isfinite(host(out)[:a]).all()
@@ -104,8 +104,8 @@ def test_triton_nonfinite_value_reaches_only_the_rows_that_see_it(kind):
         j = 3  # the second token of the step: before it, causality hides it
         blk, off = int(step.meta.block_table[0, j // 4]), j % 4
         cache.kv_view(1, 1)[blk, off, :, 0] = poison
-        plan = TRITON.plan(step.meta, step.spec, layout)
-        out = host(TRITON.attention(arr(TRITON, q), cache, layout, plan, layer=1))
+        plan = TRITON.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
+        out = host(TRITON.attention(plan, cache, query=arr(TRITON, q), layer=1))
         pos = step.meta.positions[:6]
         lo = {"full": 0 * pos, "sliding_window": np.maximum(pos - 2, 0),
               "chunked_local": pos // 4 * 4}[kind]
@@ -143,7 +143,7 @@ def no_kernels(monkeypatch):
 
 def _planned(name, step, layout):
     be = BACKENDS[name]()
-    plan = be.plan(step.meta, step.spec, layout)
+    plan = be.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
     if name != "triton":  # from here on, any library call fails the test
         be._library = _NoLibrary()
     return be, plan
@@ -159,15 +159,14 @@ def test_cache_of_another_layout_refused_before_any_kernel(name, no_kernels):
     small_cache = kvabi.KVCache.allocate(small, "torch")
     k = arr(be, np.zeros((2, step.spec.num_kv_heads, 8), np.float32))
     q = arr(be, np.zeros((2, step.num_q_heads, 8), np.float32))
-    for cache, layout, match in ((small_cache, big, "shape"),
-                                 (list(small_cache), big, "shape"),
-                                 (small_cache, small, "layout"),
-                                 (kvabi.KVCache.allocate(big, "numpy"), big, "torch"),
-                                 ([torch.zeros(1)], big, "planes")):
+    for cache, match in ((small_cache, "cache: its layout"),
+                         (list(kvabi.KVCache.allocate(big, "torch")), "must be a kvabi.KVCache"),
+                         (kvabi.KVCache.allocate(big, "numpy"), "torch"),
+                         ([torch.zeros(1)], "must be a kvabi.KVCache")):
         with pytest.raises(KVABIError, match=match):
-            be.write_kv(cache, layout, k, k, plan)
+            be.write_kv(plan, cache, key=k, value=k)
         with pytest.raises(KVABIError, match=match):
-            be.attention(q, cache, layout, plan)
+            be.attention(plan, cache, query=q)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -188,9 +187,11 @@ def test_plane_over_too_little_memory_refused(name, no_kernels):
     n = index_width.plane_elements(layout) - 1
     short = [torch.zeros(n).as_strided(layout.plane_shape, layout.plane_strides)
              for _ in range(layout.num_planes)]
-    q = arr(be, np.zeros((1, step.num_q_heads, 8), np.float32))
     with pytest.raises(KVABIError, match="memory"):
-        be.attention(q, short, layout, plan)
+        kvabi.KVCache.wrap(layout, short)  # where memory enters: no backend sees it
+    q = arr(be, np.zeros((1, step.num_q_heads, 8), np.float32))
+    with pytest.raises(KVABIError, match="must be a kvabi.KVCache"):
+        be.attention(plan, short, query=q)
 
 
 # -- index width --------------------------------------------------------------------------
@@ -244,12 +245,12 @@ def test_triton_plan_for_a_huge_layout_indexes_in_int64():
     huge = _huge(1 << 20, spec)  # 2**20 blocks * 32768 elements: 2**35 per plane
     meta = kvabi.CommonAttentionMetadata.from_lengths(
         [1, 2], [5, 16], [[(1 << 20) - 1, 0], [7, (1 << 20) - 2]], 16, num_blocks=1 << 20)
-    plan = TRITON.plan(meta, spec, huge, num_q_heads=16)
+    plan = TRITON.plan(meta, spec, huge, num_q_heads=16).prepared
     assert plan.idx64 and plan.block_table.dtype == torch.int64
     assert all(t.dtype == torch.int64 for t in plan._tiles[next(iter(plan._tiles))])
     assert plan.block_table[0, 0] == (1 << 20) - 1 and plan.block_table[1, 1] == (1 << 20) - 2
     small = TRITON.plan(meta.__class__.from_lengths([1], [3], [[0]], 16, num_blocks=4), spec,
-                        _huge(4, spec))
+                        _huge(4, spec), num_q_heads=16).prepared
     assert not small.idx64 and small.block_table.dtype == torch.int32
 
 
@@ -262,7 +263,7 @@ def test_unused_block_table_entries_are_never_cast_blindly():
     bt[0, 1] = 3  # request 0 uses one block
     meta = kvabi.CommonAttentionMetadata.from_lengths([1, 1], [1, 6], bt, 4,
                                                       num_blocks=step.meta.num_blocks)
-    plan = TRITON.plan(meta, step.spec, step.layout())
+    plan = TRITON.plan(meta, step.spec, step.layout(), num_q_heads=step.num_q_heads).prepared
     assert int(plan.block_table[0, 1]) == 0 and int(plan.block_table[1, 1]) == bt[1, 1]
 
 
@@ -275,8 +276,8 @@ def test_triton_int64_kernels_match_the_reference(kind, monkeypatch):
     monkeypatch.setattr(triton_backend, "needs_int64", lambda *a, **k: True)
     step = make_step(kind, window=3, chunk=4, query_lens=[3, 1], context_lens=[4, 6],
                      layout="vllm.BLNHC" if kind == "mla" else "flashinfer.HND", seed=19)
-    plan = TRITON.plan(step.meta, step.spec, step.layout())
-    assert plan.idx64
+    plan = TRITON.plan(step.meta, step.spec, step.layout(), num_q_heads=step.num_q_heads)
+    assert plan.prepared.idx64
     got, want = run_step(TRITON, step), run_step(reference(), step)
     compare(step, got, want)
     for g, w in zip(got[2], want[2]):
@@ -293,7 +294,7 @@ def test_issue_10_lengths_never_reach_a_kernel(name, no_kernels):
     with pytest.raises(KVABIError, match="seq_len|context_lens"):
         meta = kvabi.CommonAttentionMetadata.from_lengths([1], [INT32_MAX], [[0]], 16,
                                                           num_blocks=4)
-        BACKENDS[name]().plan(meta, spec, Layout.preset("flash_attn", spec, 4))
+        BACKENDS[name]().plan(meta, spec, Layout.preset("flash_attn", spec, 4), num_q_heads=2)
 
 
 def test_library_indices_past_int32_are_refused_not_wrapped():

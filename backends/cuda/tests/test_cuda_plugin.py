@@ -74,7 +74,7 @@ def test_unavailable_adapters_refuse_to_plan(name):
         pytest.skip("available here")
     step = make_step(query_lens=[1], context_lens=[0], dtype="float16", head_dim=64)
     with pytest.raises(UnsupportedError, match="unavailable"):
-        be.plan(step.meta, step.spec, step.layout())
+        be.plan(step.meta, step.spec, step.layout(), num_q_heads=step.num_q_heads)
 
 
 def test_triton_refuses_what_it_cannot_do():
@@ -83,11 +83,10 @@ def test_triton_refuses_what_it_cannot_do():
     layout = step.layout()
     with pytest.raises(kvabi.KVABIError, match="block_size"):
         bad = make_step(query_lens=[2], context_lens=[1], block_size=8)
-        be.plan(bad.meta, step.spec, layout)
-    plan = be.plan(step.meta, step.spec, layout)
+        be.plan(bad.meta, step.spec, layout, num_q_heads=step.num_q_heads)
+    plan = be.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
     with pytest.raises(kvabi.KVABIError, match="query"):
-        be.attention(arr(be, __import__("numpy").zeros((3, 3, 8))), be.allocate(layout),
-                     layout, plan)
+        be.attention(plan, be.allocate(layout), query=arr(be, __import__("numpy").zeros((3, 3, 8))))
 
 
 def test_interpreter_can_be_forbidden():

@@ -75,9 +75,9 @@ def test_layers_are_independent():
     o, l, _ = run_step(TRITON, step, layer=1)
     layout = step.layout()
     cache = TRITON.allocate(layout)
-    p = TRITON.plan(step.meta, step.spec, layout)
+    p = TRITON.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
     q = arr(TRITON, np.ones((step.meta.num_tokens, step.num_q_heads, 8)))
-    o0, l0 = TRITON.attention(q, cache, layout, p, layer=0, return_lse=True)
+    o0, l0 = TRITON.attention(p, cache, query=q, layer=0, return_lse=True)
     np.testing.assert_allclose(host(o0)[:2], 0.0)
     np.testing.assert_allclose(host(l0)[:2], np.log([[4.0] * 4, [5.0] * 4]),
                                rtol=1e-6)

@@ -19,8 +19,8 @@ def _written(backend, step, layer=1):
     cache = backend.allocate(layout)
     for meta, kk, vv in ((step.hist, kh, vh), (step.meta, k, v)):
         if meta.num_tokens:
-            p = backend.plan(meta, spec, layout)
-            backend.write_kv(cache, layout, arr(backend, kk), arr(backend, vv), p,
+            p = backend.plan(meta, spec, layout, num_q_heads=step.num_q_heads)
+            backend.write_kv(p, cache, key=arr(backend, kk), value=arr(backend, vv),
                              layer=layer)
     return [to_numpy(x) for x in cache]
 
@@ -54,8 +54,8 @@ def test_write_rounds_like_numpy_and_skips_padding(dtype):
     planes = {}
     for be in (TRITON, reference()):
         cache = be.allocate(layout)
-        p = be.plan(step.meta, spec, layout)
-        be.write_kv(cache, layout, arr(be, k), arr(be, v), p, layer=0)
+        p = be.plan(step.meta, spec, layout, num_q_heads=step.num_q_heads)
+        be.write_kv(p, cache, key=arr(be, k), value=arr(be, v), layer=0)
         planes[be.name] = _bytes([to_numpy(x) for x in cache])
     for g, w in zip(planes["cuda.triton"], planes["reference"]):
         np.testing.assert_array_equal(g, w)
@@ -78,13 +78,13 @@ def test_bfloat16_refused_in_interpreter():
     step = make_step(query_lens=[1], context_lens=[0], dtype="bfloat16")
     assert "bfloat16" not in TRITON.capabilities(step.spec).dtypes
     with pytest.raises(UnsupportedError, match="bfloat16"):
-        TRITON.plan(step.meta, step.spec, step.layout())
+        TRITON.plan(step.meta, step.spec, step.layout(), num_q_heads=step.num_q_heads)
     # A bf16 key into a float32 cache is refused too, never computed wrongly.
     step32 = make_step(query_lens=[1], context_lens=[0], dtype="float32")
     layout = step32.layout()
-    p = TRITON.plan(step32.meta, step32.spec, layout)
+    p = TRITON.plan(step32.meta, step32.spec, layout, num_q_heads=step32.num_q_heads)
     import torch
 
     key = torch.zeros((1, 2, 8), dtype=torch.bfloat16)
     with pytest.raises(UnsupportedError, match="bfloat16"):
-        TRITON.write_kv(TRITON.allocate(layout), layout, key, key, p)
+        TRITON.write_kv(p, TRITON.allocate(layout), key=key, value=key)

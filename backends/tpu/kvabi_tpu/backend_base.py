@@ -1,11 +1,11 @@
-"""What the two TPU backends share: capabilities, validation, allocation and planning.
+"""What the two TPU backends share: capabilities, layouts, allocation, the step's device
+arrays, and the jitted write and attention around their computations.
 
 Nothing here imports jax at module import: without jax the backends still register and
-report themselves unavailable.
+report themselves unavailable.  Every argument check is :class:`kvabi.Backend`'s.
 
 Subclasses supply the two computations (``_write_impl``, ``_attend_impl``); everything
-around them (argument checks, the cache handle, layer planes, cross-layer stores) lives
-here so that both backends honour one contract (ABI 1.1).
+around them (layer planes, cross-layer stores, buckets, compiles) lives here.
 """
 from __future__ import annotations
 
@@ -15,13 +15,12 @@ import numpy as np
 
 import kvabi
 from kvabi import KVABIError
-from kvabi.coerce import real_array
 from kvabi.dtypes import numpy_dtype
-from kvabi.tensors import framework, to_jax
+from kvabi.tensors import ConvertOnce, to_jax
 
 from .cache_format import CacheFormat
 from .dtype import SUPPORTED
-from .plan import TPUPlan, build_plan
+from .plan import TPUSteps, build_steps
 from .step_buckets import StepBuckets
 from .token_rows import first_rows, pad_rows
 
@@ -98,22 +97,25 @@ class TPUBackendBase(kvabi.Backend):
                                          f"page-padded layouts are not dense jax arrays")
         return super().allocate(layout)
 
-    # -- plan ----------------------------------------------------------------------------
-    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
-             sinks=None) -> TPUPlan:
-        """The step's plan (see :mod:`kvabi_tpu.plan`); ``num_q_heads``, when given, is
-        checked against every query; ``sinks`` is every layer's default."""
-        if not isinstance(spec, kvabi.KVSpec):
-            raise KVABIError(f"spec: must be a KVSpec, got {type(spec).__name__}")
-        self.check_supported(spec, softcap=softcap, sinks=sinks)
-        fmt = CacheFormat.from_layout(layout, spec)
-        return build_plan(meta, spec, layout, fmt, scale=scale, softcap=softcap, sinks=sinks,
-                          num_q_heads=num_q_heads, tile_size=self.tile_size,
-                          write=self.write_form,
-                          num_slices_per_block=self.num_slices_per_block, to_device=to_jax,
-                          buckets=self._buckets_of(spec, layout))
+    def layout_refusals(self, spec, layout) -> tuple[str, ...]:
+        """The layouts the TPU kernels address: the tpu.combined or tpu.hidden form, per
+        layer or cross-layer."""
+        try:
+            CacheFormat.from_layout(layout, spec)
+        except KVABIError as e:
+            return (str(e).removeprefix(f"{self.name}: unsupported: "),)
+        return ()
 
-    # -- buckets and warm-up (ABI 1.2) ---------------------------------------------------
+    # -- the step ------------------------------------------------------------------------
+    def prepare(self, plan) -> TPUSteps:
+        """The step's device arrays (see :mod:`kvabi_tpu.plan`), rounded to the bucket of
+        the limits ``warmup`` declared for the plan's spec and layout, if any."""
+        return build_steps(plan, CacheFormat.from_layout(plan.layout, plan.spec),
+                           tile_size=self.tile_size, write=self.write_form,
+                           num_slices_per_block=self.num_slices_per_block, to_device=to_jax,
+                           buckets=self._buckets_of(plan.spec, plan.layout))
+
+    # -- buckets and warm-up -------------------------------------------------------------
     def step_buckets(self, spec, limits) -> StepBuckets:
         """The buckets this backend rounds steps within ``limits`` to (see
         :mod:`kvabi_tpu.step_buckets`)."""
@@ -160,7 +162,7 @@ class TPUBackendBase(kvabi.Backend):
             one = kvabi.CommonAttentionMetadata.from_lengths(
                 [1], [0], [[0]], spec.block_size, num_blocks=layout.num_blocks)
             plan = self.plan(kvabi.transforms.pad(one, b.tokens, 1), spec, layout,
-                             num_q_heads=num_q_heads)
+                             num_q_heads=hq)
             kv = jax.device_put(np.zeros((b.tokens, spec.num_kv_heads, spec.head_dim), dt))
             q = jax.device_put(np.zeros((b.tokens, hq, spec.head_dim), dt))
             for layer in layers:
@@ -175,32 +177,13 @@ class TPUBackendBase(kvabi.Backend):
                     if progress is not None:
                         progress(done, total, f"{what}: {b.tokens} tokens, layer {layer}")
 
-    def _check_plan(self, layout, plan) -> CacheFormat:
-        """The plan's cache format, after checking that ``layout`` is the plan's: block ids,
-        page tables and slots of a plan address its own layout only (a 16-block plan over
-        a 4-block cache would read and write outside it)."""
-        if not isinstance(plan, TPUPlan):
-            raise KVABIError(f"plan: must come from {self.name}.plan(), got "
-                             f"{type(plan).__name__}")
-        if layout is not plan.layout and layout != plan.layout:
-            raise KVABIError(
-                f"layout: the plan was built for {_describe(plan.layout)}, not for "
-                f"{_describe(layout)}; plan each layout's steps with that layout")
-        return plan.fmt
-
-    def _handle(self, cache, layout) -> kvabi.KVCache:
-        """The checked handle of ``cache`` (a KVCache or an ABI 1.0 list) for ``layout``;
-        its planes must be jax arrays (numpy or torch planes would be copied by every step,
-        and never updated)."""
-        return kvabi.as_cache(cache, layout, "jax")
-
     def _layer_planes(self, cache, plan, layer) -> tuple[int, ...]:
-        """Indices of ``layer``'s planes in ``cache`` (a checked handle of the plan's
-        layout); refuses planes consumed by an earlier write."""
-        idx = plan.planes_of_layer.get(layer) if type(layer) is int else None
+        """Indices of ``layer``'s planes in ``cache``; refuses planes consumed by an
+        earlier write."""
+        steps = plan.prepared
+        idx = steps.planes_of_layer.get(layer)
         if idx is None:
-            layer = kvabi.check_layer(layer, plan.layout)
-            idx = plan.planes_of_layer[layer] = plan.fmt.plane_indices(plan.layout, layer)
+            idx = steps.planes_of_layer[layer] = steps.fmt.plane_indices(plan.layout, layer)
         for i in idx:
             if cache[i].is_deleted():
                 raise KVABIError(f"cache[{i}]: this jax array was consumed by an earlier "
@@ -209,87 +192,57 @@ class TPUBackendBase(kvabi.Backend):
         return idx
 
     # -- write ---------------------------------------------------------------------------
-    def write_kv(self, cache, layout, key, value, plan, *, layer: int = 0):
+    def write(self, plan, cache, key, value, layer):
         """New K/V [T, H, D] into the slots of ``plan`` (slot -1 skipped) of ``layer``.
 
-        The cache argument is *consumed*: its planes holding ``layer`` are donated to the
-        jitted update, which writes them in place, so a write costs the tokens written,
-        not the cache size.  Use the returned cache (a :class:`kvabi.KVCache` when given
-        one, a list when given an ABI 1.0 list); the argument's planes of this layer are
-        deleted.  (``donate_cache=False`` at construction keeps them, copying instead.)"""
-        self._check_plan(layout, plan)
-        handle = self._handle(cache, layout)
-        spec = plan.spec
-        if value is None:
-            raise KVABIError("value: must be an array [T, H, D] (the TPU backends have no MLA)")
-        key, value = _jax(key, "key"), _jax(value, "value")
-        kvabi.check_kv(key, value, plan.meta, spec)
-        idx = self._layer_planes(handle, plan, layer)
+        The cache is *consumed*: its planes holding ``layer`` are donated to the jitted
+        update, which writes them in place, so a write costs the tokens written, not the
+        cache size.  The returned handle holds the new planes; the argument's planes of
+        this layer are deleted.  (``donate_cache=False`` at construction keeps them,
+        copying instead.)"""
+        idx = self._layer_planes(cache, plan, layer)
         if plan.meta.num_tokens == 0:
-            return cache if isinstance(cache, kvabi.KVCache) else list(cache)
-        if len({id(handle[i]) for i in idx}) < len(idx):
+            return cache
+        if len({id(cache[i]) for i in idx}) < len(idx):
             raise KVABIError(f"cache: planes {list(idx)} of layer {layer} are one array; "
                              f"each plane needs its own memory")
         from .steps import run
 
-        fn, args, kw = self._write_call(plan, tuple(handle[i] for i in idx), key, value, layer)
-        new = run(self._compiled, "write", fn, args, kw)
-        if isinstance(cache, kvabi.KVCache):
-            return handle.replace_planes(dict(zip(idx, new)))
-        out = list(cache)
-        for i, x in zip(idx, new):
-            out[i] = x
-        return out
+        fn, args, kw = self._write_call(plan, tuple(cache[i] for i in idx), key, value, layer)
+        return cache.replace_planes(dict(zip(idx, run(self._compiled, "write", fn, args, kw))))
 
     # -- attention -----------------------------------------------------------------------
-    def attention(self, query, cache, layout, plan, *, layer: int = 0, sinks=None,
-                  out=None, return_lse=False):
-        """Attention of ``query`` [T, Hq, D] over ``layer`` of the cache: output [T, Hq, D]
-        in the query's dtype, with ``return_lse`` also lse [T, Hq] float32.
-
-        ``sinks`` ([Hq] logits) overrides the plan's for this call; it is a traced array,
-        so layers with different sinks share one compiled step.  jax cannot write into an
-        existing array: ``out``, when given, is only checked (shape [T, Hq, D], the query's
-        dtype) and the result is *returned*, never written into it."""
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse):
+        """Attention of ``query`` [T, Hq, D] over ``layer``: output [T, Hq, D] in the
+        query's dtype and lse [T, Hq] float32.  ``sinks`` enter as a traced array, so
+        layers with different sinks share one compiled step.  jax cannot write into an
+        existing array: the result is returned, never written into ``out``."""
         import jax.numpy as jnp
 
-        self._check_plan(layout, plan)
-        handle = self._handle(cache, layout)
-        spec, t = plan.spec, plan.meta.num_tokens
-        query = _jax(query, "query")
-        hq = kvabi.check_query(query, plan.meta, spec)
-        if not jnp.issubdtype(query.dtype, jnp.floating):
-            raise KVABIError(f"query: must be floating point, got {query.dtype}")
-        if plan.num_q_heads is not None and hq != plan.num_q_heads:
-            raise KVABIError(f"query: the plan was built for num_q_heads={plan.num_q_heads}, "
-                             f"got {hq} query heads")
-        if out is not None:
-            _check_out(out, (t, hq, spec.head_dim), query.dtype)
-        sink = self._sinks(sinks, plan, hq)
-        idx = self._layer_planes(handle, plan, layer)
+        t, hq, d = plan.meta.num_tokens, plan.num_q_heads, plan.spec.head_dim
+        idx = self._layer_planes(cache, plan, layer)
         if t == 0:
-            res = jnp.zeros((0, hq, spec.head_dim), query.dtype)
-            lse = jnp.zeros((0, hq), jnp.float32)
-        else:
-            fn, args, kw = self._attend_call(plan, query, tuple(handle[i] for i in idx), sink,
-                                             layer)
-            from .steps import run
+            return jnp.zeros((0, hq, d), query.dtype), jnp.zeros((0, hq), jnp.float32)
+        fn, args, kw = self._attend_call(plan, query, tuple(cache[i] for i in idx),
+                                         self._device_sinks(plan, sinks), layer)
+        from .steps import run
 
-            res, lse = run(self._compiled, "attend", fn, args, kw)
-            if plan.bucket is not None:
-                res, lse = first_rows(res, t), first_rows(lse, t)
-        return (res, lse) if return_lse else res
+        res, lse = run(self._compiled, "attend", fn, args, kw)
+        if plan.prepared.bucket is not None:
+            res, lse = first_rows(res, t), first_rows(lse, t)
+        return res, lse
 
     def _write_call(self, plan, planes, key, value, layer):
         """(jitted write step, positional args, keywords) of one layer's write."""
         from .steps import compiled  # jax is imported on first use only
 
+        steps = plan.prepared
         impl, args, static = self._write_impl(plan)
-        if plan.bucket is not None:  # the step's rows at their bucket, so the key is the bucket's
-            key, value = pad_rows(key, plan.padded_tokens), pad_rows(value, plan.padded_tokens)
+        if steps.bucket is not None:  # the step's rows at their bucket: the bucket's key
+            key, value = pad_rows(key, steps.padded_tokens), pad_rows(value, steps.padded_tokens)
         return compiled("write", donate=self.donate_cache, cheap=self._cheap_compile()), (
-            planes, key, value, args), dict(fmt=plan.fmt, layer=_static_layer(plan.fmt, layer),
-                                            padded_tokens=plan.padded_tokens, impl=impl,
+            planes, key, value, args), dict(fmt=steps.fmt, layer=_static_layer(steps.fmt, layer),
+                                            padded_tokens=steps.padded_tokens, impl=impl,
                                             static=static)
 
     def _attend_call(self, plan, query, planes, sink, layer):
@@ -297,35 +250,29 @@ class TPUBackendBase(kvabi.Backend):
         ``sink`` the device sinks of the call or None."""
         from .steps import compiled
 
-        hq = query.shape[1]
+        hq, steps = query.shape[1], plan.prepared
         impl, args, static = self._attend_impl(plan)
-        if plan.bucket is not None:
+        if steps.bucket is not None:
             # one compiled step whatever the sinks: "no sinks" is sinks of -inf
-            query = pad_rows(query, plan.padded_tokens)
+            query = pad_rows(query, steps.padded_tokens)
             sink = _no_sinks(hq) if sink is None else sink
         static = static + (("scale", plan.scale), ("softcap", plan.softcap),
-                           ("kind", plan.spec.kind), ("window", plan.window),
-                           ("chunk", plan.chunk), ("has_sinks", sink is not None))
+                           ("kind", plan.spec.kind), ("window", steps.window),
+                           ("chunk", steps.chunk), ("has_sinks", sink is not None))
         return compiled("attend", donate=False, cheap=self._cheap_compile()), (
             query, planes, args, _zero_sinks(hq) if sink is None else sink), dict(
-            fmt=plan.fmt, layer=_static_layer(plan.fmt, layer),
-            padded_tokens=plan.padded_tokens, impl=impl, static=tuple(sorted(static)))
+            fmt=steps.fmt, layer=_static_layer(steps.fmt, layer),
+            padded_tokens=steps.padded_tokens, impl=impl, static=tuple(sorted(static)))
 
-    def _sinks(self, sinks, plan, hq):
-        """The device sinks of this call (per-call ones override the plan's), or None."""
-        if sinks is None:
-            if plan.sinks is not None and plan.sinks.shape != (hq,):
-                raise KVABIError(f"sinks: must have one logit per query head ({hq}), got "
-                                 f"shape {plan.sinks.shape}")
-            return plan.sinks_device
-        if framework(sinks) == "jax":  # stays on the device: shape and dtype checked only
-            import jax.numpy as jnp
-
-            if tuple(sinks.shape) != (hq,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-                raise KVABIError(f"sinks: must be a float array of one logit per query head "
-                                 f"({hq},), got {sinks.dtype} {tuple(sinks.shape)}")
-            return sinks if sinks.dtype == jnp.float32 else sinks.astype(jnp.float32)
-        return to_jax(kvabi.check_sinks(sinks, hq).astype(np.float32))
+    def _device_sinks(self, plan, sinks):
+        """``sinks`` (checked float64, or None) on the device as float32: the plan's are
+        there already; a layer's, once per array (the base class hands the same checked
+        array for the same sinks tensor)."""
+        if sinks is None or sinks is plan.sinks:
+            return plan.prepared.sinks_device
+        if "_sinks_on_device" not in self.__dict__:
+            self._sinks_on_device = ConvertOnce("jax", dtype="float32")
+        return self._sinks_on_device(sinks)
 
     # -- the computations ----------------------------------------------------------------
     def _cheap_compile(self) -> bool:
@@ -341,36 +288,6 @@ class TPUBackendBase(kvabi.Backend):
         """(attention function, its device arrays, its static keywords as pairs):
         ``attend(query, planes, *arrays, sinks, fmt=, **static) -> (out, lse)``."""
         raise NotImplementedError
-
-
-def _describe(layout) -> str:
-    if not isinstance(layout, kvabi.Layout):
-        return f"a {type(layout).__name__}"
-    return (f"layout {layout.name or 'custom'} of {layout.num_blocks} blocks and "
-            f"{layout.num_layers} layers")
-
-
-def _jax(x, field: str):
-    """``x`` as a jax array of real numbers (numpy, torch or jax in; complex, bool and
-    anything that is not an array refused: a cast would drop or invent data)."""
-    import jax.numpy as jnp
-
-    if framework(x) in (None, "numpy"):  # numpy: string and object arrays refused by name
-        if x is None or isinstance(x, (str, bytes, dict)):
-            raise KVABIError(f"{field}: must be an array, got {type(x).__name__}")
-        x = real_array(x, field)
-    x = to_jax(x)
-    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
-        raise KVABIError(f"{field}: must hold real numbers, got dtype {x.dtype}")
-    return x
-
-
-def _check_out(out, shape, dtype) -> None:
-    if tuple(getattr(out, "shape", ())) != shape:
-        raise KVABIError(f"out: must be {list(shape)}, got {tuple(getattr(out, 'shape', ()))}")
-    if str(getattr(out, "dtype", None)) != str(dtype):
-        raise KVABIError(f"out: must have the query's dtype {dtype}, got "
-                         f"{getattr(out, 'dtype', None)}")
 
 
 def _static_layer(fmt, layer) -> int:

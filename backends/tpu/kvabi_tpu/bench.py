@@ -88,7 +88,8 @@ def write_scaling(sizes_mib=(1, 256), tokens: int = 64, repeat: int = 5,
     page = kvabi.Layout.preset("tpu.combined", spec, 1).plane_nbytes
     pages = -(-tokens // spec.block_size)
     rng = np.random.default_rng(0)
-    k = backend.asarray(rng.standard_normal((tokens, 8, 128)).astype(np.float32))
+    k = kvabi.tensors.convert(rng.standard_normal((tokens, 8, 128)).astype(np.float32),
+                              backend.framework)
     rows = []
     for mib in sizes_mib:
         nb = max(pages, (mib << 20) // page)
@@ -100,11 +101,11 @@ def write_scaling(sizes_mib=(1, 256), tokens: int = 64, repeat: int = 5,
                "backend": backend.name}
         for mode, donate in (("in_place", True), ("copy", False)):
             b = type(backend)(donate_cache=donate)
-            plan = b.plan(meta, spec, layout)
+            plan = b.plan(meta, spec, layout, num_q_heads=spec.num_kv_heads)
             state = {"cache": b.allocate(layout)}
 
             def write(b=b, plan=plan, layout=layout):
-                state["cache"] = _ready(b.write_kv(state["cache"], layout, k, k, plan))
+                state["cache"] = _ready(b.write_kv(plan, state["cache"], key=k, value=k))
 
             row[f"{mode}_ms"] = median_seconds(write, max(20, repeat) if donate
                                                else repeat) * 1e3
@@ -118,23 +119,28 @@ def measure(backend, spec, layout, meta, arrays, repeat: int) -> dict:
     twice: in place (cache donated, the default) and functional (the cache is copied)."""
     key, value, query, pool = arrays
     n = meta.num_actual_tokens
-    k, v, q = backend.asarray(key), backend.asarray(value), backend.asarray(query)
-    state = {"cache": kvabi.KVCache.wrap(layout, [backend.asarray(np.array(p)) for p in pool])}
-    plan_s = median_seconds(lambda: backend.plan(meta, spec, layout), repeat)
-    plan = backend.plan(meta, spec, layout)
+    def arr(x):
+        return kvabi.tensors.convert(x, backend.framework, device=backend.device())
 
-    def write(b):
-        state["cache"] = _ready(b.write_kv(state["cache"], layout, k, v, plan))
+    k, v, q = arr(key), arr(value), arr(query)
+    state = {"cache": kvabi.KVCache.wrap(layout, [arr(np.array(p)) for p in pool])}
+    hq = query.shape[1]
+    plan_s = median_seconds(lambda: backend.plan(meta, spec, layout, num_q_heads=hq), repeat)
+    plan = backend.plan(meta, spec, layout, num_q_heads=hq)
+
+    def write(b, plan):
+        state["cache"] = _ready(b.write_kv(plan, state["cache"], key=k, value=v))
 
     out = {"backend": backend.name, "mode": backend.available()[1], "plan_ms": plan_s * 1e3}
-    write_s = median_seconds(lambda: write(backend), repeat)
+    write_s = median_seconds(lambda: write(backend, plan), repeat)
     if hasattr(backend, "donate_cache"):
         copying = type(backend)(donate_cache=False)
-        copy_s = median_seconds(lambda: write(copying), repeat)
+        copy_plan = copying.plan(meta, spec, layout, num_q_heads=hq)
+        copy_s = median_seconds(lambda: write(copying, copy_plan), repeat)
         out.update(write_copy_ms=copy_s * 1e3, write_copy_tokens_per_s=n / copy_s)
     out.update(write_ms=write_s * 1e3, write_tokens_per_s=n / write_s)
     cache = state["cache"]
-    attn_s = median_seconds(lambda: _ready(backend.attention(q, cache, layout, plan)), repeat)
+    attn_s = median_seconds(lambda: _ready(backend.attention(plan, cache, query=q)), repeat)
     out.update(attention_ms=attn_s * 1e3, attention_tokens_per_s=n / attn_s)
     return out
 

@@ -50,8 +50,8 @@ def _run(backend, spec, layout, steps, arrays, num_q_heads):
         t = meta.num_tokens
         t0 = time.perf_counter()
         plan = backend.plan(meta, spec, layout, num_q_heads=num_q_heads)
-        cache = backend.write_kv(cache, layout, key[:t], key[:t], plan)
-        backend.attention(query[:t], cache, layout, plan).block_until_ready()
+        cache = backend.write_kv(plan, cache, key=key[:t], value=key[:t])
+        backend.attention(plan, cache, query=query[:t]).block_until_ready()
         times.append(time.perf_counter() - t0)
     return times, compiles()[0] - before
 

@@ -174,8 +174,8 @@ def attend_impl(plan, backend):
 
     static, (out_index, *tiles) = buckets(plan, prefill_rows=backend.prefill_rows,
                                           to_device=to_jax)
-    bs = plan.spec.block_size
-    pages = -(-int(plan.meta.max_seq_len) // bs) if plan.bucket is None else plan.bucket.pages
+    bs, bucket = plan.spec.block_size, plan.prepared.bucket
+    pages = -(-int(plan.meta.max_seq_len) // bs) if bucket is None else bucket.pages
     most = next_pow2(pages)
 
     def pages(tokens):  # a power of two of whole pages, no more than the longest sequence
@@ -184,5 +184,5 @@ def attend_impl(plan, backend):
     small = pages(backend.tail_chunk_tokens)
     chunks = tuple((max(small, pages(t)), small)
                    for t in (backend.decode_chunk_tokens, backend.chunk_tokens))
-    return paged_attention, (plan.page_table, out_index, tuple(tiles)), (
+    return paged_attention, (plan.prepared.page_table, out_index, tuple(tiles)), (
         ("buckets", static), ("chunk_pages", chunks))

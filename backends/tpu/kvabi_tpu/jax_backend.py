@@ -28,7 +28,7 @@ class JaxBackend(TPUBackendBase):
     def _write_impl(self, plan):
         from .jax_attention import scatter_slots
 
-        return scatter_slots, plan.write_args, ()
+        return scatter_slots, plan.prepared.write_args, ()
 
     def _attend_impl(self, plan):
         from .jax_attention import attend_impl

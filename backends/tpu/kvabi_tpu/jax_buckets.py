@@ -67,9 +67,9 @@ def buckets(plan, *, prefill_rows: int, to_device):
     q = np.diff(qsl)
     decode = np.nonzero(q == 1)[0]
     other = np.nonzero(q > 1)[0]
-    out_index = np.zeros(plan.padded_tokens, np.int32)
+    out_index = np.zeros(plan.prepared.padded_tokens, np.int32)
     static, arrays, base = [], [], 0
-    b = plan.bucket  # bucketed: both kinds of tile always, at the widths of the bucket
+    b = plan.prepared.bucket  # bucketed: both kinds of tile always, at the bucket's widths
     for reqs, rows, width in ((decode, 1, b and b.decode_tiles),
                               (other, prefill_rows, b and b.prefill_tiles)):
         if not len(reqs) and b is None:

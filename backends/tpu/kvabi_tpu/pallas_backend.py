@@ -34,13 +34,14 @@ class PallasBackend(TPUBackendBase):
     def _write_impl(self, plan):
         from .update_kernel import update_slots
 
-        return update_slots, plan.write_args, (
+        return update_slots, plan.prepared.write_args, (
             ("block_size", plan.spec.block_size), ("interpret", interpret_arg()),
             ("per", self.num_slices_per_block))
 
     def _attend_impl(self, plan):
         from .attention_kernel import paged_attention
 
-        return paged_attention, (plan.tile_info, plan.page_table, plan.q_index,
-                                 plan.out_index), (("interpret", interpret_arg()),
-                                                   ("per_block", self.pages_per_block))
+        steps = plan.prepared
+        return paged_attention, (steps.tile_info, steps.page_table, steps.q_index,
+                                 steps.out_index), (("interpret", interpret_arg()),
+                                                    ("per_block", self.pages_per_block))

@@ -1,8 +1,9 @@
-"""The per-step plan of the TPU backends: query tiles, page ranges and cache write indices.
+"""What the TPU backends prepare for a step: query tiles, page ranges and cache write
+indices (``plan.prepared`` of a :class:`kvabi.StepPlan`).
 
-Built once per step and KV group from :class:`kvabi.CommonAttentionMetadata` with vectorized
-numpy, then moved to the device once; every layer of the group reuses it (a plan holds no
-layer-specific state).
+Built once per step and KV group from the plan's metadata with vectorized numpy, then moved
+to the device once; every layer of the group reuses it (nothing in it depends on the
+layer).
 
 Attention work is cut into *tiles*: up to ``tile_size`` consecutive query tokens of one
 request.  Each tile records the key pages it can see (a sliding window or attention chunk
@@ -44,21 +45,13 @@ def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @attrs.frozen(eq=False)
-class TPUPlan:
-    """Device-side description of one step, shared by ``write_kv`` and ``attention``."""
+class TPUSteps:
+    """Device-side description of one step, shared by the write and the attention of every
+    layer (the metadata, spec, layout and options are the :class:`kvabi.StepPlan`'s)."""
 
-    meta: kvabi.CommonAttentionMetadata
-    spec: kvabi.KVSpec
-    layout: object
     fmt: object
-    scale: float
-    softcap: float | None
-    #: float32 numpy [Hq] logits of the attention sinks, or None; ``sinks_device`` the same
-    #: on the device (the default of every layer; ``attention(sinks=)`` overrides it)
-    sinks: np.ndarray | None
+    #: the plan's sinks as float32 on the device (the default of every layer), or None
     sinks_device: object
-    #: query heads the caller announced (``plan(num_q_heads=)``), or None
-    num_q_heads: int | None
     tile_size: int
     #: tiles that hold real queries (the rest of the padded arrays are empty tiles)
     num_tiles: int
@@ -125,7 +118,7 @@ def write_slices(meta, per: int, padded: int | None = None
 
 def check_index_range(meta, spec, layout) -> None:
     """Refuse what int32 kernel indices cannot address exactly (see the module doc).
-    Slots outside the layout are :func:`kvabi.check_step`'s to refuse."""
+    Slots outside the layout were refused by the plan's own check."""
     bs = spec.block_size
     if layout.num_blocks > INT32_MAX:
         raise KVABIError(f"layout.num_blocks: {layout.num_blocks} blocks "
@@ -137,22 +130,17 @@ def check_index_range(meta, spec, layout) -> None:
                          f"size {bs}) has positions beyond the int32 the TPU kernels use")
 
 
-def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
-               num_q_heads=None, tile_size: int, write: str, num_slices_per_block: int = 8,
-               to_device, buckets=None) -> TPUPlan:
-    """Compute the plan of one step (see :class:`TPUPlan`); ``write`` picks the write
-    arrays ("slots" for a scatter, "slices" for the DMA kernel); ``to_device`` maps numpy
-    arrays to the backend's device arrays; ``buckets`` (a
-    :class:`~kvabi_tpu.step_buckets.StepBuckets`), when given, fixes every shape to the
-    step's bucket and refuses a step beyond its limits."""
-    kvabi.check_step(meta, spec, layout)
+def build_steps(plan, fmt, *, tile_size: int, write: str, num_slices_per_block: int = 8,
+                to_device, buckets=None) -> TPUSteps:
+    """What a backend prepares for ``plan`` (a checked :class:`kvabi.StepPlan`; see
+    :class:`TPUSteps`); ``write`` picks the write arrays ("slots" for a scatter, "slices"
+    for the DMA kernel); ``to_device`` maps numpy arrays to the backend's device arrays;
+    ``buckets`` (a :class:`~kvabi_tpu.step_buckets.StepBuckets`), when given, fixes every
+    shape to the step's bucket and refuses a step beyond its limits."""
+    meta, spec, layout = plan.meta, plan.spec, plan.layout
     bucket = None if buckets is None else buckets.for_step(meta)
     check_index_range(meta, spec, layout)
-    opts = kvabi.AttentionOptions.resolve(spec, scale, softcap, sinks, num_q_heads=num_q_heads)
-    if num_q_heads is not None:
-        num_q_heads = kvabi.check_num_q_heads(num_q_heads, spec)
-    scale, softcap = opts.scale, opts.softcap
-    sinks = None if opts.sinks is None else opts.sinks.astype(np.float32)
+    sinks = None if plan.sinks is None else plan.sinks.astype(np.float32)
     bs = spec.block_size
 
     qsl = meta.query_start_loc.astype(np.int64)
@@ -212,8 +200,7 @@ def build_plan(meta, spec, layout, fmt, *, scale=None, softcap=None, sinks=None,
     # a window or chunk longer than every position masks like one that just covers them
     window = None if spec.window is None else min(int(spec.window), INT32_MAX)
     chunk = None if spec.chunk is None else min(int(spec.chunk), INT32_MAX)
-    return TPUPlan(meta, spec, layout, fmt, scale, softcap, sinks,
-                   None if sinks is None else to_device(sinks), num_q_heads, tile_size, w,
-                   to_device(info), to_device(table), to_device(qi.reshape(-1)),
-                   to_device(out_index), next_pow2(max(1, int(npages.max(initial=1)))),
-                   padded_tokens, window, chunk, tuple(to_device(a) for a in arrays), bucket)
+    return TPUSteps(fmt, None if sinks is None else to_device(sinks), tile_size, w,
+                    to_device(info), to_device(table), to_device(qi.reshape(-1)),
+                    to_device(out_index), next_pow2(max(1, int(npages.max(initial=1)))),
+                    padded_tokens, window, chunk, tuple(to_device(a) for a in arrays), bucket)

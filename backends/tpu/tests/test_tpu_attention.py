@@ -17,6 +17,7 @@ from tpu_helpers import (JAX, PALLAS, REFERENCE, TOL, batches, cross_layer_layou
                          filled_cache, make_spec, rel_l2, to_backend, values)
 
 import kvabi
+from kvabi.tensors import to_jax, to_numpy
 
 
 def check_attention(backend, spec, form, meta, group, options, seed, layer=0):
@@ -32,15 +33,15 @@ def check_attention(backend, spec, form, meta, group, options, seed, layer=0):
     opts = dict(options)
     if opts.pop("sinks", False):
         opts["sinks"] = rng.uniform(-2, 2, hq).astype(np.float32)
-    want, want_lse = REFERENCE.attention(query, planes, layout,
-                                         REFERENCE.plan(meta, spec, layout, **opts),
-                                         layer=layer, return_lse=True)
-    plan = backend.plan(meta, spec, layout,
-                        **{k: (backend.asarray(v) if k == "sinks" else v)
+    want, want_lse = REFERENCE.attention(REFERENCE.plan(meta, spec, layout, num_q_heads=hq,
+                                                        **opts),
+                                         planes, query=query, layer=layer, return_lse=True)
+    plan = backend.plan(meta, spec, layout, num_q_heads=hq,
+                        **{k: (to_jax(v) if k == "sinks" else v)
                            for k, v in opts.items()})
-    out, lse = backend.attention(backend.asarray(query), cache, layout, plan, layer=layer,
+    out, lse = backend.attention(plan, cache, query=to_jax(query), layer=layer,
                                  return_lse=True)
-    out, lse = backend.to_numpy(out), backend.to_numpy(lse)
+    out, lse = to_numpy(out), to_numpy(lse)
     assert out.shape == (meta.num_tokens, hq, spec.head_dim) and lse.shape == (
         meta.num_tokens, hq)
     n = meta.num_actual_tokens
@@ -114,6 +115,7 @@ def test_backends_agree_with_each_other():
     q = values(rng, (meta.num_tokens, 4, 128), "float32")
     outs = []
     for b in (PALLAS, JAX):
-        o = b.attention(b.asarray(q), to_backend(b, planes), layout, b.plan(meta, spec, layout))
-        outs.append(b.to_numpy(o))
+        o = b.attention(b.plan(meta, spec, layout, num_q_heads=4), to_backend(b, planes),
+                        query=to_jax(q))
+        outs.append(to_numpy(o))
     assert rel_l2(outs[0], outs[1]) < 1e-5

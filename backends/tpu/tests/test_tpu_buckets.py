@@ -127,10 +127,10 @@ def run_after_warmup(backend, spec, layout, lim, hq, steps, rng, layers, uncount
             k, v = rng.standard_normal((2, t, spec.num_kv_heads, spec.head_dim))
             q = rng.standard_normal((t, hq, spec.head_dim)).astype(np.float32)
             k, v = k.astype(np.float32), v.astype(np.float32)
-            cache = backend.write_kv(cache, layout, k, v, plan, layer=layer)
-            ref = REFERENCE.write_kv(ref, layout, k, v, rplan, layer=layer)
-            out = backend.attention(q, cache, layout, plan, layer=layer, sinks=sinks)
-            want = REFERENCE.attention(q, ref, layout, rplan, layer=layer, sinks=sinks)
+            cache = backend.write_kv(plan, cache, key=k, value=v, layer=layer)
+            ref = REFERENCE.write_kv(rplan, ref, key=k, value=v, layer=layer)
+            out = backend.attention(plan, cache, query=q, layer=layer, sinks=sinks)
+            want = REFERENCE.attention(rplan, ref, query=q, layer=layer, sinks=sinks)
             n = meta.num_actual_tokens
             assert np.asarray(out).shape == (t, hq, spec.head_dim)
             worst = max(worst, rel_l2(np.asarray(out)[:n], want[:n]))
@@ -172,7 +172,7 @@ def test_beyond_the_limits_is_refused_after_warmup():
     meta = kvabi.CommonAttentionMetadata.from_lengths([1, 1, 1], [0, 0, 0],
                                                       [[0], [1], [2]], 8, num_blocks=12)
     with pytest.raises(KVABIError, match="num_reqs: 3 exceeds .*max_reqs = 2"):
-        be.plan(meta, spec, layout)
+        be.plan(meta, spec, layout, num_q_heads=1)
     # another layout (or spec) was not declared: its plans keep the unbounded buckets
     other = kvabi.Layout.preset("tpu.combined", spec, 13)
-    assert be.plan(meta, spec, other).bucket is None
+    assert be.plan(meta, spec, other, num_q_heads=1).prepared.bucket is None

@@ -10,6 +10,7 @@ import pytest
 from tpu_helpers import JAX, PALLAS, filled_cache, make_spec, to_backend, values
 
 import kvabi
+from kvabi.tensors import to_jax, to_numpy
 from kvabi import KVABIError, UnsupportedError
 from kvabi_tpu.env import on_tpu
 from kvabi_tpu.jax_backend import JaxBackend
@@ -58,7 +59,7 @@ def test_pallas_page_size_must_be_a_multiple_of_the_packing():
     layout = kvabi.Layout.preset("tpu.combined", spec, 4)
     meta = kvabi.CommonAttentionMetadata.from_lengths([3], [0], [[0]], 5, num_blocks=4)
     with pytest.raises(KVABIError, match="block_size"):
-        PALLAS.plan(meta, spec, layout)
+        PALLAS.plan(meta, spec, layout, num_q_heads=2)
     # tpu.jax has no such constraint but the combined form does: only hidden is preferred
     assert JAX.preferred_layouts(spec) == ("tpu.hidden",)
     JAX.check_supported(spec)
@@ -70,7 +71,7 @@ def test_refuses_layouts_it_cannot_hold(backend):
     meta = kvabi.CommonAttentionMetadata.from_lengths([3], [0], [[0]], 16, num_blocks=4)
     for name in ("flash_attn", "flashinfer.HND", "vllm.LBHNC"):
         with pytest.raises(UnsupportedError, match="layout"):
-            backend.plan(meta, spec, kvabi.Layout.preset(name, spec, 4))
+            backend.plan(meta, spec, kvabi.Layout.preset(name, spec, 4), num_q_heads=2)
     padded = kvabi.KVSpec("full", 16, 2, 64, "float32", page_align=40000)
     with pytest.raises(UnsupportedError, match="strides"):
         backend.allocate(kvabi.Layout.preset("tpu.combined", padded, 4))
@@ -82,34 +83,32 @@ def test_bad_arguments_name_the_field(backend):
     layout = kvabi.Layout.preset("tpu.combined", spec, 4)
     meta = kvabi.CommonAttentionMetadata.from_lengths([3, 1], [0, 4], [[0], [1]], 16,
                                                       num_blocks=4)
-    plan = backend.plan(meta, spec, layout)
+    plan = backend.plan(meta, spec, layout, num_q_heads=2)
     cache = backend.allocate(layout)
     assert [tuple(p.shape) for p in cache] == [layout.plane_shape]
-    k = backend.asarray(np.zeros((4, 2, 64), np.float32))
+    k = to_jax(np.zeros((4, 2, 64), np.float32))
     with pytest.raises(KVABIError, match="key"):
-        backend.write_kv(cache, layout, k[:3], k, plan)
+        backend.write_kv(plan, cache, key=k[:3], value=k)
     with pytest.raises(KVABIError, match="value"):
-        backend.write_kv(cache, layout, k, None, plan)
+        backend.write_kv(plan, cache, key=k, value=None)
     with pytest.raises(KVABIError, match="query"):
-        backend.attention(backend.asarray(np.zeros((4, 3, 64), np.float32)), cache, layout,
-                          plan)
+        backend.attention(plan, cache, query=to_jax(np.zeros((4, 3, 64), np.float32)))
     # the one wording of kvabi.check_layer, as every backend
     with pytest.raises(KVABIError, match=r"^layer: 1 out of range \[0, 1\)$"):
-        backend.attention(backend.asarray(np.zeros((4, 2, 64), np.float32)), cache, layout,
-                          plan, layer=1)
+        backend.attention(plan, cache, query=to_jax(np.zeros((4, 2, 64), np.float32)),
+                          layer=1)
     with pytest.raises(KVABIError, match=r"^layer: 1 out of range \[0, 1\)$"):
-        backend.write_kv(cache, layout, k, k, plan, layer=1)
+        backend.write_kv(plan, cache, key=k, value=k, layer=1)
     with pytest.raises(KVABIError, match="cache"):
-        backend.write_kv(cache + cache, layout, k, k, plan)
+        backend.write_kv(plan, cache + cache, key=k, value=k)
     with pytest.raises(KVABIError, match="sinks"):
-        backend.attention(backend.asarray(np.zeros((4, 2, 64), np.float32)), cache, layout,
-                          backend.plan(meta, spec, layout, sinks=np.zeros(3)))
+        backend.plan(meta, spec, layout, num_q_heads=2, sinks=np.zeros(3))
     with pytest.raises(KVABIError, match="softcap"):
-        backend.plan(meta, spec, layout, softcap=-1.0)
+        backend.plan(meta, spec, layout, num_q_heads=2, softcap=-1.0)
     with pytest.raises(KVABIError, match="block_table"):
-        backend.plan(meta, spec, kvabi.Layout.preset("tpu.combined", spec, 1))
+        backend.plan(meta, spec, kvabi.Layout.preset("tpu.combined", spec, 1), num_q_heads=2)
     with pytest.raises(KVABIError, match="plan"):
-        backend.write_kv(cache, layout, k, k, object())
+        backend.write_kv(object(), cache, key=k, value=k)
 
 
 def test_writes_donate_by_default_and_copy_on_request():
@@ -124,13 +123,14 @@ def test_writes_donate_by_default_and_copy_on_request():
     k = values(rng, (6, 2, 64), "float32")
     copier = JaxBackend(donate_cache=False)
     kept = to_backend(copier, planes)
-    want = copier.write_kv(kept, layout, k, k, copier.plan(meta, spec, layout))
+    want = copier.write_kv(copier.plan(meta, spec, layout, num_q_heads=2), kept, key=k,
+                           value=k)
     assert not any(p.is_deleted() for p in kept)
     for p, w in zip(kept, planes):
         assert np.array_equal(np.asarray(p), w)
     assert JAX.donate_cache and PALLAS.donate_cache
     cache = to_backend(JAX, planes)
-    got = JAX.write_kv(cache, layout, k, k, JAX.plan(meta, spec, layout))
+    got = JAX.write_kv(JAX.plan(meta, spec, layout, num_q_heads=2), cache, key=k, value=k)
     for g, w in zip(got, want):
         assert np.array_equal(np.asarray(g), np.asarray(w))
     assert all(p.is_deleted() for p in cache)
@@ -142,12 +142,12 @@ def test_empty_step(backend):
     layout = kvabi.Layout.preset("tpu.combined", spec, 2)
     meta = kvabi.CommonAttentionMetadata.from_lengths([], [], np.zeros((0, 0), int), 16,
                                                       num_blocks=2)
-    plan = backend.plan(meta, spec, layout)
+    plan = backend.plan(meta, spec, layout, num_q_heads=2)
     cache = backend.allocate(layout)
-    z = backend.asarray(np.zeros((0, 1, 64), np.float32))
-    assert backend.write_kv(cache, layout, z, z, plan)[0] is cache[0]
-    out, lse = backend.attention(backend.asarray(np.zeros((0, 2, 64), np.float32)), cache,
-                                 layout, plan, return_lse=True)
+    z = to_jax(np.zeros((0, 1, 64), np.float32))
+    assert backend.write_kv(plan, cache, key=z, value=z)[0] is cache[0]
+    out, lse = backend.attention(plan, cache, query=to_jax(np.zeros((0, 2, 64), np.float32)),
+                                 return_lse=True)
     assert out.shape == (0, 2, 64) and lse.shape == (0, 2)
 
 

@@ -35,7 +35,7 @@ def test_kernels_lower_for_tpu(config):
         num_tokens=38)
     layout = kvabi.Layout.preset(form, spec, 8)
     backend = PallasBackend()
-    plan = backend.plan(meta, spec, layout, softcap=3.0)
+    plan = backend.plan(meta, spec, layout, num_q_heads=h * g, softcap=3.0).prepared
     fmt = plan.fmt
     dt = jnp.dtype(dtype)
     planes = tuple(jax.ShapeDtypeStruct(layout.plane_shape, dt)

@@ -20,6 +20,7 @@ from tpu_helpers import (JAX, PALLAS, REFERENCE, TOL, batches, filled_cache, mak
                          poison_invisible, rel_l2, to_backend, values, visible_slots)
 
 import kvabi
+from kvabi.tensors import to_jax, to_numpy
 
 
 def check_poisoned(backend, spec, form, meta, group, options, seed, *, min_poisoned=1):
@@ -35,14 +36,14 @@ def check_poisoned(backend, spec, form, meta, group, options, seed, *, min_poiso
     poisoned, count = poison_invisible(layout, spec, clean,
                                        visible_slots(meta, spec, checked), rng)
     assert count >= min_poisoned
-    want, want_lse = REFERENCE.attention(query, clean, layout,
-                                         REFERENCE.plan(meta, spec, layout, **options),
-                                         layer=1, return_lse=True)
-    plan = backend.plan(meta, spec, layout, **options)
-    out, lse = backend.attention(backend.asarray(query), to_backend(backend, poisoned),
-                                 layout, plan, layer=1, return_lse=True)
-    out = np.asarray(backend.to_numpy(out), np.float64)[checked]
-    lse = np.asarray(backend.to_numpy(lse), np.float64)[checked]
+    want, want_lse = REFERENCE.attention(
+        REFERENCE.plan(meta, spec, layout, num_q_heads=hq, **options), clean, query=query,
+        layer=1, return_lse=True)
+    plan = backend.plan(meta, spec, layout, num_q_heads=hq, **options)
+    out, lse = backend.attention(plan, to_backend(backend, poisoned), query=to_jax(query),
+                                 layer=1, return_lse=True)
+    out = np.asarray(to_numpy(out), np.float64)[checked]
+    lse = np.asarray(to_numpy(lse), np.float64)[checked]
     assert np.isfinite(out).all() and np.isfinite(lse).all(), \
         f"{int((~np.isfinite(out)).any(axis=(1, 2)).sum())} of {len(checked)} tokens " \
         f"became non-finite from rows they may not see ({spec.kind})"

@@ -10,6 +10,7 @@ from tpu_helpers import (JAX, PALLAS, REFERENCE, TOL, filled_cache, make_spec, r
                          to_backend, values)
 
 import kvabi
+from kvabi.tensors import to_jax, to_numpy
 from kvabi import transforms
 
 META = dict(query_lens=[1, 23, 0, 9], context_lens=[40, 0, 7, 18],
@@ -32,12 +33,13 @@ def test_prefill_skip_rows_equal_full_attention(backend):
     rng = np.random.default_rng(0)
     planes = filled_cache(layout, spec, rng)
     q = values(rng, (meta.num_tokens, 8, 128), "bfloat16")
-    want = REFERENCE.attention(q, planes, layout, REFERENCE.plan(meta, spec, layout))
+    want = REFERENCE.attention(REFERENCE.plan(meta, spec, layout, num_q_heads=8), planes,
+                               query=q)
     short, idx = transforms.prefill_skip(meta)
     cache = to_backend(backend, planes)
-    got = backend.attention(backend.asarray(q[idx]), cache, layout,
-                            backend.plan(short, spec, layout))
-    assert rel_l2(backend.to_numpy(got), want[idx]) <= TOL["bfloat16"]
+    got = backend.attention(backend.plan(short, spec, layout, num_q_heads=8), cache,
+                            query=to_jax(q[idx]))
+    assert rel_l2(to_numpy(got), want[idx]) <= TOL["bfloat16"]
 
 
 @pytest.mark.parametrize("backend", [PALLAS, JAX], ids=lambda b: b.name)
@@ -53,12 +55,13 @@ def test_local_virtual_batches_equal_chunked_local(backend):
     planes = filled_cache(layout, local, rng)
     q = values(rng, (meta.num_tokens, 4, 128), "float32")
     n = meta.num_actual_tokens
-    want = REFERENCE.attention(q, planes, layout, REFERENCE.plan(meta, local, layout))[:n]
+    want = REFERENCE.attention(REFERENCE.plan(meta, local, layout, num_q_heads=4), planes,
+                               query=q)[:n]
     cache = to_backend(backend, planes)
-    direct = backend.attention(backend.asarray(q), cache, layout,
-                               backend.plan(meta, local, layout))
-    assert rel_l2(backend.to_numpy(direct)[:n], want) <= TOL["float32"]
+    direct = backend.attention(backend.plan(meta, local, layout, num_q_heads=4), cache,
+                               query=to_jax(q))
+    assert rel_l2(to_numpy(direct)[:n], want) <= TOL["float32"]
     virtual, _ = transforms.local_virtual_batches(meta, 32)
-    via = backend.attention(backend.asarray(q), cache, layout,
-                            backend.plan(virtual, full, layout))
-    assert rel_l2(backend.to_numpy(via)[:n], want) <= TOL["float32"]
+    via = backend.attention(backend.plan(virtual, full, layout, num_q_heads=4), cache,
+                            query=to_jax(q))
+    assert rel_l2(to_numpy(via)[:n], want) <= TOL["float32"]

@@ -16,6 +16,7 @@ from tpu_helpers import (JAX, PALLAS, REFERENCE, batches, cross_layer_layout, fi
                          make_spec, same_bytes, to_backend, values)
 
 import kvabi
+from kvabi.tensors import to_jax, to_numpy
 
 FORMS = ("tpu.combined", "tpu.hidden", "tpu.combined.cross_layer", "tpu.hidden.cross_layer")
 
@@ -26,26 +27,25 @@ def build_layout(form, spec, num_blocks):
     return kvabi.Layout.preset(form, spec, num_blocks, num_layers=2)
 
 
-def check_write(backend, spec, form, meta, layer, seed, handle=True):
+def check_write(backend, spec, form, meta, layer, seed):
     """The write equals the reference's byte for byte; the cache argument's planes of the
-    layer are consumed (donated) and the others passed through; a KVCache comes back for
-    a KVCache, a list for an ABI 1.0 list."""
+    layer are consumed (donated) and the others passed through into the KVCache that comes
+    back."""
     rng = np.random.default_rng(seed)
     layout = build_layout(form, spec, meta.num_blocks)
     want = filled_cache(layout, spec, rng)
     cache = to_backend(backend, want)
-    if handle:
-        cache = kvabi.KVCache.wrap(layout, cache)
     t, h, d = meta.num_tokens, spec.num_kv_heads, spec.head_dim
     key, value = values(rng, (t, h, d), spec.dtype), values(rng, (t, h, d), spec.dtype)
-    REFERENCE.write_kv(want, layout, key, value, REFERENCE.plan(meta, spec, layout),
-                       layer=layer)
-    got = backend.write_kv(cache, layout, backend.asarray(key), backend.asarray(value),
-                           backend.plan(meta, spec, layout), layer=layer)
-    assert type(got) is (kvabi.KVCache if handle else list)
+    hq = spec.num_kv_heads
+    REFERENCE.write_kv(REFERENCE.plan(meta, spec, layout, num_q_heads=hq), want, key=key,
+                       value=value, layer=layer)
+    got = backend.write_kv(backend.plan(meta, spec, layout, num_q_heads=hq), cache,
+                           key=to_jax(key), value=to_jax(value), layer=layer)
+    assert type(got) is kvabi.KVCache
     assert len(got) == layout.num_planes
     for i, (g, w) in enumerate(zip(got, want)):
-        g = backend.to_numpy(g)
+        g = to_numpy(g)
         assert same_bytes(g, np.ascontiguousarray(w)), \
             f"plane {i}: {int((g != w).sum())} elements differ from the reference"
     mine = {layout.plane_index(layer, kv) for kv in range(2)} if meta.num_tokens else set()
@@ -64,7 +64,7 @@ def write_cases(draw, block_sizes):
                      draw(st.sampled_from((64, 128))), dtype)
     meta = draw(batches(bs, max_query=bs + 3, max_context=1))
     return spec, draw(st.sampled_from(FORMS)), meta, draw(st.integers(0, 1)), \
-        draw(st.integers(0, 2**16)), draw(st.booleans())
+        draw(st.integers(0, 2**16))
 
 
 @settings(max_examples=5, deadline=None)
@@ -87,8 +87,8 @@ def test_write_spanning_pages_and_padding_tokens(backend):
     meta = kvabi.CommonAttentionMetadata.from_lengths(
         [37, 1, 0], [5, 20, 3], [[4, 0, 7], [2, 5, 1], [3, 6, 6]], 16, num_blocks=8,
         num_tokens=41)
-    for form, handle in (("tpu.combined", True), ("tpu.hidden", False)):
-        check_write(backend, spec, form, meta, 1, 0, handle)
+    for form in ("tpu.combined", "tpu.hidden"):
+        check_write(backend, spec, form, meta, 1, 0)
 
 
 @pytest.mark.parametrize("backend", [PALLAS, JAX], ids=lambda b: b.name)
@@ -100,8 +100,8 @@ def test_shared_layer_never_writes(backend):
     layout = kvabi.Layout.preset("tpu.combined", spec, 4, num_layers=1)
     rng = np.random.default_rng(1)
     cache = to_backend(backend, filled_cache(layout, spec, rng))
-    before = [np.array(backend.to_numpy(p)) for p in cache]
-    q = backend.asarray(values(rng, (4, 2, 64), "float32"))
-    backend.attention(q, cache, layout, backend.plan(meta, spec, layout))
+    before = [np.array(to_numpy(p)) for p in cache]
+    q = to_jax(values(rng, (4, 2, 64), "float32"))
+    backend.attention(backend.plan(meta, spec, layout, num_q_heads=2), cache, query=q)
     for b, p in zip(before, cache):
-        assert same_bytes(b, backend.to_numpy(p))
+        assert same_bytes(b, to_numpy(p))

@@ -53,21 +53,22 @@ def values(rng, shape, dtype):
 
 
 def filled_cache(layout, spec, rng):
-    """Reference (numpy) planes: every byte POISON, then every slot of every layer written
-    with random K/V; returns the planes."""
-    planes = allocate_numpy(layout, POISON)
+    """A reference (numpy) KVCache: every byte POISON, then every slot of every layer
+    written with random K/V."""
+    planes = KVCache.wrap(layout, allocate_numpy(layout, POISON))
     slots = layout.num_blocks * spec.block_size
     shape = (layout.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    handle = KVCache.wrap(layout, planes)
     for layer in range(layout.num_layers):
         for kv in (0, 1):
-            handle.kv_view(layer, kv)[...] = values(
+            planes.kv_view(layer, kv)[...] = values(
                 rng, (slots, spec.num_kv_heads, spec.head_dim), spec.dtype).reshape(shape)
     return planes
 
 
-def to_backend(backend, planes):
-    return [backend.asarray(np.array(p)) for p in planes]
+def to_backend(backend, cache):
+    """Copies of a numpy KVCache's planes as a KVCache in the backend's framework."""
+    return cache.replace(tuple(kvabi.tensors.convert(np.array(p), backend.framework)
+                               for p in cache))
 
 
 def same_bytes(a, b) -> bool:
@@ -120,7 +121,7 @@ def poison_invisible(layout, spec, planes, keep: set[int], rng) -> int:
     """Copies of numpy ``planes`` whose K and V rows of every slot not in ``keep`` (every
     layer) hold NaN, +inf or -inf (drawn per row), and whose padding bytes hold NaN; returns
     (planes, number of poisoned slots)."""
-    out = allocate_numpy(layout, np.nan)
+    out = KVCache.wrap(layout, allocate_numpy(layout, np.nan))
     slots = layout.num_blocks * spec.block_size
     bad = np.array(sorted(set(range(slots)) - keep), np.int64)
     kinds = np.array([np.nan, np.inf, -np.inf])

@@ -1,20 +1,18 @@
 """``example.torch``: paged attention over a kvabi cache in plain, vectorized torch (CPU).
 
-The ABI 1.1 methods of a backend, in the order an engine calls them:
+A backend writes three methods; :class:`kvabi.Backend` calls them after it has checked
+every argument (the step against the layout, the capabilities, the options, the plan, the
+cache handle, the shapes and dtypes), so none of them checks anything:
 
-- ``plan(meta, spec, layout, ...)`` once per step and KV group: refuse what is not claimed
-  (``check_supported``), check that metadata, spec and layout belong together
-  (``kvabi.check_step``), resolve the options (``kvabi.AttentionOptions.resolve``), and
-  precompute everything that does not depend on the layer.  A plan keeps no layer state:
-  one plan serves every layer of its group, in any order.
-- ``write_kv(cache, layout, key, value, plan, layer=)`` scatters the step's new keys and
-  values to their slots, in place.
-- ``attention(query, cache, layout, plan, layer=, sinks=, out=, return_lse=)`` gathers each
-  request's visible blocks through the block table and computes a masked softmax.
+- ``prepare(plan)`` once per step and KV group: everything that does not depend on the
+  layer (returned, it becomes ``plan.prepared``);
+- ``write(plan, cache, key, value, layer)`` scatters the step's new keys and values to
+  their slots, in place;
+- ``attend(plan, cache, query, layer, sinks, out, return_lse)`` gathers each request's
+  visible blocks through the block table and computes a masked softmax.
 
-Every method first turns ``cache`` into a checked :class:`kvabi.KVCache`
-(``kvabi.as_cache``): the planes then match the layout, and ``cache.kv_view(layer, kv)``
-is a cached strided [blocks, block_size, heads, head_dim] view that works for any layout.
+``cache.kv_view(layer, kv)`` is a cached strided [blocks, block_size, heads, head_dim] view
+of the checked :class:`kvabi.KVCache` that works for any layout.
 
 Attention gathers, per request, the blocks its queries see (a sliding window: only the
 last few) and runs torch's fused ``scaled_dot_product_attention`` over the padded batch
@@ -29,7 +27,6 @@ import numpy as np
 import torch
 
 import kvabi
-from kvabi.tensors import to_torch
 
 KINDS = ("full", "sliding_window")
 DTYPES = ("float32", "float16")
@@ -37,7 +34,7 @@ DTYPES = ("float32", "float16")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TorchPlan:
-    """What ``attention`` and ``write_kv`` need for one step, for any layer.
+    """What ``attend`` and ``write`` need for one step, for any layer.
 
     Attention runs on a request-major padded batch: request r's query tokens are
     ``q_index[r, :q_r]`` (``q_valid`` marks them) and its keys are the blocks
@@ -50,9 +47,6 @@ class TorchPlan:
     slots of the step's tokens that are written (padding tokens, slot -1, are not).
     """
 
-    meta: kvabi.CommonAttentionMetadata
-    spec: kvabi.KVSpec
-    layout: object
     q_index: torch.Tensor
     q_valid: torch.Tensor
     rows: torch.Tensor
@@ -62,16 +56,12 @@ class TorchPlan:
     write_tokens: torch.Tensor
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
-    scale: float
-    softcap: float | None
-    sinks: np.ndarray | None
 
 
 class TorchSDPABackend(kvabi.Backend):
     """Full and sliding-window attention, GQA, soft cap and sinks; float32 and float16."""
 
     name = "example.torch"
-    abi_version = (1, 1)
     framework = "torch"
 
     def available(self):
@@ -90,13 +80,9 @@ class TorchSDPABackend(kvabi.Backend):
     def device(self):
         return torch.device("cpu")
 
-    # -- plan -------------------------------------------------------------------------
-    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
-             sinks=None):
-        self.check_supported(spec, softcap=softcap, sinks=sinks)  # refuse, never guess
-        kvabi.check_step(meta, spec, layout)
-        opts = kvabi.AttentionOptions.resolve(spec, scale, softcap, sinks,
-                                              num_q_heads=num_q_heads)
+    # -- once per step --------------------------------------------------------------
+    def prepare(self, plan):
+        meta, spec = plan.meta, plan.spec
         bs = spec.block_size
         qsl = meta.query_start_loc.astype(np.int64)
         n = int(qsl[-1])  # tokens past this are padding
@@ -130,80 +116,56 @@ class TorchSDPABackend(kvabi.Backend):
         slots = meta.slot_mapping
         written = np.nonzero(slots >= 0)[0]
         t = torch.from_numpy
-        return TorchPlan(meta, spec, layout, t(q_index), t(q_valid), t(q_index[q_valid]),
-                         t(blocks), t(np.flatnonzero(~key_valid)), t(mask), t(written),
-                         t(slots[written] // bs), t(slots[written] % bs),
-                         opts.scale, opts.softcap, opts.sinks)
+        return TorchPlan(t(q_index), t(q_valid), t(q_index[q_valid]), t(blocks),
+                         t(np.flatnonzero(~key_valid)), t(mask), t(written),
+                         t(slots[written] // bs), t(slots[written] % bs))
 
-    @staticmethod
-    def _check_plan(plan, layout):
-        if not isinstance(plan, TorchPlan):
-            raise kvabi.KVABIError(f"plan: must come from example.torch's plan(), got "
-                                   f"{type(plan).__name__}")
-        if layout != plan.layout:
-            raise kvabi.KVABIError("layout: differs from the layout the plan was made for")
-
-    # -- write ------------------------------------------------------------------------
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
-        cache = kvabi.as_cache(cache, layout, self.framework)
-        self._check_plan(plan, layout)
-        spec = plan.spec
-        key, value = to_torch(key), to_torch(value)
-        kvabi.check_kv(key, value, plan.meta, spec)
-        tok, blk, off = plan.write_tokens, plan.write_blocks, plan.write_offsets
+    # -- per layer --------------------------------------------------------------------
+    def write(self, plan, cache, key, value, layer):
+        spec, p = plan.spec, plan.prepared
+        tok, blk, off = p.write_tokens, p.write_blocks, p.write_offsets
         kview = cache.kv_view(layer, 0)[..., :spec.head_dim]
         vview = cache.kv_view(layer, 1)[..., :spec.head_dim_v]
         kview[blk, off] = key[tok].to(kview.dtype)  # index_put_ writes through the view
         vview[blk, off] = value[tok].to(vview.dtype)
         return cache
 
-    # -- attention --------------------------------------------------------------------
-    def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, out=None,
-                  return_lse=False):
-        cache = kvabi.as_cache(cache, layout, self.framework)
-        self._check_plan(plan, layout)
-        spec = plan.spec
-        query = to_torch(query)
-        hq = kvabi.check_query(query, plan.meta, spec)
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse):
+        spec, w, hq = plan.spec, plan.prepared, plan.num_q_heads
         h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
         g = hq // h
-        # Per-call sinks (ABI 1.1) override the plan's: learned per layer in some models.
-        sink = plan.sinks if sinks is None else kvabi.AttentionOptions.resolve(
-            spec, plan.scale, plan.softcap, sinks, num_q_heads=hq).sinks
-        if sink is not None and sink.shape != (hq,):
-            raise kvabi.KVABIError(f"sinks: must have one logit per query head ({hq}), "
-                                   f"got shape {sink.shape}")
+        sink = sinks  # this call's (learned per layer in some models), else the plan's
 
-        r, width = plan.key_blocks.shape
+        r, width = w.key_blocks.shape
         bs = spec.block_size
 
         def keys(kv, dim):
             # [R, blocks, N, H, D] -> [R, K, H, D]: one gather per request's blocks
-            x = cache.kv_view(layer, kv).index_select(0, plan.key_blocks.reshape(-1))
+            x = cache.kv_view(layer, kv).index_select(0, w.key_blocks.reshape(-1))
             x = x[..., :dim].reshape(r * width * bs, h, dim).float()
             # Zero, never multiply: rows outside the request can hold anything, NaN too.
-            return x.index_fill_(0, plan.key_invalid, 0.0).reshape(r, width * bs, h, dim)
+            return x.index_fill_(0, w.key_invalid, 0.0).reshape(r, width * bs, h, dim)
 
         k, v = keys(0, d), keys(1, dv)
-        q = query[plan.q_index].float()  # [R, Qmax, Hq, D]
+        q = query[w.q_index].float()  # [R, Qmax, Hq, D]
         qmax = q.shape[1]
-        if plan.rows.numel() == 0:  # no real query token (every row is padding)
+        if w.rows.numel() == 0:  # no real query token (every row is padding)
             o = q.new_zeros((r, qmax, hq, dv))
             lse = q.new_zeros((r, qmax, hq))
         elif plan.softcap is None and sink is None and not return_lse:
             # torch's fused kernel; GQA by head groups as kvabi's semantics state
             o = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=plan.mask[:, None], scale=plan.scale,
+                attn_mask=w.mask[:, None], scale=plan.scale,
                 enable_gqa=g > 1).transpose(1, 2)  # [R, Qmax, Hq, Dv]
         else:
             qg = q.reshape(r, qmax, h, g, d)
             logits = torch.einsum("rqhgd,rkhd->rhgqk", qg, k) * plan.scale
             if plan.softcap is not None:
                 logits = plan.softcap * torch.tanh(logits / plan.softcap)
-            logits = torch.where(plan.mask[:, None, None], logits, float("-inf"))
+            logits = torch.where(w.mask[:, None, None], logits, float("-inf"))
             if sink is not None:  # one extra logit per head in the denominator only
-                s = torch.as_tensor(sink, dtype=torch.float32).reshape(1, h, g, 1, 1)
+                s = torch.tensor(sink, dtype=torch.float32).reshape(1, h, g, 1, 1)
                 logits = torch.cat([logits, s.expand(*logits.shape[:-1], 1)], dim=-1)
             top = logits.amax(dim=-1, keepdim=True)
             p = torch.exp(logits - top)
@@ -211,18 +173,14 @@ class TorchSDPABackend(kvabi.Backend):
             o = torch.einsum("rhgqk,rkhd->rqhgd", p[..., :k.shape[1]], v) / \
                 denom.permute(0, 3, 1, 2)[..., None]
             lse = (top[..., 0] + torch.log(denom)).permute(0, 3, 1, 2).reshape(r, qmax, hq)
-        o = o.reshape(r, qmax, hq, dv)[plan.q_valid]
+        o = o.reshape(r, qmax, hq, dv)[w.q_valid]
 
-        result = torch.zeros((plan.meta.num_tokens, hq, dv), dtype=query.dtype)
-        result[plan.rows] = o.reshape(-1, hq, dv).to(query.dtype)  # the query's dtype
-        if out is not None:
-            if tuple(out.shape) != tuple(result.shape) or out.dtype != result.dtype:
-                raise kvabi.KVABIError(f"out: must be {list(result.shape)} {query.dtype}, "
-                                       f"got {list(out.shape)} {out.dtype}")
-            result = out.copy_(result)
+        result = out if out is not None else \
+            torch.zeros((plan.num_tokens, hq, dv), dtype=query.dtype)
+        result[w.rows] = o.reshape(-1, hq, dv).to(query.dtype)  # the query's dtype
         if not return_lse:
-            return result
-        full = torch.zeros((plan.meta.num_tokens, hq), dtype=torch.float32)
-        full[plan.rows] = lse[plan.q_valid].float()
+            return result, None
+        full = torch.zeros((plan.num_tokens, hq), dtype=torch.float32)
+        full[w.rows] = lse[w.q_valid].float()
         return result, full
 

@@ -17,8 +17,8 @@ class TestExample(BackendConformance):
 
 
 def test_out_buffer_and_per_call_sinks_match_the_reference():
-    """ABI 1.1 keywords the kit's checks need not use: out= is filled in place and
-    returned; sinks given to attention override the plan's (one plan, two layers)."""
+    """out= is filled in place and returned; sinks given to attention override the plan's
+    (one plan, two layers)."""
     spec = kvabi.KVSpec("sliding_window", block_size=4, num_kv_heads=2, head_dim=8,
                         dtype="float32", window=3)
     layout = kvabi.Layout.preset("flash_attn", spec, num_blocks=4, num_layers=2)
@@ -34,14 +34,14 @@ def test_out_buffer_and_per_call_sinks_match_the_reference():
     cache = ours.allocate(layout)
     plan = ours.plan(meta, spec, layout, num_q_heads=4, sinks=sinks[0])
     for layer in (1, 0):
-        ref_plan = ref.plan(meta, spec, layout, sinks=sinks[layer])
-        ref.write_kv(ref_cache, layout, k + layer, v - layer, ref_plan, layer=layer)
-        ours.write_kv(cache, layout, torch.from_numpy(k + layer), torch.from_numpy(v - layer),
-                      plan, layer=layer)
-        want, want_lse = ref.attention(q, ref_cache, layout, ref_plan, layer=layer,
+        ref_plan = ref.plan(meta, spec, layout, num_q_heads=4, sinks=sinks[layer])
+        ref.write_kv(ref_plan, ref_cache, key=k + layer, value=v - layer, layer=layer)
+        ours.write_kv(plan, cache, key=torch.from_numpy(k + layer),
+                      value=torch.from_numpy(v - layer), layer=layer)
+        want, want_lse = ref.attention(ref_plan, ref_cache, query=q, layer=layer,
                                        return_lse=True)
         buf = torch.full((meta.num_tokens, 4, 8), float("nan"))
-        got, got_lse = ours.attention(torch.from_numpy(q), cache, layout, plan, layer=layer,
+        got, got_lse = ours.attention(plan, cache, query=torch.from_numpy(q), layer=layer,
                                       sinks=torch.from_numpy(sinks[layer]), out=buf,
                                       return_lse=True)
         assert got is buf and got.dtype == torch.float32 and got_lse.dtype == torch.float32
@@ -83,14 +83,13 @@ def test_nan_outside_the_requests_never_reaches_a_result():
                 for kv, x in ((0, kc), (1, vc)):
                     ref_cache.kv_view(0, kv)[b, o] = x[p]
                     cache.kv_view(0, kv)[b, o] = torch.from_numpy(x[p])
-        ref_plan = ref.plan(meta, spec, layout)
-        ref.write_kv(ref_cache, layout, k, v, ref_plan)
-        want, want_lse = ref.attention(q, ref_cache, layout, ref_plan, return_lse=True)
+        ref_plan = ref.plan(meta, spec, layout, num_q_heads=4)
+        ref.write_kv(ref_plan, ref_cache, key=k, value=v)
+        want, want_lse = ref.attention(ref_plan, ref_cache, query=q, return_lse=True)
         plan = ours.plan(meta, spec, layout, num_q_heads=4)
-        ours.write_kv(cache, layout, torch.from_numpy(k), torch.from_numpy(v), plan)
-        got = ours.attention(torch.from_numpy(q), cache, layout, plan)
-        got2, got_lse = ours.attention(torch.from_numpy(q), cache, layout, plan,
-                                       return_lse=True)
+        ours.write_kv(plan, cache, key=torch.from_numpy(k), value=torch.from_numpy(v))
+        got = ours.attention(plan, cache, query=torch.from_numpy(q))
+        got2, got_lse = ours.attention(plan, cache, query=torch.from_numpy(q), return_lse=True)
         for x in (got, got2):
             assert torch.isfinite(x).all(), kind
             np.testing.assert_allclose(x.numpy(), want, rtol=1e-5, atol=1e-5, err_msg=kind)

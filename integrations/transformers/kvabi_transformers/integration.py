@@ -110,7 +110,7 @@ def _check_model(model) -> None:
 
 
 #: what a backend must implement to serve a model (the base class raises NotImplementedError)
-REQUIRED_METHODS = ("capabilities", "preferred_layouts", "plan", "write_kv", "attention")
+REQUIRED_METHODS = ("capabilities", "preferred_layouts", "write", "attend")
 
 
 def _backend(backend):

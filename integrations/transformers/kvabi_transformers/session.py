@@ -3,8 +3,6 @@ plans, and the per-layer attention that transformers calls."""
 from __future__ import annotations
 
 import collections
-import functools
-import inspect
 import threading
 import time
 
@@ -33,23 +31,6 @@ def active_session():
     return getattr(_ACTIVE, "session", None)
 
 
-@functools.lru_cache(maxsize=None)
-def _keywords(fn) -> frozenset:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return frozenset()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return frozenset({"*"})
-    return frozenset(p.name for p in params)
-
-
-def accepts(method, name: str) -> bool:
-    """Whether a backend method takes keyword ``name`` (1.1 keywords go only where taken)."""
-    kw = _keywords(getattr(method, "__func__", method))
-    return "*" in kw or name in kw
-
-
 class Step:
     """One forward pass: full metadata, optional prefill-skip metadata, and plans made once
     per (KV group, metadata, options) and reused by every layer of the group."""
@@ -65,21 +46,16 @@ class Step:
             self.skip_meta, idx = kvabi.transforms.prefill_skip(meta, keep)
             self.skip_rows = idx
 
-    def plan(self, group: int, skipped: bool, scale, softcap, sinks_key, sinks):
-        key = (group, skipped, scale, softcap, sinks_key)
+    def plan(self, group: int, skipped: bool, scale, softcap):
+        """The plan of a KV group (every layer's sinks come with its own call)."""
+        key = (group, skipped, scale, softcap)
         plan = self.plans.get(key)
         if plan is None:
             s = self.session
             meta = self.skip_meta if skipped else self.meta
-            kw = {"scale": scale}
-            if softcap is not None:
-                kw["softcap"] = softcap
-            if sinks is not None:
-                kw["sinks"] = sinks
-            if s.new_abi and accepts(s.backend.plan, "num_q_heads"):
-                kw["num_q_heads"] = s.num_q_heads
             t0 = time.perf_counter()
-            plan = s.backend.plan(meta, s.specs[group], s.layouts[group], **kw)
+            plan = s.backend.plan(meta, s.specs[group], s.layouts[group],
+                                  num_q_heads=s.num_q_heads, scale=scale, softcap=softcap)
             s.timing["plan"] += time.perf_counter() - t0
             self.plans[key] = plan
         return plan
@@ -101,13 +77,11 @@ class Session:
         self.num_q_heads = integration.num_q_heads
         self.layouts = [kvabi.Layout.preset(name, g.spec, num_blocks, len(g.layers))
                         for name, g in zip(integration.layout_names, integration.model_kv.groups)]
-        self.caches = [kvabi.as_cache(self.backend.allocate(lay), lay) for lay in self.layouts]
+        self.caches = [self.backend.allocate(lay) for lay in self.layouts]
         # Once per cache: the backend's write_kv must put elements where the layout says
         # (the first and last slot; the cache's bytes are restored).
         for spec, lay, cache in zip(self.specs, self.layouts, self.caches):
             verify_layout(lay, *backend_writer(self.backend, lay, spec, cache), samples=2)
-        self.new_abi = kvabi.abi_at_least(self.backend, (1, 1))
-        self.call_sinks = self.new_abi and accepts(self.backend.attention, "sinks")
         self.step: Step | None = None
         #: steps, tokens, and rows the KV-shared layers skipped (prefill skip)
         self.stats = collections.Counter()
@@ -115,8 +89,9 @@ class Session:
         #: framework conversions of each layer's arrays ("handover") and in the backend's
         #: write_kv + attention ("backend")
         self.timing = collections.Counter()
-        self.sinks = {i: kt.to_numpy(s.detach().float()).astype(np.float64)
-                      for i, s in integration.sinks.items()}
+        #: each layer's sinks, one tensor object per layer (the backend checks each once,
+        #: again only after an in-place change)
+        self.sinks = {i: s.detach() for i, s in integration.sinks.items()}
 
     def serves(self, module) -> bool:
         """Whether ``module`` is an attention module of the model this session serves."""
@@ -153,8 +128,8 @@ class Session:
         d = np.asarray(dst, np.int64) - self.first_block
         for g, layout in enumerate(self.layouts):
             plan = plan_block_transfer(layout, layout, s, d)
-            self.caches[g] = kvabi.as_cache(execute(plan, self.caches[g], self.caches[g]),
-                                            layout)
+            self.caches[g] = kvabi.KVCache.wrap(layout,
+                                                execute(plan, self.caches[g], self.caches[g]))
 
     # -- per layer -----------------------------------------------------------------------
     def _to_backend(self, x):
@@ -178,12 +153,7 @@ class Session:
             raise KVABIError(f"query: layer {module.layer_idx} got {t} tokens, the step has "
                              f"{meta.num_tokens}")
         g = slot.group
-        layout = self.layouts[g]
-        sinks = self.sinks.get(module.layer_idx)
-        per_call = sinks is not None and self.call_sinks
-        plan = step.plan(g, skipped, float(scaling), softcap,
-                         None if sinks is None or per_call else module.layer_idx,
-                         None if per_call else sinks)
+        plan = step.plan(g, skipped, float(scaling), softcap)
         clock = time.perf_counter
         t0 = clock()
         q = self._to_backend(query[0].transpose(0, 1))
@@ -191,15 +161,12 @@ class Session:
             k = self._to_backend(key[0].transpose(0, 1))
             v = self._to_backend(value[0].transpose(0, 1))
             t1 = clock()
-            self.caches[g] = kvabi.as_cache(
-                self.backend.write_kv(self.caches[g], layout, k, v, plan, layer=slot.index),
-                layout)
+            self.caches[g] = self.backend.write_kv(plan, self.caches[g], key=k, value=v,
+                                                   layer=slot.index)
         else:
             t1 = clock()
-        kw = {"layer": slot.index}
-        if per_call:
-            kw["sinks"] = sinks
-        out = self.backend.attention(q, self.caches[g], layout, plan, **kw)
+        out = self.backend.attention(plan, self.caches[g], query=q, layer=slot.index,
+                                     sinks=self.sinks.get(module.layer_idx))
         if hasattr(out, "block_until_ready"):  # jax dispatches asynchronously: the
             out.block_until_ready()  # conversion below would wait for the kernel anyway
         t2 = clock()

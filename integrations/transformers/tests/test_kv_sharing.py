@@ -18,13 +18,13 @@ class Spy(ReferenceBackend):
         super().__init__()
         self.writes, self.reads = [], []
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
+    def write(self, plan, layer, **kw):
         self.writes.append((plan.spec.kind, layer))
-        return super().write_kv(cache, layout, key, value, plan, layer=layer)
+        return super().write(plan=plan, layer=layer, **kw)
 
-    def attention(self, query, cache, layout, plan, *, layer=0, **kw):
+    def attend(self, plan, layer, **kw):
         self.reads.append((plan.spec.kind, layer))
-        return super().attention(query, cache, layout, plan, layer=layer, **kw)
+        return super().attend(plan=plan, layer=layer, **kw)
 
 
 def test_shared_layers_never_write(sessions):

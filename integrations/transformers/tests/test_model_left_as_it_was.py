@@ -32,7 +32,7 @@ class BrokenAttention(ReferenceBackend):
 
     name = "vendor.brokenattention"
 
-    def attention(self, *args, **kwargs):
+    def attend(self, **kwargs):
         raise kvabi.KVABIError("attention: broken on purpose")
 
 

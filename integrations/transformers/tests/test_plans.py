@@ -1,6 +1,5 @@
-"""Plans are made once per step and KV group and reused by every layer (ABI 1.1: sinks per
-attention call); a 1.0 backend gets one plan per layer carrying that layer's sinks."""
-import pytest
+"""Plans are made once per step and KV group and reused by every layer, each layer's sinks
+coming with its attention call."""
 from kvabi.reference import ReferenceBackend
 import kvabi_transformers
 from kvabi_transformers.tools.compare import cb_config, run_batch, worst_step_error
@@ -30,31 +29,17 @@ class Counting(ReferenceBackend):
         super().__init__()
         self.plans, self.call_sinks = 0, 0
 
-    def plan(self, meta, spec, layout, **kw):
+    def prepare(self, plan):
         self.plans += 1
-        return super().plan(meta, spec, layout, **kw)
+        return super().prepare(plan)
 
-    def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, **kw):
+    def attend(self, sinks, **kw):
         self.call_sinks += sinks is not None
-        return super().attention(query, cache, layout, plan, layer=layer, sinks=sinks, **kw)
+        return super().attend(sinks=sinks, **kw)
 
 
-class Counting10(Counting):
-    """The same backend declaring ABI 1.0: no per-call sinks, no num_q_heads."""
-
-    abi_version = (1, 0)
-
-    def plan(self, meta, spec, layout, *, scale=None, softcap=None, sinks=None):
-        return super().plan(meta, spec, layout, scale=scale, softcap=softcap, sinks=sinks)
-
-    def attention(self, query, cache, layout, plan, *, layer=0, return_lse=False):
-        return super().attention(query, cache, layout, plan, layer=layer,
-                                 return_lse=return_lse)
-
-
-@pytest.mark.parametrize("cls,plans_per_step", [(Counting, 2), (Counting10, 4)])
-def test_plans_per_step(cls, plans_per_step, sessions):
-    backend = cls()
+def test_plans_per_step(sessions):
+    backend = Counting()
     model = kvabi_transformers.use(gpt_oss4(), backend)
     tokens, logits = run_batch(model, prompts(), NEW_TOKENS, config=cb_config())
     want_tokens, want_logits = want()
@@ -63,5 +48,5 @@ def test_plans_per_step(cls, plans_per_step, sessions):
     steps = sessions[-1].stats["steps"]
     # plus verify_layout's when the caches are made: per KV group (2), one write and so one
     # plan for each of its 2 samples (layer 0's first slot, layer 1's last)
-    assert backend.plans == plans_per_step * steps + 2 * 2
-    assert backend.call_sinks == (4 * steps if cls is Counting else 0)
+    assert backend.plans == 2 * steps + 2 * 2
+    assert backend.call_sinks == 4 * steps

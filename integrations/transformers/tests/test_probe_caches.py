@@ -17,7 +17,8 @@ class Liar(ReferenceBackend):
 
     name = "reference"
 
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0):
+    def write(self, plan, cache, key, value, layer):
+        layout = plan.layout
         real = kvabi.Layout(order=("L", "B", "H", "KV", "N", "D"), sizes=layout.sizes,
                             dtype=layout.dtype)
         layout_writer(real, list(cache))(layer, plan.meta.slot_mapping, np.asarray(key),

@@ -105,7 +105,7 @@ def test_config_heads_against_the_modules(field, factor):
 
 def test_a_backend_that_implements_nothing():
     with pytest.raises(kvabi.KVABIError, match="^backend: Backend does not implement "
-                       "capabilities, preferred_layouts, plan, write_kv, attention$"):
+                       "capabilities, preferred_layouts, write, attend$"):
         kvabi_transformers.use(model_of("llama"), kvabi.Backend())
 
     class Half(kvabi.Backend):
@@ -118,7 +118,7 @@ def test_a_backend_that_implements_nothing():
             return ("flash_attn",)
 
     with pytest.raises(kvabi.KVABIError, match="^backend: vendor.half does not implement "
-                       "plan, write_kv, attention$"):
+                       "write, attend$"):
         kvabi_transformers.use(model_of("llama"), Half())
 
 

@@ -257,8 +257,7 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False
               ) -> KvabiMetadata:
         g = self._bind()
-        meta = from_vllm(common_attn_metadata, g.spec.block_size,
-                         num_blocks=g.layout.num_blocks)
+        meta = from_vllm(common_attn_metadata, g.spec.block_size)
         return KvabiMetadata(group=g, meta=meta, plan=self._plan(meta),
                              num_actual_tokens=meta.num_tokens)
 
@@ -266,7 +265,7 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
                             fast_build: bool = False) -> KvabiMetadata:
         g = self._bind()
         cm = common_attn_metadata
-        meta = from_vllm(cm, g.spec.block_size, num_blocks=g.layout.num_blocks)
+        meta = from_vllm(cm, g.spec.block_size)
         keep = keep_indices(cm)
         if keep is not None:
             full = meta.num_tokens
@@ -312,11 +311,12 @@ class KvabiAttentionImpl(AttentionImpl):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
-        self._np_sinks = None
 
-    def _framework(self, g: KvabiGroup, x: torch.Tensor):
-        return x.numpy() if g.backend.framework == "numpy" else \
-            kvabi.tensors.convert(x, g.backend.framework)
+    @staticmethod
+    def _out(g: KvabiGroup, out: torch.Tensor):
+        """vLLM's output buffer as the backend writes it: the same memory (a numpy view for
+        a numpy backend)."""
+        return out.numpy() if g.backend.framework == "numpy" else out
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor,
                            value: torch.Tensor, kv_cache: torch.Tensor,
@@ -327,8 +327,7 @@ class KvabiAttentionImpl(AttentionImpl):
         g, n = md.group, md.num_actual_tokens
         k = key[:n].reshape(n, self.num_kv_heads, self.head_size)
         v = value[:n].reshape(n, self.num_kv_heads, self.head_size)
-        out = g.backend.write_kv(g.cache, g.layout, self._framework(g, k),
-                                 self._framework(g, v), md.plan,
+        out = g.backend.write_kv(md.plan, g.cache, key=k, value=v,
                                  layer=g.layer_index[layer.layer_name],
                                  **kq.layer_scales(layer, g.spec))
         if out is not g.cache and g.backend.framework == "jax":
@@ -347,15 +346,8 @@ class KvabiAttentionImpl(AttentionImpl):
         g, n = md.group, md.num_actual_tokens
         q = query[:n].reshape(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        sinks = None
-        if self.sinks is not None:
-            if self._np_sinks is None:
-                self._np_sinks = self.sinks.detach().float().cpu().numpy()
-            sinks = self._np_sinks
-        res = g.backend.attention(self._framework(g, q), g.cache, g.layout, md.plan,
-                                  layer=g.layer_index[layer.layer_name], sinks=sinks,
-                                  out=self._framework(g, out), **kq.layer_scales(layer, g.spec))
-        if g.backend.framework != "numpy" and res is not None and \
-                res.data_ptr() != out.data_ptr():
-            out.copy_(res)
+        # the layer's sinks tensor, the same every step: checked once (kvabi.Backend)
+        g.backend.attention(md.plan, g.cache, query=q, layer=g.layer_index[layer.layer_name],
+                            sinks=self.sinks, out=self._out(g, out),
+                            **kq.layer_scales(layer, g.spec))
         return output

@@ -298,8 +298,9 @@ def kvabi_backend_part(tensors, vllm_config):
         meta = kvabi.CommonAttentionMetadata.from_lengths(
             query_lens=np.ones(len(slots), np.int64), context_lens=slots % bs,
             block_table=(slots // bs)[:, None], block_size=bs, num_blocks=layout.num_blocks)
-        plan = backend.plan(meta, spec, layout)
-        backend.write_kv(own, layout, convert(key, fw), convert(value, fw), plan, layer=layer)
+        plan = backend.plan(meta, spec, layout, num_q_heads=spec.num_kv_heads)
+        backend.write_kv(plan, own, key=convert(key, fw), value=convert(value, fw),
+                         layer=layer)
 
     return "kv", cache, write
 

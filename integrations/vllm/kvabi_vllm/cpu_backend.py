@@ -1,12 +1,12 @@
 """``cpu.vllm``: vLLM's compiled CPU attention kernels (CPU_ATTN) as a kvabi backend.
 
-- ``plan`` (once per step and KV group): ``cpu_attn_get_scheduler_metadata`` (the kernels'
-  work split over threads), plus the step's block entries in kernel order and the slots to
-  write, all vectorized over requests and tokens.
-- ``write_kv``: in ``vllm.cpu`` (vLLM's own cache) the kernels' own write
+- ``prepare`` (once per step and KV group, from ``plan``): ``cpu_attn_get_scheduler_metadata``
+  (the kernels' work split over threads), plus the step's block entries in kernel order and
+  the slots to write, all vectorized over requests and tokens.
+- ``write`` (``write_kv``): in ``vllm.cpu`` (vLLM's own cache) the kernels' own write
   ``cpu_attn_reshape_and_cache``; elsewhere the step's K/V scattered to their slots of the
   kvabi layout (a strided torch write; any layout ``Layout`` describes).
-- ``attention``: ``cpu_attention_with_kv_cache`` (causal, sliding window: the kernels take
+- ``attend`` (``attention``): ``cpu_attention_with_kv_cache`` (causal, sliding window: the kernels take
   W, the keys a query sees, its own included, kvabi's convention; soft cap; per-head sinks
   as ``s_aux`` float32; scale; GQA). The kernels' keys are ``[D, N]`` tiles per block and
   head, their values ``[N, D]`` (see :mod:`kvabi_vllm.cpu_layout`). In the preferred
@@ -30,16 +30,16 @@ vLLM is imported on first use (``available``/``plan``), never by ``import kvabi_
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import platform
 import threading
 
+import attrs
 import numpy as np
 import torch
 
 import kvabi
-from kvabi.tensors import to_torch
+from kvabi.tensors import ConvertOnce
 
 from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, key_tiles,
                          keys_in_kernel_order, to_kernel_blocks, value_scratch,
@@ -63,9 +63,9 @@ def _ops():
     return _custom_ops
 
 
-@dataclasses.dataclass(eq=False)
-class CpuVllmPlan:
-    """One step of one KV group, for any layer.
+@attrs.frozen(eq=False)
+class CpuVllmSteps:
+    """What ``cpu.vllm`` prepares for one step of one KV group, for any layer.
 
     ``native``: the layout's keys are in kernel order (read in place). Then ``entries``
     [U] are the distinct cache blocks the step reads, ``table`` the step's block table,
@@ -75,17 +75,17 @@ class CpuVllmPlan:
     kernels' block table over the copied blocks), ``hidden`` [E, N] the rows no query of
     the entry's request sees. ``hidden`` holds those rows as row indices of the value
     scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is.
-    ``write_*``: the tokens written (slot != -1) and their block and offset. ``sched``:
-    scheduler metadata per number of query heads (filled in ``plan`` when it is given,
-    else on first use).  ``inplace``: the values are in kernel order too (``vllm.cpu``):
-    the kernels read the cache itself and ``hidden`` indexes its value rows
+    ``write_*``: the tokens written (slot != -1) and their block and offset.
+    ``inplace``: the values are in kernel order too (``vllm.cpu``): the kernels read the
+    cache itself and ``hidden`` indexes its value rows
     (:func:`~kvabi_vllm.cpu_layout.value_rows`); ``slot_mapping``: the step's slots (int64,
-    -1 for padding) for the kernels' own write.
+    -1 for padding) for the kernels' own write.  ``sched``: the kernels' scheduler
+    metadata for the plan's query heads per compute dtype (the cache dtype; for fp8 codes
+    the query's, float32 scheduled here, others on first use).  Frozen: nothing here can
+    be rebound after ``plan`` (the kernels index the cache through ``entries`` and
+    ``table``).
     """
 
-    meta: kvabi.CommonAttentionMetadata
-    spec: kvabi.KVSpec
-    layout: object
     isa: str
     native: bool
     num_tokens: int  # real tokens (the rest is padding)
@@ -99,11 +99,9 @@ class CpuVllmPlan:
     write_offsets: torch.Tensor
     slot_mapping: torch.Tensor
     inplace: bool
-    scale: float
-    softcap: float | None
-    sinks: np.ndarray | None
-    num_q_heads: int | None
-    sched: dict = dataclasses.field(default_factory=dict)
+    #: the plan's sinks as float32 (the kernels' ``s_aux``), or None
+    s_aux: torch.Tensor | None
+    sched: dict = attrs.field(factory=dict)
 
 
 class CpuVllmBackend(kvabi.Backend):
@@ -112,11 +110,11 @@ class CpuVllmBackend(kvabi.Backend):
     sizes that are multiples of 16."""
 
     name = "cpu.vllm"
-    abi_version = (1, 1)
     framework = "torch"
 
     def __init__(self):
         self._available = None
+        self._s_aux = ConvertOnce("torch", dtype="float32")  # per-call sinks, once each
         # Scratch memory per thread and dtype, grown as needed and reused by every layer
         # and step: a fresh buffer per step would pay its page faults again every time.
         self._scratch = threading.local()
@@ -172,16 +170,9 @@ class CpuVllmBackend(kvabi.Backend):
     def device(self):
         return torch.device("cpu")
 
-    # -- plan -----------------------------------------------------------------------------
-    def plan(self, meta, spec, layout, *, num_q_heads=None, scale=None, softcap=None,
-             sinks=None):
-        self.check_supported(spec, softcap=softcap, sinks=sinks)
-        kvabi.check_step(meta, spec, layout)
-        opts = kvabi.AttentionOptions.resolve(spec, scale, softcap, sinks,
-                                              num_q_heads=num_q_heads)
-        ok, why = self.available()
-        if not ok:
-            raise kvabi.UnsupportedError(f"{self.name}: unavailable: {why}")
+    # -- once per step --------------------------------------------------------------------
+    def prepare(self, plan) -> CpuVllmSteps:
+        meta, spec, layout = plan.meta, plan.spec, plan.layout
         bs = spec.block_size
         qsl = meta.query_start_loc.astype(np.int64)
         seq = meta.seq_lens.astype(np.int64)
@@ -223,58 +214,30 @@ class CpuVllmBackend(kvabi.Backend):
         slots = meta.slot_mapping
         written = np.nonzero(slots >= 0)[0]
         t = torch.from_numpy
-        plan = CpuVllmPlan(
-            meta, spec, layout, choose_isa(spec.head_dim, bs), native, int(qsl[-1]),
+        steps = CpuVllmSteps(
+            choose_isa(spec.head_dim, bs), native, int(qsl[-1]),
             t(meta.query_start_loc.astype(np.int32)), t(meta.seq_lens.astype(np.int32)),
             t(entries), t(table), t(rows) if len(rows) else None,
             t(written), t(slots[written] // bs), t(slots[written] % bs),
             t(slots.astype(np.int64)), native and values_in_kernel_order(layout),
-            opts.scale, opts.softcap, opts.sinks, num_q_heads)
-        if num_q_heads is not None:  # fp8 codes: the query's dtype, float32 most likely
-            self._schedule(plan, num_q_heads, torch.float32 if spec.is_quantized else
-                           kvabi.tensors.torch_dtype(spec.dtype))
-        return plan
+            None if plan.sinks is None else t(plan.sinks.astype(np.float32)))
+        # fp8 codes: the kernels compute in the query's dtype, float32 most likely
+        _schedule(plan, steps, torch.float32 if spec.is_quantized else
+                  kvabi.tensors.torch_dtype(spec.dtype))
+        return steps
 
-    @staticmethod
-    def _schedule(plan: CpuVllmPlan, hq: int, dtype):
-        """The kernels' scheduler metadata for ``hq`` query heads computing in ``dtype``
-        (once per plan)."""
-        md = plan.sched.get((hq, dtype))
-        if md is None:
-            spec = plan.spec
-            md = plan.sched[(hq, dtype)] = _ops().cpu_attn_get_scheduler_metadata(
-                num_reqs=plan.meta.num_reqs, num_heads=hq, num_kv_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim, seq_lens=plan.seq_lens, dtype=dtype,
-                query_start_loc=plan.query_start_loc, causal=True,
-                sliding_window_size=spec.window if spec.kind == "sliding_window" else -1,
-                isa=plan.isa, enable_kv_split=False)
-        return md
-
-    def _check_plan(self, plan, layout):
-        if not isinstance(plan, CpuVllmPlan):
-            raise kvabi.KVABIError(f"plan: must come from {self.name}'s plan(), got "
-                                   f"{type(plan).__name__}")
-        if layout != plan.layout:
-            raise kvabi.KVABIError("layout: differs from the layout the plan was made for")
-
-    # -- write ----------------------------------------------------------------------------
-    def write_kv(self, cache, layout, key, value, plan, *, layer=0, k_scale=None,
-                 v_scale=None):
-        cache = kvabi.as_cache(cache, layout, self.framework)
-        self._check_plan(plan, layout)
-        spec = plan.spec
-        scales = kvabi.check_scales(spec, k_scale, v_scale)
-        key, value = to_torch(key), to_torch(value)
-        kvabi.check_kv(key, value, plan.meta, spec)
-        tok, blk, off = plan.write_tokens, plan.write_blocks, plan.write_offsets
+    # -- per layer ------------------------------------------------------------------------
+    def write(self, plan, cache, key, value, layer, scales=None):
+        spec, p = plan.spec, plan.prepared
+        tok, blk, off = p.write_tokens, p.write_blocks, p.write_offsets
         kview, vview = _views(cache, layer, spec)
-        if plan.inplace:  # vLLM's own cache: the kernels' own write (fp8: its rounding)
+        if p.inplace:  # vLLM's own cache: the kernels' own write (fp8: its rounding)
             if len(tok):  # slot -1 (padding tokens) is skipped by the kernels
                 dt = query_dtype(key)
+                ks, vs = scales or (1.0, 1.0)
                 _ops().cpu_attn_reshape_and_cache(
                     key.to(dt), value.to(dt), key_tiles(torch, kview),
-                    key_tiles(torch, vview), plan.slot_mapping, plan.isa,
-                    k_scale=(scales or (1.0, 1.0))[0], v_scale=(scales or (1.0, 1.0))[1],
+                    key_tiles(torch, vview), p.slot_mapping, p.isa, k_scale=ks, v_scale=vs,
                     kv_cache_dtype=FP8.get(spec.dtype, "auto"))
             return cache
         if scales is None:
@@ -287,27 +250,10 @@ class CpuVllmBackend(kvabi.Backend):
         vview[blk, off] = vq
         return cache
 
-    # -- attention ------------------------------------------------------------------------
-    def attention(self, query, cache, layout, plan, *, layer=0, sinks=None, out=None,
-                  return_lse=False, k_scale=None, v_scale=None):
-        cache = kvabi.as_cache(cache, layout, self.framework)
-        self._check_plan(plan, layout)
-        spec = plan.spec
-        scales = kvabi.check_scales(spec, k_scale, v_scale) or (1.0, 1.0)
-        query = to_torch(query)
-        hq = kvabi.check_query(query, plan.meta, spec)
-        if plan.num_q_heads is not None and hq != plan.num_q_heads:
-            raise kvabi.KVABIError(f"query: {hq} query heads, the plan was made for "
-                                   f"{plan.num_q_heads}")
-        sink = plan.sinks if sinks is None else kvabi.AttentionOptions.resolve(
-            spec, plan.scale, plan.softcap, sinks, num_q_heads=hq).sinks
-        if sink is not None and sink.shape != (hq,):
-            raise kvabi.KVABIError(f"sinks: must have one logit per query head ({hq}), "
-                                   f"got shape {sink.shape}")
-        t_all, n, d = plan.meta.num_tokens, plan.num_tokens, spec.head_dim
-        if out is not None and (tuple(out.shape) != (t_all, hq, d) or out.dtype != query.dtype):
-            raise kvabi.KVABIError(f"out: must be {[t_all, hq, d]} {query.dtype}, got "
-                                   f"{list(out.shape)} {out.dtype}")
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse, scales=None):
+        spec, p, hq = plan.spec, plan.prepared, plan.num_q_heads
+        scales = scales or (1.0, 1.0)
+        t_all, n, d = plan.meta.num_tokens, p.num_tokens, spec.head_dim
         kview, vview = _views(cache, layer, spec)
         cdt = kview.dtype  # the scratch's: fp8 codes as bytes
         # the kernels compute in the cache dtype, or for fp8 codes in the query's
@@ -315,60 +261,74 @@ class CpuVllmBackend(kvabi.Backend):
         if wdt not in (torch.float32, torch.float16, torch.bfloat16):
             raise kvabi.KVABIError(f"query: dtype {query.dtype} (fp8 caches are read by "
                                    f"kernels computing in float32, float16 or bfloat16)")
-        e = len(plan.entries)
+        e = len(p.entries)
         direct = out is not None and out.dtype == wdt and out.is_contiguous()
         result = out if direct else torch.empty((t_all, hq, d), dtype=wdt)
         result[n:].zero_()  # padding tokens: unspecified by the ABI, zero here
+        s_aux = p.s_aux if sinks is plan.sinks else self._s_aux(sinks)
 
         def run(kc, vc):
             if not (n and e):
                 result[:n].zero_()  # no request has a key: nothing to attend
                 return
             q = query[:n].to(wdt).contiguous()
-            s_aux = None if sink is None else torch.from_numpy(sink.astype(np.float32))
             _ops().cpu_attention_with_kv_cache(
                 query=q, key_cache=kc, value_cache=vc, output=result[:n],
-                query_start_loc=plan.query_start_loc, seq_lens=plan.seq_lens,
+                query_start_loc=p.query_start_loc, seq_lens=p.seq_lens,
                 scale=plan.scale, causal=True, alibi_slopes=None,
                 sliding_window=spec.window if spec.kind == "sliding_window" else -1,
-                block_table=plan.table, softcap=plan.softcap or 0.0,
-                scheduler_metadata=self._schedule(plan, hq, wdt), s_aux=s_aux,
+                block_table=p.table, softcap=plan.softcap or 0.0,
+                scheduler_metadata=_schedule(plan, p, wdt), s_aux=s_aux,
                 k_scale=scales[0], v_scale=scales[1],
                 kv_cache_dtype=FP8.get(spec.dtype, "auto"))
 
         kc = key_tiles(torch, kview)
-        if plan.inplace:
+        again = False
+        if p.inplace:
             run(kc, key_tiles(torch, vview))
             # A NaN or inf in a value row no query sees makes its zero probability NaN:
             # where the output is not finite, the step runs again on a copy of the values
             # with those rows zeroed (a NaN a query does see stays NaN there).
             # (one sum: NaN and inf reach it; a finite overflow only costs the copy)
-            again = n and e and plan.hidden is not None and \
+            again = bool(n and e and p.hidden is not None) and \
                 not math.isfinite(result[:n].sum().item())
-        if plan.native and (not plan.inplace or again):
+        if p.native and (not p.inplace or again):
             vc, rows = value_scratch(torch, kc, cdt,
                                      self._buffer(value_scratch_numel(kc), cdt))
             if e:
-                values_to_kernel_order(vview, plan.entries, vc, rows, plan.hidden)
+                values_to_kernel_order(vview, p.entries, vc, rows, p.hidden)
             run(kc, vc)
-        elif not plan.native:
+        elif not p.native:
             h, bs = spec.num_kv_heads, spec.block_size
             scratch, kc, vc = kernel_scratch(torch, e, h, bs, d, cdt,
                                              self._buffer(e * h * 2 * bs * d, cdt))
             if e:
-                to_kernel_blocks(kview, vview, plan.entries, scratch, plan.hidden)
+                to_kernel_blocks(kview, vview, p.entries, scratch, p.hidden)
             run(kc, vc)
         if not direct:
-            result = result.to(query.dtype)
-            if out is not None:
-                result = out.copy_(result)
+            result = result.to(query.dtype)  # the base class copies it into ``out``
         if not return_lse:
-            return result
-        if plan.native:
+            return result, None
+        if p.native:
             keys = kview  # [B, N, H, D], indexed by the step's block table
         else:  # [E, N, H, D] over the copied entries
             keys = kc.view(e, spec.num_kv_heads, d, spec.block_size).permute(0, 3, 1, 2)
-        return result, _lse(plan, query, keys, hq, sink, scales[0])
+        return result, _lse(plan, query, keys, sinks, scales[0])
+
+
+def _schedule(plan, steps: CpuVllmSteps, dtype):
+    """The kernels' scheduler metadata for the plan's query heads computing in ``dtype``
+    (once per plan and dtype)."""
+    md = steps.sched.get(dtype)
+    if md is None:
+        spec = plan.spec
+        md = steps.sched[dtype] = _ops().cpu_attn_get_scheduler_metadata(
+            num_reqs=plan.meta.num_reqs, num_heads=plan.num_q_heads,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, seq_lens=steps.seq_lens,
+            dtype=dtype, query_start_loc=steps.query_start_loc, causal=True,
+            sliding_window_size=spec.window if spec.kind == "sliding_window" else -1,
+            isa=steps.isa, enable_kv_split=False)
+    return md
 
 
 def query_dtype(x):
@@ -395,27 +355,27 @@ def _codes(x, scale: float, spec, field: str) -> torch.Tensor:
     return torch.from_numpy(c.view(np.uint8))
 
 
-def _lse(plan: CpuVllmPlan, query, keys, hq: int, sink, k_scale: float = 1.0) -> torch.Tensor:
+def _lse(plan, query, keys, sink, k_scale: float = 1.0) -> torch.Tensor:
     """Log-sum-exp [T, Hq] float32 of the step (the kernels return none), in torch:
-    ``keys`` [X, N, H, D] indexed by ``plan.table`` (fp8: code bytes, read as codes times
-    ``k_scale``); per real token, its request's keys, masked by select."""
-    meta, spec = plan.meta, plan.spec
-    n, bs, h, d = plan.num_tokens, spec.block_size, spec.num_kv_heads, spec.head_dim
+    ``keys`` [X, N, H, D] indexed by the prepared ``table`` (fp8: code bytes, read as codes
+    times ``k_scale``); per real token, its request's keys, masked by select."""
+    meta, spec, p, hq = plan.meta, plan.spec, plan.prepared, plan.num_q_heads
+    n, bs, h, d = p.num_tokens, spec.block_size, spec.num_kv_heads, spec.head_dim
     full = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32)
-    if not n or not len(plan.entries):
+    if not n or not len(p.entries):
         if sink is not None and n:
-            full[:n] = torch.from_numpy(sink.astype(np.float32))[None, :]
+            full[:n] = torch.tensor(sink, dtype=torch.float32)[None, :]
         return full
     req = torch.from_numpy(meta.token_request[:n].astype(np.int64))
     pos = meta.positions[:n].astype(np.int64)
-    width = plan.table.shape[1]
+    width = p.table.shape[1]
     j = np.arange(width * bs)[None, :]
     lo = np.asarray(spec.first_visible_key(pos), np.int64)[:, None]
     seq = meta.seq_lens.astype(np.int64)[meta.token_request[:n]][:, None]
     vis = torch.from_numpy((j >= lo) & (j <= pos[:, None]) & (j < seq))
     # float64: the lse is compared in absolute terms, and logits of large head dims are
     # large (|logit| ~ 30 leaves float32 accumulation ~1e-5 off)
-    k = keys[plan.table.long()[req]].reshape(n, width * bs, h, d)
+    k = keys[p.table.long()[req]].reshape(n, width * bs, h, d)
     if spec.dtype in FP8:
         k = k.view(kvabi.tensors.torch_dtype(spec.dtype)).double() * k_scale
     else:
@@ -426,10 +386,10 @@ def _lse(plan: CpuVllmPlan, query, keys, hq: int, sink, k_scale: float = 1.0) ->
         logits = plan.softcap * torch.tanh(logits / plan.softcap)
     logits = torch.where(vis[:, None, None, :], logits, float("-inf"))
     if sink is not None:
-        s = torch.from_numpy(sink).reshape(1, h, hq // h, 1)
+        s = torch.tensor(sink).reshape(1, h, hq // h, 1)
         logits = torch.cat([logits, s.expand(n, h, hq // h, 1)], dim=-1)
     full[:n] = torch.logsumexp(logits, dim=-1).reshape(n, hq).float()
     return full
 
 
-__all__ = ["CpuVllmBackend", "CpuVllmPlan"]
+__all__ = ["CpuVllmBackend", "CpuVllmSteps"]

@@ -1,9 +1,12 @@
 """vLLM's per-step ``CommonAttentionMetadata`` as kvabi's, vectorized (no loop per request).
 
 vLLM and kvabi state the same thing (query start offsets, sequence lengths, a block table,
-slot mapping); kvabi derives positions and slots from lengths and the block table, and the
-slots vLLM computed must agree, token for token: a disagreement means the cache would be
-written where the kernels do not read, so it is refused, never papered over.
+slot mapping); kvabi derives positions and slots from lengths and the block table.  One
+proof per step: whether the block ids lie inside the cache is the plan's check
+(``kvabi.check_step``, against the layout), not repeated here; what is checked here is
+only what the plan cannot see, that vLLM's own slots agree with kvabi's token for token (a
+disagreement means the two sides read the block table with different block sizes, and
+the cache would be written where vLLM's scheduler does not expect it).
 """
 from __future__ import annotations
 
@@ -18,8 +21,7 @@ def _np(t) -> np.ndarray:
     return t.detach().cpu().numpy() if t.device.type != "cpu" else t.detach().numpy()
 
 
-def from_vllm(cm, block_size: int, *, num_blocks: int | None = None
-              ) -> kvabi.CommonAttentionMetadata:
+def from_vllm(cm, block_size: int) -> kvabi.CommonAttentionMetadata:
     """kvabi metadata of vLLM's ``CommonAttentionMetadata`` ``cm`` for a KV group of
     ``block_size``: the real tokens of its ``num_reqs`` requests (padding dropped: queries
     and keys are sliced to ``num_actual_tokens`` of the result).  KVABIError if vLLM's slot
@@ -30,8 +32,7 @@ def from_vllm(cm, block_size: int, *, num_blocks: int | None = None
     q = np.diff(qsl)
     bt = _np(cm.block_table_tensor)[:r]
     meta = kvabi.CommonAttentionMetadata.from_lengths(
-        query_lens=q, context_lens=seq - q, block_table=bt, block_size=block_size,
-        num_blocks=num_blocks)
+        query_lens=q, context_lens=seq - q, block_table=bt, block_size=block_size)
     n = meta.num_tokens
     theirs = _np(cm.slot_mapping)[:n]
     if theirs.shape[0] != n or not np.array_equal(theirs, meta.slot_mapping):

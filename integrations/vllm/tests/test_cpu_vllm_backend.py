@@ -1,10 +1,13 @@
 """``cpu.vllm`` beyond the kit: registration without importing vLLM, the reason where vLLM
-cannot load, refusals of bad input with kvabi errors, and a negative control showing that
-the kernels need the invisible rows zeroed (the poisoned-rows check can fail)."""
+cannot load, refusals of bad input with kvabi errors (a plan changed after ``plan``, a
+spec whose head dim is not the layout's, an ``out=`` over the cache: each once reached the
+compiled kernels), and a negative control showing that the kernels need the invisible
+rows zeroed (the poisoned-rows check can fail)."""
 import os
 import subprocess
 import sys
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -54,35 +57,71 @@ def _step(bs=16, hd=32, dtype="float32", **quant):
 def test_unclaimed_specs_are_refused(change, field):
     spec, layout, meta = _step(**change)
     with pytest.raises(kvabi.UnsupportedError, match=field):
-        CpuVllmBackend().plan(meta, spec, layout)
+        CpuVllmBackend().plan(meta, spec, layout, num_q_heads=2)
+
+
+def _planned(hq: int):
+    """(backend, plan for ``hq`` query heads, cache, a zero query of ``hq`` heads)."""
+    b = CpuVllmBackend()
+    spec, layout, meta = _step()
+    plan = b.plan(meta, spec, layout, num_q_heads=hq)
+    return b, plan, b.allocate(layout), torch.zeros((meta.num_tokens, hq, 32))
 
 
 def test_bad_calls_raise_kvabi_errors():
-    b = CpuVllmBackend()
-    spec, layout, meta = _step()
-    plan = b.plan(meta, spec, layout, num_q_heads=4)
-    cache = b.allocate(layout)
+    b, plan, cache, _ = _planned(4)
+    spec, layout, meta = plan.spec, plan.layout, plan.meta
     q = torch.zeros((meta.num_tokens, 2, 32))
-    with pytest.raises(kvabi.KVABIError, match="query: 2 query heads, the plan was made for 4"):
-        b.attention(q, cache, layout, plan)
+    with pytest.raises(kvabi.KVABIError, match="query: the plan was made for num_q_heads=4, "
+                                               "got 2"):
+        b.attention(plan, cache, query=q)
     q = torch.zeros((meta.num_tokens, 4, 32))
-    with pytest.raises(kvabi.KVABIError, match="out:"):
-        b.attention(q, cache, layout, plan, out=torch.zeros((meta.num_tokens, 4, 32),
+    with pytest.raises(kvabi.KVABIError, match="out.dtype:"):
+        b.attention(plan, cache, query=q, out=torch.zeros((meta.num_tokens, 4, 32),
                                                             dtype=torch.float16))
     with pytest.raises(kvabi.KVABIError, match="sinks:"):
-        b.attention(q, cache, layout, plan, sinks=np.zeros(3))
-    other = kvabi.get_backend("reference").plan(meta, spec, layout)
+        b.attention(plan, cache, query=q, sinks=np.zeros(3))
+    other = kvabi.get_backend("reference").plan(meta, spec, layout, num_q_heads=4)
     with pytest.raises(kvabi.KVABIError, match="plan:"):
-        b.attention(q, cache, layout, other)
+        b.attention(other, cache, query=q)
+
+
+def test_a_plan_cannot_be_changed_after_plan():
+    """Block entries pointed past the cache after ``plan`` once reached the kernels (a
+    segfault): the prepared arrays cannot be rebound, and a plan rebuilt around changed
+    ones is not this backend's."""
+    b, plan, cache, q = _planned(2)
+    far = torch.full_like(plan.prepared.entries, 10**9)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        plan.prepared.entries = far
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        plan.meta = plan.meta
+    forged = attrs.evolve(plan, prepared=attrs.evolve(plan.prepared, entries=far))
+    with pytest.raises(kvabi.KVABIError, match="plan: must come from cpu.vllm.plan"):
+        b.attention(forged, cache, query=q)
+
+
+def test_a_head_dim_other_than_the_layouts_is_refused_at_plan():
+    spec, layout, meta = _step(hd=64)
+    small = kvabi.KVSpec("full", block_size=16, num_kv_heads=2, head_dim=32, dtype="float32")
+    with pytest.raises(kvabi.KVABIError, match="layout.sizes.D: must equal spec.head_dim 32"):
+        CpuVllmBackend().plan(meta, small, layout, num_q_heads=2)
+
+
+def test_an_out_over_the_cache_is_refused():
+    b, plan, cache, q = _planned(2)
+    over = cache[0].view(-1)[:q.numel()].view(q.shape)
+    with pytest.raises(kvabi.KVABIError, match="out: shares memory with the cache"):
+        b.attention(plan, cache, query=q, out=over)
+    with pytest.raises(kvabi.KVABIError, match="out: shares memory with the query"):
+        b.attention(plan, cache, query=q, out=q)
 
 
 class _NoZeroing(CpuVllmBackend):
     """cpu.vllm without zeroing the rows no query sees before the kernels run."""
 
-    def plan(self, *args, **kw):
-        plan = super().plan(*args, **kw)
-        plan.hidden = None
-        return plan
+    def prepare(self, plan):
+        return attrs.evolve(super().prepare(plan), hidden=None)
 
 
 def test_kernels_without_zeroed_invisible_rows_fail_the_poison_check():
@@ -134,6 +173,6 @@ def test_same_bits_as_the_kernels_called_the_way_vllm_calls_them(dtype, bs, hd, 
         layout = kvabi.Layout.preset(name, spec, num_blocks=6)
         cache = b.allocate(layout)
         plan = b.plan(meta, spec, layout, num_q_heads=4, scale=0.3)
-        b.write_kv(cache, layout, k, v, plan)
-        got = b.attention(q, cache, layout, plan)
+        b.write_kv(plan, cache, key=k, value=v)
+        got = b.attention(plan, cache, query=q)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name

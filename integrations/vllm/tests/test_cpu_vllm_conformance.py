@@ -43,8 +43,8 @@ class TestCpuVllmVecBlocks(BackendConformance):
 def test_vec_blocks_claim_a_subset():
     """The narrowed backend claims nothing the real one does not."""
     spec = kvabi.KVSpec("full", block_size=32, num_kv_heads=2, head_dim=64, dtype="float32")
-    assert _VecBlocks().capabilities(spec).unsupported_reason(spec) is None
-    assert CpuVllmBackend().capabilities(spec).unsupported_reason(spec) is None
+    assert _VecBlocks().capabilities(spec).refusals(spec) == ()
+    assert CpuVllmBackend().capabilities(spec).refusals(spec) == ()
 
 
 class TestCpuVllmFp8(BackendConformance):

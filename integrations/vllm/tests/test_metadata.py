@@ -36,7 +36,7 @@ def vllm_meta(query_lens, context_lens, table, pad_tokens=0, pad_reqs=0, slots=N
 def test_from_vllm_matches_the_formula_and_drops_padding():
     cm, pos, ref = vllm_meta([1, 6, 0, 3], [9, 0, 5, 2], [[3, 1, 7], [2, 0, 0], [4, 5, 0],
                                                           [6, 0, 0]], pad_tokens=3, pad_reqs=2)
-    meta = from_vllm(cm, BS, num_blocks=8)
+    meta = from_vllm(cm, BS)
     assert meta.num_reqs == 4 and meta.num_tokens == 10
     np.testing.assert_array_equal(meta.positions, pos)
     np.testing.assert_array_equal(meta.slot_mapping, ref)

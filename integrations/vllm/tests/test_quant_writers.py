@@ -225,8 +225,8 @@ def reference_bytes(inp, layout, spec):
     meta = kvabi.CommonAttentionMetadata.from_lengths(
         np.ones(real.sum(), np.int64), slots[real] % n, (slots[real] // n)[:, None], n,
         num_blocks=layout.num_blocks)
-    ref.write_kv(cache, layout, inp["key"][real], inp["value"][real],
-                 ref.plan(meta, spec, layout))
+    plan = ref.plan(meta, spec, layout, num_q_heads=spec.num_kv_heads)
+    ref.write_kv(plan, cache, key=inp["key"][real], value=inp["value"][real])
     return cache[0].view(np.uint8).reshape(-1)
 
 
@@ -277,8 +277,8 @@ def test_vllm_cpu_fp8_preset_is_the_writers_bytes(kv_cache_dtype):
     ref = kvabi.get_backend("reference")
     meta = kvabi.CommonAttentionMetadata.from_lengths(
         np.ones(t, np.int64), slots % n, (slots // n)[:, None], n, num_blocks=blocks)
-    cache = ref.write_kv(ref.allocate(layout), layout, key, value,
-                         ref.plan(meta, spec, layout), k_scale=ks, v_scale=vs)
+    cache = ref.write_kv(ref.plan(meta, spec, layout, num_q_heads=heads), ref.allocate(layout),
+                         key=key, value=value, k_scale=ks, v_scale=vs)
     want = np.asarray(cache[0]).view(np.uint8).reshape(-1)
 
     def vllm_write(k, v, k_scale, v_scale):

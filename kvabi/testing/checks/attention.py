@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ..cases import layer_inputs, layer_sinks
-from ..harness import Runner, expect_same_cache, is_abi_11, step_inputs
+from ..harness import Runner, expect_same_cache, step_inputs
 from ..measure import (ConformanceFailure, describe_worst, expect_close, lse_error,
                        relative_l2, tolerance, worst_element, worst_rows)
 from .base import KitOptions, WithExtra, attention_cases
@@ -57,17 +57,16 @@ def check_attention(backend, reference, params, options: KitOptions = KitOptions
     ``params`` is an :class:`AttentionCase` (the case's layer only, both ``return_lse``
     modes) or a ``WithExtra`` whose ``return_lse`` (True/False) picks one mode (halving
     the calls to slow backends), ``layers`` the layers in the order they run (one plan for
-    all: a plan holds no layer-specific state) and ``out`` whether a 1.1 backend gets an
-    ``out=`` buffer.  A 1.1 backend also gets ``num_q_heads`` at plan time and, when the
-    case has sinks, per-call sinks that differ per layer (the case's layer uses the plan's
-    default); its output must have the query's dtype and lse float32.
+    all: a plan holds no layer-specific state) and ``out`` whether the backend gets an
+    ``out=`` buffer.  When the case has sinks, the layers get per-call sinks that differ
+    per layer (the case's layer uses the plan's default); the output must have the query's
+    dtype and lse float32.
     """
     case = getattr(params, "case", params)
     extra = getattr(params, "extra", {})
     mode = extra.get("return_lse")
     order = tuple(extra.get("layers") or (case.layer,))
     use_out = bool(extra.get("out", False))
-    v11 = is_abi_11(backend)
     meta = case.meta
     rows = np.arange(meta.num_actual_tokens)
     b = Runner(backend, case, oracle=False)
@@ -77,8 +76,7 @@ def check_attention(backend, reference, params, options: KitOptions = KitOptions
     err = 0.0
     for i, layer in enumerate(order):
         k, v, q = layer_inputs(case, layer)
-        sinks = layer_sinks(case, layer) if (v11 and case.sinks and layer != case.layer) \
-            else None
+        sinks = layer_sinks(case, layer) if (case.sinks and layer != case.layer) else None
         what = "attention" if len(order) == 1 else \
             f"attention at layer {layer} (call {i + 1} of {len(order)} with one plan" + \
             (", per-call sinks)" if sinks is not None else ")")
@@ -111,7 +109,7 @@ def _attention_params(draw, backend, options):
     case = draw(attention_cases(backend, options, num_layers=(2, 3)))
     order = tuple(draw(st.permutations(range(case.num_layers))))
     return WithExtra(case, {"return_lse": draw(st.booleans()), "layers": order,
-                            "out": draw(st.booleans()) if is_abi_11(backend) else False})
+                            "out": draw(st.booleans())})
 
 
 def attention_strategy(backend, options):

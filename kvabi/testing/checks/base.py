@@ -129,7 +129,7 @@ def supported(backend, spec: KVSpec, options: KitOptions, **opts) -> bool:
     """Whether the backend claims ``spec`` (with ``softcap``/``sinks``) and options allow it."""
     if options.specs is not None and not options.specs(spec):
         return False
-    return backend.capabilities(spec).unsupported_reason(spec, **opts) is None
+    return not backend.capabilities(spec).refusals(spec, **opts)
 
 
 def spec_strategy(backend, options: KitOptions, kinds=None, **kw):

@@ -1,6 +1,6 @@
 """Hostile input a backend must refuse with a KVABIError before it writes anything
-(``specs/security.md``): caches that do not fit the layout, and metadata whose lengths or
-block ids exceed what the layout can address.
+(``specs/security.md``): caches that are not a checked handle of the plan's layout, and
+metadata whose lengths or block ids exceed what the layout can address.
 
 Hostile numpy planes (and torch tensors over them) live at the start of a larger buffer
 whose tail, the guard, is not part of the memory they claim: a backend that writes past
@@ -13,32 +13,32 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ...cache import KVCache
-from ...dtypes import DTYPE_BITS, numpy_dtype
+from ...dtypes import numpy_dtype
 from ...errors import KVABIError
 from ...layout import Layout
 from ...metadata import CommonAttentionMetadata
-from ..harness import UINT, Runner, from_backend, is_abi_11, step_inputs, to_backend
+from ...presets import preset_names
+from ...tensors import to_numpy
+from ..harness import UINT, Runner, in_framework, step_inputs
 from ..measure import ConformanceFailure
 from .base import KitOptions, Refused, WithExtra, attention_cases, not_refused
 
 
 # -- guarded memory ---------------------------------------------------------------------------
 class Guarded:
-    """numpy planes over the first ``visible`` bytes of buffers followed by ``guard``
-    more bytes; the planes' memory (as numpy and kvabi see it) ends at ``visible``."""
+    """numpy planes of ``layout`` over buffers followed by ``guard`` more bytes; the planes'
+    memory (as numpy and kvabi see it) ends before the guard."""
 
-    def __init__(self, shape, strides, dtype: str, visible: int, guard: int, count: int,
-                 fill: int = 0x3C):
-        dt = numpy_dtype(dtype)
-        isz = dt.itemsize
-        visible -= visible % isz
+    def __init__(self, layout: Layout, guard: int, fill: int = 0x3C):
+        isz = layout.itemsize
+        visible = -(-layout.plane_nbytes // isz) * isz
         self.buffers, self.planes = [], []
-        for _ in range(count):
+        for _ in range(layout.num_planes):
             buf = np.full(visible + guard + isz, fill, np.uint8)
             head = np.frombuffer(memoryview(buf)[:visible], np.uint8)  # owns no guard
-            items = head.view(UINT[isz])
             plane = np.lib.stride_tricks.as_strided(
-                items, shape, tuple(s * isz for s in strides)).view(dt)
+                head.view(UINT[isz]), layout.plane_shape,
+                tuple(s * isz for s in layout.plane_strides)).view(numpy_dtype(layout.dtype))
             self.buffers.append(buf)
             self.planes.append(plane)
         self.before = [b.copy() for b in self.buffers]
@@ -52,19 +52,6 @@ class Guarded:
         return None
 
 
-def _extent(shape, strides, isz) -> int:
-    """Bytes from the first element to the end of the last one of a strided array."""
-    if any(n == 0 for n in shape):
-        return 0
-    return (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * isz
-
-
-def _other_dtype(dtype: str) -> str:
-    """Another cache dtype, of the same width where there is one."""
-    same = [d for d in DTYPE_BITS if d != dtype and DTYPE_BITS[d] == DTYPE_BITS[dtype]]
-    return same[0] if same else ("float16" if dtype != "float16" else "float32")
-
-
 def _fewer_blocks(case) -> int:
     """A block count the step's writes do not fit in (0: none, every write is in block 0)."""
     m = case.meta
@@ -75,36 +62,45 @@ def _fewer_blocks(case) -> int:
 def _on_host(backend) -> bool:
     """Whether the backend's arrays live in host memory the kit can guard (numpy, CPU
     torch); jax and device arrays are handed as copies and compared after the call."""
-    fw = getattr(backend, "framework", "numpy")
-    if fw == "numpy":
+    if backend.framework == "numpy":
         return True
-    if fw != "torch":
+    if backend.framework != "torch":
         return False
-    dev = backend.device() if callable(getattr(backend, "device", None)) else None
+    dev = backend.device()
     return dev is None or str(dev) == "cpu"
 
 
-def hostile_variants(backend, case) -> list[str]:
-    """The hostile caches that apply to ``backend`` and ``case``."""
-    fw = getattr(backend, "framework", "numpy")
+def _other_layout(backend, case) -> Layout | None:
+    """Another preset of the case's spec, blocks and layers (dense for jax)."""
     lay = case.layout
-    out = []
-    if _on_host(backend) and (fw == "numpy" or lay.plane_nbytes > _extent(
-            lay.plane_shape, lay.plane_strides, lay.itemsize)):
-        out.append("short_memory")
-    out.append("other_dtype")
-    if lay.name and _fewer_blocks(case) >= 1:
-        out += ["fewer_blocks_layout", "fewer_blocks_plan"]
+    for name in preset_names(case.spec):
+        try:
+            other = Layout.preset(name, case.spec, lay.num_blocks, lay.num_layers)
+        except KVABIError:
+            continue
+        if other != lay and (backend.framework != "jax" or other.is_c_contiguous):
+            return other
+    return None
+
+
+def hostile_variants(backend, case) -> list[str]:
+    """The hostile caches that apply to ``case``: ``plain_list`` (the right planes, not a
+    checked handle), ``fewer_blocks`` (a handle of a smaller layout than the plan's: the
+    step writes past it), ``other_layout`` (a handle of another preset: other offsets)."""
+    out = ["plain_list"]
+    if case.layout.name and _fewer_blocks(case) >= 1:
+        out.append("fewer_blocks")
+    if _other_layout(backend, case) is not None:
+        out.append("other_layout")
     return out
 
 
 def _to_framework(backend, arrays):
     """Planes in the backend's framework: over the same (guarded) memory for numpy and
     CPU torch, copies otherwise."""
-    fw = getattr(backend, "framework", "numpy")
     if not _on_host(backend):
-        return [to_backend(backend, np.array(a)) for a in arrays]
-    if fw == "numpy":
+        return [in_framework(backend, np.array(a)) for a in arrays]
+    if backend.framework == "numpy":
         return list(arrays)
     import torch
 
@@ -121,56 +117,30 @@ def _to_framework(backend, arrays):
 
 
 def _hostile_cache(backend, case, variant):
-    """(cache to hand, layout to pass, plan layout, Guarded or None, description)."""
-    lay, spec = case.layout, case.spec
-    guard = 2 * lay.plane_nbytes + 64
-    if variant == "short_memory":
-        short = min(lay.plane_nbytes, _extent(lay.plane_shape, lay.plane_strides,
-                                                lay.itemsize)) - lay.itemsize
-        if getattr(backend, "framework", "numpy") == "torch":
-            short = _extent(lay.plane_shape, lay.plane_strides, lay.itemsize)
-        short = max(short, lay.itemsize)
-        g = Guarded(lay.plane_shape, lay.plane_strides, lay.dtype, short, guard,
-                    lay.num_planes)
-        what = (f"planes of the right shape over {short} bytes of memory (the layout "
-                f"addresses {lay.plane_nbytes})")
-        return g.planes, lay, lay, g, what
-    if variant == "other_dtype":
-        other = _other_dtype(lay.dtype)
-        isz = numpy_dtype(other).itemsize
-        n = -(-lay.plane_nbytes // lay.itemsize) * isz
-        g = Guarded(lay.plane_shape, lay.plane_strides, other, n, guard, lay.num_planes)
-        return g.planes, lay, lay, g, f"{other} planes for a {lay.dtype} layout"
-    m = _fewer_blocks(case)
-    small = Layout.preset(lay.name, spec, m, lay.num_layers)
-    g = Guarded(small.plane_shape, small.plane_strides, small.dtype, small.plane_nbytes,
-                guard, small.num_planes)
-    if variant == "fewer_blocks_layout":
-        return (g.planes, lay, lay, g, f"a cache of {m} blocks passed with a layout of "
-                f"{lay.num_blocks} blocks")
-    return (g.planes, small, lay, g, f"a cache and layout of {m} blocks with a plan made for "
-            f"{lay.num_blocks} blocks (the step writes block {m})")
-
-
-def _hand(backend, planes, layout):
-    """A 1.1 backend gets a KVCache where the planes fit the layout they were made for
-    (the fewer-blocks variants), else the plain 1.0 list kvabi.as_cache must refuse."""
-    if is_abi_11(backend):
-        try:
-            return KVCache.wrap(layout, planes)
-        except KVABIError:
-            pass
-    return list(planes)
+    """(cache to hand, Guarded, the planes in the backend's framework, description)."""
+    lay = case.layout
+    if variant == "fewer_blocks":
+        m = _fewer_blocks(case)
+        lay = Layout.preset(lay.name, case.spec, m, lay.num_layers)
+        what = (f"a cache of {m} blocks with a plan made for {case.layout.num_blocks} "
+                f"blocks (the step writes block {m})")
+    elif variant == "other_layout":
+        lay = _other_layout(backend, case)
+        what = f"a {lay.name} cache with a plan made for {case.layout.name or 'custom'}"
+    else:
+        what = "a plain list of the layout's planes (not a kvabi.KVCache)"
+    g = Guarded(lay, 2 * lay.plane_nbytes + 64)
+    planes = _to_framework(backend, g.planes)
+    cache = list(planes) if variant == "plain_list" else KVCache.wrap(lay, planes)
+    return cache, g if _on_host(backend) else None, planes, what
 
 
 def _refused(what: str, call) -> None:
-    from ..measure import ConformanceFailure as CF
-
     try:
         call()
     except KVABIError:
         return
-    except CF:
+    except ConformanceFailure:
         raise
     except Exception as e:  # noqa: BLE001 - a backend must refuse with KVABIError
         raise not_refused(what, e) from e
@@ -179,45 +149,37 @@ def _refused(what: str, call) -> None:
 
 def check_hostile_cache(backend, reference, params, options: KitOptions = KitOptions()
                         ) -> float:
-    """A cache that does not fit the step (too little memory, another dtype, another
-    layout's block count) is refused by ``write_kv`` and ``attention`` with a KVABIError,
-    and no byte of it (or past it) changes.  ``params.extra["variants"]`` names the
-    hostile caches tried, each in turn (see :func:`hostile_variants`)."""
+    """A cache that is not a checked handle of the plan's layout (a plain list of planes,
+    a handle of fewer blocks, a handle of another layout) is refused by ``write_kv`` and
+    ``attention`` with a KVABIError, and no byte of it (or past it) changes.
+    ``params.extra["variants"]`` names the hostile caches tried, each in turn (see
+    :func:`hostile_variants`)."""
     case = params.case
     variants = params.extra.get("variants")
     if variants is None:
         variants = (params.extra["variant"],)
     if not variants:  # e.g. torch planes of a one-block component layout: none applies
         return 0.0
-    reasons = [_hostile_step(backend, case, v) for v in variants]
-    return Refused("; ".join(reasons))
+    return Refused("; ".join(_hostile_step(backend, case, v) for v in variants))
 
 
 def _hostile_step(backend, case, variant) -> str:
     b = Runner(backend, case, oracle=False)
-    lay = case.layout
-    plan = b.plan(case.meta)  # for the case's layout (fewer_blocks_plan: the bigger one)
-    planes, arg_layout, _, guarded, what = _hostile_cache(backend, case, variant)
-    fw_planes = _to_framework(backend, planes)
-    if not _on_host(backend):
-        guarded = None  # copies: compared after each call instead
-    hand_layout = arg_layout if variant != "fewer_blocks_layout" else \
-        Layout.preset(lay.name, case.spec, _fewer_blocks(case), lay.num_layers)
-    cache = _hand(backend, fw_planes, hand_layout)
+    plan = b.plan(case.meta)
+    cache, guarded, planes, what = _hostile_cache(backend, case, variant)
     k, v, q = step_inputs(case)
-    before = None if guarded is not None else \
-        [from_backend(backend, p).copy() for p in fw_planes]
+    before = None if guarded is not None else [to_numpy(p).copy() for p in planes]
     _refused(f"write_kv with {what}", lambda: backend.write_kv(
-        cache, arg_layout, to_backend(backend, k), to_backend(backend, v), plan,
+        plan, cache, key=in_framework(backend, k), value=in_framework(backend, v),
         layer=case.layer))
-    _unchanged(backend, f"write_kv with {what}", guarded, fw_planes, before)
+    _unchanged(f"write_kv with {what}", guarded, planes, before)
     _refused(f"attention with {what}", lambda: backend.attention(
-        to_backend(backend, q), cache, arg_layout, plan, layer=case.layer))
-    _unchanged(backend, f"attention with {what}", guarded, fw_planes, before)
+        plan, cache, query=in_framework(backend, q), layer=case.layer))
+    _unchanged(f"attention with {what}", guarded, planes, before)
     return what
 
 
-def _unchanged(backend, what, guarded, planes, before):
+def _unchanged(what, guarded, planes, before):
     if guarded is not None:
         d = guarded.changed()
         if d is not None:
@@ -225,7 +187,7 @@ def _unchanged(backend, what, guarded, planes, before):
     if before is not None:
         for i, (p, b) in enumerate(zip(planes, before)):
             try:
-                now = from_backend(backend, p)
+                now = to_numpy(p)
             except Exception as e:  # noqa: BLE001 - a deleted (donated) jax buffer
                 raise ConformanceFailure(f"{what}: refused, but cache plane {i} was consumed "
                                          f"({type(e).__name__}: {e})") from e

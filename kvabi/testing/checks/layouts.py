@@ -10,8 +10,8 @@ from ...dtypes import numpy_dtype
 from ...errors import KVABIError
 from ...layout import Layout
 from ..cases import exact_values, input_dtype, stored
-from ..harness import (UINT, StepData, expect_same_cache, fill_meta, raw_items, step_inputs,
-                       take_cache, to_backend, to_planes)
+from ..harness import (UINT, StepData, expect_same_cache, fill_meta, in_framework, raw_items,
+                       step_inputs, take_cache, to_planes)
 from ..measure import ConformanceFailure
 from .attention import compare_outputs, reference_step
 from .base import KitOptions, Refused, attention_cases, spec_strategy, step_or_refusal
@@ -93,8 +93,8 @@ def check_layouts(backend, reference, params, options: KitOptions = KitOptions()
             raise ConformanceFailure(f"prefers layout {name!r}, which cannot hold {spec}: "
                                      f"{e}") from e
         back = _json_round_trip(layout)
-        cache = take_cache(backend, back, backend.allocate(back), f"allocate({name})")
-        zero = to_planes(backend, back, cache)
+        cache = take_cache(back, backend.allocate(back), f"allocate({name})")
+        zero = to_planes(back, cache)
         for i, p in enumerate(zero):
             if p.view(UINT[back.itemsize]).any():
                 raise ConformanceFailure(f"layout {name}: allocate() plane {i} is not zeroed")
@@ -106,11 +106,11 @@ def check_layouts(backend, reference, params, options: KitOptions = KitOptions()
         pool_v = None if spec.is_mla else exact_values(
             rng, (slots, spec.num_kv_heads, spec.head_dim_v), spec.dtype).astype(dt)
         meta = fill_meta(back, spec.block_size)
-        plan = backend.plan(meta, spec, back)
-        cache = take_cache(backend, back, backend.write_kv(
-            cache, back, to_backend(backend, pool_k), to_backend(backend, pool_v), plan,
-            layer=params.layer), "write_kv")
-        planes = to_planes(backend, back, cache)
+        plan = backend.plan(meta, spec, back, num_q_heads=spec.num_kv_heads)
+        cache = take_cache(back, backend.write_kv(
+            plan, cache, key=in_framework(backend, pool_k),
+            value=in_framework(backend, pool_v), layer=params.layer), "write_kv")
+        planes = to_planes(back, cache)
         raws = [raw_items(back, p) for p in planes]  # component planes may differ in size
         width = max(len(r) for r in raws)
         raw = np.stack([np.pad(r, (0, width - len(r))) for r in raws])

@@ -56,11 +56,11 @@ def _unsupported_params(draw, backend, options):
     spec = draw(kv_specs(kinds, dtypes, dims, sizes, block_size_multiple=multiple))
     softcap = 2.0 if which == "softcap" else None
     sinks = which == "sinks"
-    why = backend.capabilities(spec).unsupported_reason(
-        spec, softcap=softcap, sinks=True if sinks else None)
+    why = backend.capabilities(spec).refusals(spec, softcap=softcap,
+                                               sinks=True if sinks else None)
     from hypothesis import assume
 
-    assume(why is not None)
+    assume(why)
     case = draw(attention_cases(backend, options, spec=spec, softcap=False, sinks=False,
                                 layouts="random", num_layers=(1,)))
     # A layout that holds the spec: the backend's preferred one when it names any.
@@ -85,14 +85,19 @@ def unsupported_strategy(backend, options):
 def check_unsupported(backend, reference, params, options: KitOptions = KitOptions()
                       ) -> float:
     """A spec (or soft cap / sinks) the capabilities exclude: ``check_supported`` raises
-    UnsupportedError, and plan/write_kv/attention raise a KVABIError, or else compute the
-    reference's result (capabilities may understate); anything else fails."""
-    case, why = params.case, params.extra["reason"]
+    UnsupportedError naming every reason the capabilities give, and plan/write_kv/attention
+    raise a KVABIError, or else compute the reference's result (capabilities may
+    understate); anything else fails."""
+    case, reasons = params.case, params.extra["reason"]
+    why = "; ".join(reasons)
     try:
         backend.check_supported(case.spec, softcap=case.softcap,
                                 sinks=True if case.sinks else None)
-    except KVABIError:
-        pass
+    except KVABIError as e:
+        missing = [r for r in reasons if r not in str(e)]
+        if missing:
+            raise ConformanceFailure(f"check_supported refused, but its message does not "
+                                     f"name every reason ({'; '.join(missing)}): {e}") from e
     else:
         raise ConformanceFailure(f"check_supported accepted a spec its capabilities "
                                  f"exclude ({why})")

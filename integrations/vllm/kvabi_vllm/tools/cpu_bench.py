@@ -112,8 +112,8 @@ def _kvabi_variant(backend, name, spec, meta, blocks, q, k, v):
     scales = SCALES if spec.is_quantized else {}
 
     def layer():
-        backend.write_kv(cache, layout, k, v, state["plan"], **scales)
-        backend.attention(q, cache, layout, state["plan"], **scales)
+        backend.write_kv(state["plan"], cache, key=k, value=v, **scales)
+        backend.attention(state["plan"], cache, query=q, **scales)
     return step, layer
 
 

@@ -1,8 +1,8 @@
-"""ABI 1.1 on the three CUDA backends (Triton interpreted, the adapters through their
-emulators): KVCache handles and 1.0 lists, ``num_q_heads`` at plan time, per-call sinks
-with one plan over several layers, ``out=``, output and lse dtypes.  Every result is
-compared with kvabi's numpy float64 reference, called the 1.0 way (one plan per set of
-sinks), so the oracle does not depend on the features under test."""
+"""The calls on the three CUDA backends (Triton interpreted, the adapters through their
+emulators): ``num_q_heads`` at plan time, per-call sinks with one plan over several
+layers, ``out=``, output and lse dtypes.  Every result is compared with kvabi's numpy
+float64 reference, planned once per set of sinks, so the oracle does not depend on the
+features under test."""
 import numpy as np
 import pytest
 import torch
@@ -37,9 +37,9 @@ def _close(step, got, want):
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_declares_abi_11_and_torch(name):
+def test_declares_the_abi_and_torch(name):
     be = BACKENDS[name]()
-    assert kvabi.abi_at_least(be, (1, 1)) and be.framework == "torch"
+    assert be.abi_version == kvabi.ABI_VERSION and be.framework == "torch"
     assert be.device().type == "cpu"  # no CUDA device here
     spec = make_step(query_lens=[1], context_lens=[0]).spec
     cache = be.allocate(kvabi.Layout.preset("flash_attn", spec, 2))
@@ -48,10 +48,10 @@ def test_declares_abi_11_and_torch(name):
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 @pytest.mark.parametrize("kind", ["full", "sliding_window", "chunked_local"])
-def test_a_1_0_list_cache_still_works(name, kind):
+def test_each_kind_equals_the_reference(name, kind):
     step = make_step(kind, window=3, chunk=4, query_lens=[3, 1], context_lens=[5, 6],
                      seed=21)
-    compare(step, run_step(BACKENDS[name](), step, as_list=True), run_step(reference(), step))
+    compare(step, run_step(BACKENDS[name](), step), run_step(reference(), step))
 
 
 @pytest.mark.parametrize("name", ["triton", "flashinfer"])
@@ -70,8 +70,8 @@ def test_per_call_sinks_one_plan_over_two_layers(name):
     outs = {}
     for layer in (1, 0, 1):  # any order, repeated
         for s in (sinks[layer], torch.tensor(sinks[layer])):  # numpy and torch sinks
-            out, lse = be.attention(arr(be, queries[layer]), cache, layout, plan,
-                                    layer=layer, sinks=s, return_lse=True)
+            out, lse = be.attention(plan, cache, query=arr(be, queries[layer]), layer=layer,
+                                    sinks=s, return_lse=True)
             want_o, want_l = reference_layer(step, layer, sinks=sinks[layer], layout=layout)
             _close(step, host(out)[:a], want_o)
             _close(step, host(lse)[:a], want_l)
@@ -80,7 +80,7 @@ def test_per_call_sinks_one_plan_over_two_layers(name):
     wrong, _ = reference_layer(step, 0, sinks=sinks[1], layout=layout)
     assert not np.allclose(outs[0], wrong, atol=1e-3)
     # No per-call sinks: the plan's (none here) apply.
-    out = be.attention(arr(be, queries[0]), cache, layout, plan, layer=0)
+    out = be.attention(plan, cache, query=arr(be, queries[0]), layer=0)
     _close(step, host(out)[:a], reference_layer(step, 0, layout=layout)[0])
 
 
@@ -91,12 +91,13 @@ def test_per_call_sinks_override_the_plans():
     q = fill_layer(TRITON, step, cache, layout, 1)
     plan_sinks = np.full(step.num_q_heads, 3.0)
     call_sinks = np.linspace(-2, 2, step.num_q_heads)
-    plan = TRITON.plan(step.meta, step.spec, layout, sinks=plan_sinks)
+    plan = TRITON.plan(step.meta, step.spec, layout, sinks=plan_sinks,
+                       num_q_heads=step.num_q_heads)
     a = step.meta.num_actual_tokens
-    got = host(TRITON.attention(arr(TRITON, q), cache, layout, plan, layer=1,
+    got = host(TRITON.attention(plan, cache, query=arr(TRITON, q), layer=1,
                                 sinks=call_sinks))[:a]
     _close(step, got, reference_layer(step, 1, sinks=call_sinks)[0])
-    got = host(TRITON.attention(arr(TRITON, q), cache, layout, plan, layer=1))[:a]
+    got = host(TRITON.attention(plan, cache, query=arr(TRITON, q), layer=1))[:a]
     _close(step, got, reference_layer(step, 1, sinks=plan_sinks)[0])
 
 
@@ -108,20 +109,20 @@ def test_bad_per_call_sinks_refused(name, bad, match):
     be = BACKENDS[name]()
     step = make_step(query_lens=[1], context_lens=[2], group=2, num_kv_heads=2, seed=2)
     layout = step.layout()
-    plan = be.plan(step.meta, step.spec, layout)
+    plan = be.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
     q = arr(be, np.zeros((1, 4, 8), np.float32))
     with pytest.raises(KVABIError, match=match):
-        be.attention(q, be.allocate(layout), layout, plan, sinks=bad)
+        be.attention(plan, be.allocate(layout), query=q, sinks=bad)
 
 
 def test_flash_attn_refuses_per_call_sinks():
     be = _flash_attn()
     step = make_step(query_lens=[1], context_lens=[2], seed=2)
     layout = step.layout()
-    plan = be.plan(step.meta, step.spec, layout)
+    plan = be.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
     q = arr(be, np.zeros((1, step.num_q_heads, 8), np.float32))
     with pytest.raises(UnsupportedError, match="sinks"):
-        be.attention(q, be.allocate(layout), layout, plan, sinks=np.zeros(step.num_q_heads))
+        be.attention(plan, be.allocate(layout), query=q, sinks=np.zeros(step.num_q_heads))
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -136,8 +137,7 @@ def test_out_is_written_in_place_and_returned(name):
     # A strided buffer (every other row of a bigger tensor) filled with garbage.
     big = torch.full((2 * t, step.num_q_heads, step.spec.head_dim_v), float("nan"))
     out = big[::2]
-    res, lse = be.attention(arr(be, q), cache, layout, plan, layer=1, out=out,
-                            return_lse=True)
+    res, lse = be.attention(plan, cache, query=arr(be, q), layer=1, out=out, return_lse=True)
     assert res is out
     want_o, want_l = reference_layer(step, 1)
     _close(step, host(out)[:a], want_o)
@@ -150,14 +150,14 @@ def test_bad_out_refused(name):
     be = BACKENDS[name]()
     step = make_step(query_lens=[2], context_lens=[1], seed=3)
     layout = step.layout()
-    plan = be.plan(step.meta, step.spec, layout)
+    plan = be.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
     q = arr(be, np.zeros((2, step.num_q_heads, 8), np.float32))
     cache = be.allocate(layout)
     for out, match in ((torch.zeros(2, step.num_q_heads, 8, dtype=torch.float16),
                         "out.dtype"), (torch.zeros(3, step.num_q_heads, 8), "out.shape"),
                        (np.zeros((2, step.num_q_heads, 8), np.float32), "out")):
         with pytest.raises(KVABIError, match=match):
-            be.attention(q, cache, layout, plan, out=out)
+            be.attention(plan, cache, query=q, out=out)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -168,32 +168,28 @@ def test_output_in_the_querys_dtype_lse_float32(name):
     layout = step.layout()
     cache = be.allocate(layout)
     q = fill_layer(be, step, cache, layout, 1).astype(np.float32)
-    plan = be.plan(step.meta, step.spec, layout)
-    out, lse = be.attention(convert(q, "torch"), cache, layout, plan, layer=1,
-                            return_lse=True)
+    plan = be.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
+    out, lse = be.attention(plan, cache, query=convert(q, "torch"), layer=1, return_lse=True)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     a = step.meta.num_actual_tokens
     _close(step, host(out)[:a], reference_layer(step, 1)[0])
-    out16 = be.attention(convert(q.astype(np.float16), "torch"), cache, layout, plan,
-                         layer=1)
+    out16 = be.attention(plan, cache, query=convert(q.astype(np.float16), "torch"), layer=1)
     assert out16.dtype == torch.float16
 
 
 def test_triton_builds_query_tiles_at_plan_time():
     step = make_step(query_lens=[5, 1], context_lens=[2, 3], group=3, seed=4)
     layout = step.layout()
-    lazy = TRITON.plan(step.meta, step.spec, layout)
-    eager = TRITON.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
-    assert not lazy._tiles and len(eager._tiles) == 1
-    (bq, tiles), = eager._tiles.items()
+    plan = TRITON.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
+    steps = plan.prepared
+    assert len(steps._tiles) == 1
+    (bq, tiles), = steps._tiles.items()
     cache = TRITON.allocate(layout)
     q = fill_layer(TRITON, step, cache, layout, 1)
-    out = TRITON.attention(arr(TRITON, q), cache, layout, eager, layer=1)
-    assert list(eager._tiles) == [bq] and eager._tiles[bq] is tiles  # reused, not rebuilt
+    out = TRITON.attention(plan, cache, query=arr(TRITON, q), layer=1)
+    assert list(steps._tiles) == [bq] and steps._tiles[bq] is tiles  # reused, not rebuilt
     a = step.meta.num_actual_tokens
     _close(step, host(out)[:a], reference_layer(step, 1)[0])
-    TRITON.attention(arr(TRITON, q), cache, layout, lazy, layer=1)
-    assert list(lazy._tiles) == [bq]  # the lazy path builds the same tiles on first use
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -208,7 +204,7 @@ def test_num_q_heads_checked(name):
     plan = be.plan(step.meta, step.spec, layout, num_q_heads=4)
     q = arr(be, np.zeros((1, 2, 8), np.float32))  # 2 query heads: a valid GQA, not the plan's
     with pytest.raises(KVABIError, match="num_q_heads=4"):
-        be.attention(q, be.allocate(layout), layout, plan)
+        be.attention(plan, be.allocate(layout), query=q)
 
 
 class _Spy:
@@ -255,12 +251,12 @@ def test_flashinfer_plans_at_plan_time_with_num_q_heads(query_lens, wrapper):
     a = step.meta.num_actual_tokens
     ref = reference()
     for layer in (0, 1):  # every layer reuses it: no further plan call
-        out = be.attention(arr(be, qs[layer]), cache, layout, plan, layer=layer)
+        out = be.attention(plan, cache, query=arr(be, qs[layer]), layer=layer)
         rc = ref.allocate(layout)
         fill_layer(ref, step, rc, layout, layer)
-        rp = ref.plan(step.meta, step.spec, layout, scale=0.25, softcap=2.0)
-        _close(step, host(out)[:a], host(ref.attention(qs[layer], rc, layout, rp,
-                                                       layer=layer))[:a])
+        rp = ref.plan(step.meta, step.spec, layout, scale=0.25, softcap=2.0,
+                      num_q_heads=step.num_q_heads)
+        _close(step, host(out)[:a], host(ref.attention(rp, rc, query=qs[layer], layer=layer))[:a])
     assert len(spy.calls) == 1
 
 
@@ -277,15 +273,6 @@ def _spied_layer_1(query_lens, context_lens, seed):
     return spy, be, step, layout, cache, q
 
 
-def test_flashinfer_plans_lazily_without_num_q_heads():
-    spy, be, step, layout, cache, q = _spied_layer_1([2, 1], [3, 3], seed=12)
-    plan = be.plan(step.meta, step.spec, layout)
-    assert spy.calls == []
-    for _ in range(2):
-        be.attention(arr(be, q), cache, layout, plan, layer=1)
-    assert len(spy.calls) == 1 and spy.calls[0][1]["num_qo_heads"] == step.num_q_heads
-
-
 def test_flashinfer_per_call_sinks_on_a_decode_step_use_the_prefill_wrapper():
     # The decode wrapper takes no sinks: per-call sinks plan a prefill wrapper, once.
     spy, be, step, layout, cache, q = _spied_layer_1([1, 1], [5, 2], seed=13)
@@ -293,7 +280,7 @@ def test_flashinfer_per_call_sinks_on_a_decode_step_use_the_prefill_wrapper():
     sinks = np.linspace(-1, 1, step.num_q_heads)
     a = step.meta.num_actual_tokens
     for _ in range(2):
-        out = be.attention(arr(be, q), cache, layout, plan, layer=1, sinks=sinks)
+        out = be.attention(plan, cache, query=arr(be, q), layer=1, sinks=sinks)
         _close(step, host(out)[:a], reference_layer(step, 1, sinks=sinks)[0])
     assert [c for c, _ in spy.calls] == ["BatchDecodeWithPagedKVCacheWrapper",
                                          "BatchPrefillWithPagedKVCacheWrapper"]
