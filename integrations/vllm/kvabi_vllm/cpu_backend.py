@@ -12,7 +12,8 @@
   layout ``vllm.cpu_kt`` the keys are read in place and the values of the step's blocks
   copied token-major into a scratch; in any other layout the step's blocks are copied
   whole. Value rows no query sees are zeroed in the copy (the kernels would turn NaN there
-  into NaN output).
+  into NaN output); rows some queries see and others do not are checked per call
+  (:mod:`kvabi_vllm.cpu_masking`), so a NaN reaches only the queries that see it.
 
 The kernels' own write (``cpu_attn_reshape_and_cache``) is not used for the kvabi cache: its
 tile order (keys transposed, values not) is not expressible as one kvabi ``Layout``. The
@@ -36,6 +37,7 @@ from kvabi.tensors import ConvertOnce
 from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, key_tiles,
                          keys_in_kernel_order, to_kernel_blocks, value_scratch,
                          value_scratch_numel, values_to_kernel_order)
+from .cpu_masking import PartialRows, merge_entries, pair_visibility, poisoned_queries
 
 KINDS = ("full", "sliding_window")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -61,7 +63,8 @@ class CpuVllmSteps:
     request's ``seq_len``, ``table`` [R, max blocks] int32 each request's entries (the
     kernels' block table over the copied blocks), ``hidden`` [E, N] the rows no query of
     the entry's request sees. ``hidden`` holds those rows as row indices of the value
-    scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is.
+    scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is;
+    ``partial`` the rows some queries see and others do not (:mod:`kvabi_vllm.cpu_masking`).
     ``write_*``: the tokens written (slot != -1) and their block and offset. ``sched``:
     the kernels' scheduler metadata for the plan's query heads.  Frozen: nothing here can
     be rebound after ``plan`` (the kernels index the cache through ``entries`` and
@@ -79,6 +82,7 @@ class CpuVllmSteps:
     write_tokens: torch.Tensor
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
+    partial: PartialRows | None  # value rows some queries see and others do not
     #: the plan's sinks as float32 (the kernels' ``s_aux``), or None
     s_aux: torch.Tensor | None
     sched: object
@@ -149,41 +153,42 @@ class CpuVllmBackend(kvabi.Backend):
         bs = spec.block_size
         qsl = meta.query_start_loc.astype(np.int64)
         seq = meta.seq_lens.astype(np.int64)
-        ctx = meta.context_lens.astype(np.int64)
         nblk = -(-seq // bs)  # block columns each request reads
         total = int(nblk.sum())
         start = np.cumsum(nblk) - nblk
         req = np.repeat(np.arange(meta.num_reqs), nblk)
         col = np.arange(total) - np.repeat(start, nblk)
         entries = meta.block_table[req, col].astype(np.int64) if total else np.zeros(0, np.int64)
-        # Rows no query of the request sees: past seq_len, or before the window of its
-        # first query (a request without queries sees nothing).
-        j = col[:, None] * bs + np.arange(bs)[None, :]
-        lo = np.asarray(spec.first_visible_key(ctx), np.int64)[req][:, None]
-        hidden = (j >= seq[req][:, None]) | (j < lo) | (np.diff(qsl) == 0)[req][:, None]
+        # Rows some query of the request sees, and rows all its queries see.
+        some, every = pair_visibility(meta, spec, req, col)
         native = keys_in_kernel_order(layout)
-        if native:  # distinct blocks; a row is hidden when every request reading it hides it
+        if native:  # distinct blocks, each read by one or more (request, column) pairs
             entries, inv = np.unique(entries, return_inverse=True)
-            seen = np.zeros((len(entries), bs), bool)
-            e, n = np.nonzero(~hidden)
-            seen[inv.reshape(-1)[e], n] = True  # repeated (block, row) pairs: same value
-            hidden = ~seen
+            inv = inv.reshape(-1)
+            some, every = merge_entries(some, every, inv, len(entries))
             table = np.array(meta.block_table, np.int32)  # metadata arrays are read-only
             if table.shape[1] == 0:
                 table = np.zeros((meta.num_reqs, 1), np.int32)
         else:
+            inv = np.arange(total)
             width = int(nblk.max()) if meta.num_reqs else 0
             table = np.zeros((meta.num_reqs, max(width, 1)), np.int32)
             table[req, col] = np.arange(total, dtype=np.int32)
-        # Hidden value rows as row indices of the value scratch viewed [rows, D].
-        he, hn = np.nonzero(hidden)
         h = np.arange(spec.num_kv_heads, dtype=np.int64)[None, :]
-        if native:  # the scratch has the layout's block and head strides
-            row = (layout.stride("B") * entries[he][:, None] + layout.stride("H") * h) \
-                // (layout.itemsize * spec.head_dim)
-        else:
-            row = (he[:, None] * spec.num_kv_heads + h) * 2 * bs + bs
-        rows = (row + hn[:, None]).reshape(-1)
+
+        def value_rows(e, n):  # rows [k, H] of the value scratch viewed [rows, D]
+            if native:  # the scratch has the layout's block and head strides
+                row = (layout.stride("B") * entries[e][:, None] + layout.stride("H") * h) \
+                    // (layout.itemsize * spec.head_dim)
+            else:
+                row = (e[:, None] * spec.num_kv_heads + h) * 2 * bs + bs
+            return row + n[:, None]
+
+        # rows no query sees: zeroed in every call; rows some queries see: checked per call
+        rows = value_rows(*np.nonzero(~some)).reshape(-1)
+        pe, pn = np.nonzero(some & ~every)
+        partial = PartialRows(torch.from_numpy(value_rows(pe, pn)), pe, pn, req, col, inv) \
+            if len(pe) else None
         slots = meta.slot_mapping
         written = np.nonzero(slots >= 0)[0]
         t = torch.from_numpy
@@ -199,7 +204,7 @@ class CpuVllmBackend(kvabi.Backend):
         return CpuVllmSteps(
             isa, native, int(qsl[-1]), qsl32, seq32, t(entries), t(table),
             t(rows) if len(rows) else None, t(written), t(slots[written] // bs),
-            t(slots[written] % bs),
+            t(slots[written] % bs), partial,
             None if plan.sinks is None else t(plan.sinks.astype(np.float32)), sched)
 
     # -- per layer ------------------------------------------------------------------------
@@ -227,8 +232,11 @@ class CpuVllmBackend(kvabi.Backend):
             h, bs = spec.num_kv_heads, spec.block_size
             scratch, kc, vc = kernel_scratch(torch, e, h, bs, d, cdt,
                                              self._buffer(e * h * 2 * bs * d, cdt))
+            rows = scratch.view(-1, d)
             if e:
                 to_kernel_blocks(kview, vview, p.entries, scratch, p.hidden)
+        poisoned = poisoned_queries(plan, p.partial, rows, hq) \
+            if e and p.partial is not None else None
         direct = out is not None and out.dtype == cdt and out.is_contiguous()
         result = out if direct else torch.empty((t_all, hq, d), dtype=cdt)
         result[n:].zero_()  # padding tokens: unspecified by the ABI, zero here
@@ -242,6 +250,8 @@ class CpuVllmBackend(kvabi.Backend):
                 sliding_window=spec.window if spec.kind == "sliding_window" else -1,
                 block_table=p.table, softcap=plan.softcap or 0.0,
                 scheduler_metadata=p.sched, s_aux=s_aux)
+            if poisoned is not None:  # what the poison they see gives those queries
+                result[:n][torch.from_numpy(poisoned)] = float("nan")
         elif n:
             result[:n].zero_()  # no request has a key: nothing to attend
         if not direct:

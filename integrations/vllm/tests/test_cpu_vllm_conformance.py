@@ -25,7 +25,8 @@ class _VecBlocks(CpuVllmBackend):
                             head_dims=(32, 64, 128, 256))
 
 
-_KERNEL_CHECKS = ("attention", "poisoned_rows", "kv_sharing", "cascade", "pad")
+_KERNEL_CHECKS = ("attention", "poisoned_rows", "poisoned_per_query", "kv_sharing", "cascade",
+                  "pad")
 
 
 class TestCpuVllmVecBlocks(BackendConformance):
