@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import attrs
 import numpy as np
@@ -420,3 +421,85 @@ def test_connected_peer_cannot_be_changed(agents):
         got, want = dst.kv_view(0, kv), src.kv_view(0, kv)
         np.testing.assert_array_equal(got[[2, 2, 7], [0, 1, 2]], want[[0, 0, 1], [0, 1, 2]])
         assert not np.delete(got.reshape(32, -1), [8, 9, 30], axis=0).any()
+
+
+class _Guard:
+    """Counts entries; refuses them once ``abandoned``."""
+
+    def __init__(self, abandoned=False):
+        self.abandoned, self.entered = abandoned, 0
+
+    def __enter__(self):
+        if self.abandoned:
+            raise KVABIError("pull: abandoned")
+        self.entered += 1
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("dst_preset", ["kvbm.fully_contiguous", "flashinfer.HND"])
+def test_guarded_pull_copies_under_the_guard_and_never_after_it_refuses(agents, dst_preset):
+    """A guarded pull is staged: its bytes reach dst only inside the guard; a guard that
+    refuses (the caller gave up) leaves dst untouched although the READ completed."""
+    a_agent, b_agent = agents
+    src_l = Layout.preset("flashinfer.HND", SPEC, 6, 2)
+    dst_l = Layout.preset(dst_preset, attrs.evolve(SPEC, block_size=8), 4, 2)
+    src = a_agent.register(_random(src_l, 7))
+    dst = b_agent.register(KVCache.allocate(dst_l, "numpy"))
+    peer = b_agent.connect(a_agent.handshake(src))
+    s, t = np.array([4, 5, 6, 7, 0, 1, 22]), np.array([8, 9, 10, 11, 12, 13, 31])
+    with pytest.raises(KVABIError, match="abandoned"):
+        b_agent.pull(peer, dst, s, t, notify=b"kvabi.guard 0", guard=_Guard(abandoned=True))
+    assert a_agent.wait_notification(b"kvabi.guard 0", timeout=10)[1] == b"kvabi.guard 0"
+    assert not any(np.asarray(p).any() for p in dst)  # the READ landed in staging only
+    g = _Guard()
+    b_agent.pull(peer, dst, s, t, notify=b"kvabi.guard 1", guard=g)
+    assert g.entered == 1
+    _check_moved(src, dst, s, t)
+    with pytest.raises(KVABIError, match="staged: a guarded pull is staged"):
+        b_agent.pull(peer, dst, s, t, guard=_Guard(), staged=False)
+
+
+def test_drain_notifications_takes_every_message_once(agents):
+    a_agent, b_agent = agents
+    lay = Layout.preset("vllm.BLNHC", SPEC, 4, 2)
+    src = a_agent.register(_random(lay, 8))
+    dst = b_agent.register(KVCache.allocate(lay, "numpy"))
+    peer = b_agent.connect(a_agent.handshake(src))
+    b_agent.pull(peer, dst, [0], [1], notify=b"drain 0")
+    a_agent.wait_notification(b"drain 0", timeout=10)
+    a_agent.drain_notifications()  # what earlier tests left
+    for note in (b"drain 1", b"kvabi.pull:x"):
+        b_agent.pull(peer, dst, [0], [1], notify=note)
+    got = []
+    for _ in range(2000):
+        got += a_agent.drain_notifications()
+        if len(got) >= 2:
+            break
+        time.sleep(0.005)
+    assert sorted(m for _, m in got) == [b"drain 1", b"kvabi.pull:x"]
+    assert {s for s, _ in got} == {"dst-agent"}
+    assert a_agent.drain_notifications() == []
+
+
+def test_disconnect_forgets_the_peer():
+    a, b = kv_nixl.NixlAgent("disc-src"), kv_nixl.NixlAgent("disc-dst")
+    try:
+        lay = Layout.preset("vllm.BLNHC", SPEC, 4, 2)
+        src = a.register(_random(lay, 9))
+        dst = b.register(KVCache.allocate(lay, "numpy"))
+        msg = a.handshake(src, include_metadata=True)
+        p1, p2 = b.connect(msg), b.connect(msg)
+        b.disconnect(p1)
+        b.pull(p2, dst, [0], [1])  # the agent's other peer still works
+        with pytest.raises(KVABIError, match="not connected"):
+            b.pull(p1, dst, [0], [1])
+        b.disconnect(p2)
+        with pytest.raises(KVABIError, match="not connected"):
+            b.disconnect(p2)
+        p3 = b.connect(msg)  # the metadata is loaded again
+        b.pull(p3, dst, [2], [3])
+    finally:
+        a.close()
+        b.close()

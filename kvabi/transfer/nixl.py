@@ -15,9 +15,11 @@ type); jax CPU arrays register their own buffer, without a copy.  nixl is import
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 
 import attrs
@@ -36,6 +38,8 @@ from .plan import TransferPlan, plan_transfer
 from .staging import stage, stage_blocks, worth_staging
 
 INSTALL_HINT = "nixl is not installed: pip install 'kvabi[nixl]'"
+#: staging buffers an agent keeps for READs it could not stop (memory stays bounded)
+MAX_RETIRED = 64
 
 
 def nixl_api():
@@ -163,8 +167,12 @@ class NixlAgent:
         except Exception as e:  # noqa: BLE001 - nixl raises plain exceptions
             raise KVABIError(f"nixl: could not create agent {name!r}: {e}") from None
         self._regs = []  # (cache, descs, rows [n, 3] address/nbytes/device, memory)
-        # staging buffers of staged pulls, per (memory type, device): (buffer, descs)
+        # staging buffers of staged pulls, per (memory type, device, thread): (buffer,
+        # descs); threads pulling at once never share one
         self._staging: dict = {}
+        # staging buffers a READ that could not be stopped may still write: kept alive
+        # (and registered) until close, never reused
+        self._retired: list = []
         # templates of staged whole-block pulls (see staging.stage_blocks)
         self._templates: list = []
         # agent name -> the peers (one per handshake, i.e. per served cache) it stands for
@@ -283,6 +291,19 @@ class NixlAgent:
         self._peers.setdefault(peer.name, []).append(peer)
         return peer
 
+    def disconnect(self, peer: Peer) -> None:
+        """Forget a peer :meth:`connect` returned (its agent's metadata too, once no other
+        peer of that agent is left); a caller that caches peers keeps this table bounded."""
+        self._connected(peer)
+        held = self._peers[peer.name]
+        held[:] = [p for p in held if p is not peer]
+        if not held:
+            del self._peers[peer.name]
+            try:
+                self._agent.remove_remote_agent(peer.name)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
     # -- transfers -------------------------------------------------------------------------
     def _connected(self, peer) -> None:
         """KVABIError unless ``peer`` is a Peer this agent's connect() returned (trusted by
@@ -292,21 +313,23 @@ class NixlAgent:
             raise KVABIError("peer: not connected to this agent (use connect(message))")
 
     def pull(self, peer: Peer, dst: KVCache, src_slots, dst_slots, *, layers=None,
-             timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None) -> KVCache:
+             timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None,
+             guard=None) -> KVCache:
         """READ the peer's tokens ``src_slots`` into ``dst_slots`` of ``dst`` (layouts may
         differ: the plan relayouts).  Returns ``dst`` once every byte has arrived (a new
         handle for jax); KVABIError if the transfer fails or times out (the destination
-        slots then hold undefined data and must not be used).  ``staged``: see
+        slots then hold undefined data and must not be used).  ``staged``, ``guard``: see
         :meth:`pull_plan`."""
         self._connected(peer)
         if not isinstance(dst, KVCache):
             raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
         plan = plan_transfer(peer.layout, dst.layout, src_slots, dst_slots, layers=layers)
-        return self.pull_plan(peer, plan, dst, timeout=timeout, notify=notify, staged=staged)
+        return self.pull_plan(peer, plan, dst, timeout=timeout, notify=notify, staged=staged,
+                              guard=guard)
 
     def pull_plan(self, peer: Peer, plan: TransferPlan, dst: KVCache, *,
                   timeout: float = 30.0, notify: bytes = b"kvabi.pull",
-                  staged=None) -> KVCache:
+                  staged=None, guard=None) -> KVCache:
         """Run ``plan`` (source: the peer's layout) as one NIXL READ into ``dst``.
 
         ``staged`` (default: when the plan's regions average under 64 KiB, as in a
@@ -315,7 +338,12 @@ class NixlAgent:
         relayout locally (:mod:`kvabi.transfer.staging`).  Unstaged, the READ lands in
         ``dst`` directly, which must then be registered.  Every region is checked
         against the peer's registered planes and ``dst``'s (registered) planes at each
-        call, before anything is posted."""
+        call, before anything is posted.
+
+        ``guard`` (a context manager; implies ``staged``) is entered once the READ has
+        completed and held while the bytes are copied into ``dst``: a caller that gives up
+        on a pull (a timeout) makes its ``__enter__`` raise, and no byte reaches ``dst``
+        after that, whenever the READ completes."""
         timeout = as_float(timeout, "timeout", positive=True)
         notify = _message(notify, "notify")
         self._connected(peer)
@@ -328,6 +356,12 @@ class NixlAgent:
         if plan.dst_layout != dst.layout:
             raise KVABIError("plan.dst_layout: is not the destination cache's layout")
         reg = self._find(dst)
+        if guard is not None:
+            if staged is not None and as_bool(staged, "staged") is False:
+                raise KVABIError("staged: a guarded pull is staged (its READ must not land "
+                                 "in dst)")
+            staged = True
+        guard = contextlib.nullcontext() if guard is None else guard
         if staged is None:
             staged = reg is None or dst.framework == "jax" or worth_staging(plan.regions)
         elif as_bool(staged, "staged") is False and (reg is None or dst.framework == "jax"):
@@ -341,7 +375,7 @@ class NixlAgent:
             return dst
         r = plan.regions
         if staged and plan.pattern is not None:
-            out = self._pull_blocks(peer, plan, dst, timeout, notify)
+            out = self._pull_blocks(peer, plan, dst, timeout, notify, guard)
             if out is not None:
                 return out
         if staged:
@@ -353,7 +387,8 @@ class NixlAgent:
                                h.planes[sp[:, 0], 2]], axis=1)
             self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64),
                        h.memory, timeout, notify)
-            return copy_from_staging([buf], st.local, None, None, dst, dst)
+            with guard:
+                return copy_from_staging([buf], st.local, None, None, dst, dst)
         _, _, rows, mem = reg
         local = np.stack([rows[r[:, 2], 0] + r[:, 3], r[:, 4], rows[r[:, 2], 2]], axis=1)
         remote = np.stack([h.planes[r[:, 0], 0] + r[:, 1], r[:, 4], h.planes[r[:, 0], 2]],
@@ -368,6 +403,10 @@ class NixlAgent:
         memory type)."""
         cuda = dst.framework == "torch" and dst[0].device.type == "cuda"
         key = ("VRAM", dst[0].device.index or 0) if cuda else ("DRAM", 0)
+        key += (threading.get_ident(),)
+        if len(self._retired) > MAX_RETIRED:
+            raise KVABIError(f"nixl: {len(self._retired)} staging buffers are held by READs "
+                             "that could not be stopped; no more are made (close the agent)")
         held = self._staging.get(key)
         if held is None or held[0].shape[0] < nbytes:
             size = max(nbytes, 2 * held[0].shape[0] if held is not None else 0)
@@ -384,18 +423,15 @@ class NixlAgent:
             except Exception as e:  # noqa: BLE001
                 raise KVABIError(f"nixl: registering a {size}-byte staging buffer failed: "
                                  f"{e}") from None
-            if held is not None:
-                self._staging.pop(key)
-                try:
-                    self._agent.deregister_memory(held[1])
-                except Exception:  # noqa: BLE001
-                    pass
+            if held is not None:  # kept: an abandoned READ may still land in it
+                self._retired.append(self._staging.pop(key))
             held = self._staging[key] = (buf, descs)
         buf = held[0]
         addr = buf.data_ptr() if cuda else buf.__array_interface__["data"][0]
         return buf, addr, key[1], key[0]
 
-    def _pull_blocks(self, peer: Peer, plan: TransferPlan, dst: KVCache, timeout, notify):
+    def _pull_blocks(self, peer: Peer, plan: TransferPlan, dst: KVCache, timeout, notify,
+                     guard):
         """A staged pull of a whole-block plan (:func:`~kvabi.transfer.staging.stage_blocks`):
         one READ of the source blocks touched into the staging buffer, then strided copies
         into ``dst``.  None when the source layout cannot be cut down (the caller stages
@@ -418,15 +454,21 @@ class NixlAgent:
         self._read(peer, local.astype(np.uint64), mem, remote.astype(np.uint64), h.memory,
                    timeout, notify)
         planes = [buf[i * n:(i + 1) * n] for i in range(lay.num_planes)]
-        return copy_from_staging(planes, None, piece.local, lay, dst, dst)
+        with guard:
+            return copy_from_staging(planes, None, piece.local, lay, dst, dst)
 
     def _read(self, peer, local, local_mem, remote, remote_mem, timeout, notify):
         handle = self._post(peer, local, local_mem, remote, remote_mem, notify)
         try:
             self._wait(peer, handle, int(local[:, 1].sum()), time.monotonic() + timeout,
                        timeout)
-        finally:
-            self._release([handle])
+        except KVABIError:
+            if not self._release([handle]):  # it may still land: use fresh staging
+                ident = threading.get_ident()
+                for key in [k for k in self._staging if k[2] == ident]:
+                    self._retired.append(self._staging.pop(key))
+            raise
+        self._release([handle])
 
     def _post(self, peer, local, local_mem, remote, remote_mem, notify):
         """Post one READ; its handle (release with :meth:`_release`)."""
@@ -470,12 +512,15 @@ class NixlAgent:
             raise KVABIError(f"transfer: READ from {peer.name!r} failed: {e}; the destination "
                              "slots hold undefined data") from None
 
-    def _release(self, handles) -> None:
+    def _release(self, handles) -> bool:
+        """Release transfer handles; False when NIXL refused one (still active)."""
+        ok = True
         for handle in handles:
             try:
                 self._agent.release_xfer_handle(handle)
             except Exception:  # noqa: BLE001 - an active transfer may refuse release
-                pass
+                ok = False
+        return ok
 
     def wait_notification(self, prefix: bytes = b"kvabi.pull", *, timeout: float = 30.0,
                           peer: str | None = None) -> tuple[str, bytes]:
@@ -497,6 +542,16 @@ class NixlAgent:
                                  f"{timeout:g} s")
             time.sleep(0.001)
 
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        """Every notification that arrived and was not taken yet, as (sender, message),
+        removed from the agent (a server polling for its own kind of message calls this,
+        so that other messages from any peer cannot pile up)."""
+        out = []
+        for sender, msgs in self._agent.update_notifs().items():
+            out += [(sender, m) for m in msgs]
+            msgs.clear()
+        return out
+
     def close(self) -> None:
         """Forget peers and deregister memory (the agent itself goes with the object)."""
         for name in list(self._peers):
@@ -511,12 +566,13 @@ class NixlAgent:
             except Exception:  # noqa: BLE001
                 pass
         self._regs.clear()
-        for _, descs in self._staging.values():
+        for _, descs in list(self._staging.values()) + self._retired:
             try:
                 self._agent.deregister_memory(descs)
             except Exception:  # noqa: BLE001
                 pass
         self._staging.clear()
+        self._retired.clear()
 
     def __enter__(self):
         return self

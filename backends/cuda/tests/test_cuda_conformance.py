@@ -13,11 +13,19 @@ class _LibraryMasking:
     """The libraries multiply P by V over whole kernel tiles: NaN/inf in a row inside a
     read page but outside every query's window reaches the output as 0 * NaN (README,
     "Invisible rows").  The poisoned-rows check runs on the kinds where no such row is
-    read (past seq_len, other chunks' pages, unused blocks, other layers)."""
+    read (past seq_len, other chunks' pages, unused blocks, other layers); the per-query
+    check, whose rows every tile of a prefill holds, does not run."""
 
     def test_poisoned_rows(self):
         self.kinds = ("full", "chunked_local")
         self.run_kit_check("poisoned_rows")
+
+    def test_poisoned_per_query(self):
+        """The same tiles hold rows that some queries of a step see and others do not (a
+        prefill's later tokens): the libraries' 0 * NaN reaches those others."""
+        import pytest
+
+        pytest.skip("the libraries compute P.V over whole tiles (README, 'Invisible rows')")
 
 
 class TestTritonConformance(BackendConformance):

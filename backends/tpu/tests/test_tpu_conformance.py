@@ -24,3 +24,5 @@ class TestJaxConformance(BackendConformance):
 class TestPallasConformance(BackendConformance):
     backend_name = "tpu.pallas"
     max_examples = None if on_tpu() else 2
+    # Every check, poisoned_per_query included (about 16 s of the class here, interpreted;
+    # test_tpu_poisoned_rows.py checks the same per-query property on fixed batches).

@@ -147,6 +147,14 @@ class TorchSDPABackend(kvabi.Backend):
             return x.index_fill_(0, w.key_invalid, 0.0).reshape(r, width * bs, h, dim)
 
         k, v = keys(0, d), keys(1, dv)
+        # A value row some queries of the request see and others do not stays in v, and
+        # a masked probability (0) times NaN is NaN: non-finite value rows are zeroed,
+        # and the queries that do see one get NaN afterwards (what the poison gives them).
+        bad = ~torch.isfinite(v).all(dim=-1)  # [R, K, H]
+        poisoned = None
+        if bool(bad.any()):
+            v = v.masked_fill(bad[..., None], 0.0)
+            poisoned = torch.einsum("rqk,rkh->rqh", w.mask.float(), bad.float()) > 0
         q = query[w.q_index].float()  # [R, Qmax, Hq, D]
         qmax = q.shape[1]
         if w.rows.numel() == 0:  # no real query token (every row is padding)
@@ -173,7 +181,10 @@ class TorchSDPABackend(kvabi.Backend):
             o = torch.einsum("rhgqk,rkhd->rqhgd", p[..., :k.shape[1]], v) / \
                 denom.permute(0, 3, 1, 2)[..., None]
             lse = (top[..., 0] + torch.log(denom)).permute(0, 3, 1, 2).reshape(r, qmax, hq)
-        o = o.reshape(r, qmax, hq, dv)[w.q_valid]
+        o = o.reshape(r, qmax, hq, dv)
+        if poisoned is not None:  # [R, Qmax, H] -> the query heads of each KV head
+            o = o.masked_fill(poisoned.repeat_interleave(g, dim=2)[..., None], float("nan"))
+        o = o[w.q_valid]
 
         result = out if out is not None else \
             torch.zeros((plan.num_tokens, hq, dv), dtype=query.dtype)

@@ -5,7 +5,9 @@ import argparse
 import sys
 
 COMMANDS = {"demo": "vLLM generating through kvabi backends, tokens compared with vLLM's own",
-            "bench": "the same as `kvabi bench vllm`"}
+            "bench": "the same as `kvabi bench vllm`",
+            "guard": "a P/D pair under attack: every hostile request refused alone, honest "
+                     "ones served beside them"}
 
 
 def main(argv=None) -> int:
@@ -14,6 +16,9 @@ def main(argv=None) -> int:
         if argv[0] == "demo":
             from .tools.demo import main as demo
             return demo(argv[1:])
+        if argv[0] == "guard":
+            from .tools.pd_guard import main as guard
+            return guard(argv[1:])
         from .tools.bench import main as bench
         return bench(argv[1:])
     parser = argparse.ArgumentParser(

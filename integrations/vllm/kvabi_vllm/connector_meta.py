@@ -1,21 +1,24 @@
 """What KvabiConnector's scheduler side tells its worker side each step, and the pure
-arithmetic both sides share (token slots of a block list, prefix keys).
+arithmetic both sides share (token slots of a block list, the restorable prefix).
 
 The arithmetic is plain numpy, testable without an engine.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvabi import KVABIError
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
+                                                               KVConnectorMetadata)
 
 #: vLLM's null block (``BlockPool`` block 0): a placeholder in a group's block list for a
 #: block the request does not hold (sliding-window blocks out of the window)
 NULL_BLOCK = 0
+
+#: notifications a decode engine sends the prefill engine once it has read a request's KV
+NOTIFY_PREFIX = "kvabi.pull:"
 
 
 def token_slots(blocks, block_size: int, start: int, num_tokens: int) -> np.ndarray:
@@ -41,19 +44,6 @@ def paired_slots(src_blocks, src_bs: int, dst_blocks, dst_bs: int, start: int,
     return s[keep], d[keep]
 
 
-def prefix_keys(token_ids, block_size: int, num_blocks: int | None = None) -> list[int]:
-    """A key per full block of ``token_ids``: a chained hash of every token up to the
-    block's end, so equal keys mean equal prefixes."""
-    toks = np.asarray(token_ids, np.int64)
-    n = toks.size // block_size if num_blocks is None else min(num_blocks,
-                                                               toks.size // block_size)
-    keys, prev = [], b""
-    for chunk in toks[:n * block_size].reshape(n, block_size):
-        prev = hashlib.blake2b(prev + chunk.tobytes(), digest_size=8).digest()
-        keys.append(int.from_bytes(prev, "little", signed=True))
-    return keys
-
-
 def usable_prefix(present: np.ndarray, needed_back: np.ndarray) -> int:
     """The longest prefix of blocks ``k`` that can be restored: ``present[g, i]`` says block
     ``i`` of group ``g`` is held, and group ``g`` needs its last ``needed_back[g]`` blocks
@@ -75,22 +65,39 @@ def usable_prefix(present: np.ndarray, needed_back: np.ndarray) -> int:
 
 
 @dataclass
-class Pull:
+class PullWork:
     """Read a request's prompt KV from a peer engine (P/D decode side)."""
     req_id: str
-    handshakes: list[dict[str, str]]   # per KV cache group, the peer's message per part
-    src_blocks: list[list[int]]        # the peer's block ids per group
+    remote: object                     # its validated RemotePrefill (connector_params)
     dst_blocks: list[list[int]]        # ours per group
     start: int                         # first token position to read
     num_tokens: int
-    notify: str                        # tells the peer its blocks may be freed
+
+
+@dataclass
+class Fail:
+    """A request refused where it entered: the worker reports it failed (vLLM's path for
+    a failed KV load), with the reason."""
+    req_id: str
+    reason: str
+
+
+@dataclass
+class GrantIssue:
+    """Publish a grant for a finished request's blocks (P/D prefill side)."""
+    req_id: str
+    slot: int
+    nonce: bytes
+    blocks: list[list[int]]            # per group, the blocks holding its tokens
+    num_tokens: int
+    tokens: bytes                      # digest of those tokens
 
 
 @dataclass
 class HostSave:
     """Copy full blocks of a finished request into the host pool under ``keys``."""
     req_id: str
-    keys: list[int]
+    keys: list[bytes]
     blocks: list[list[int]]            # per group, one device block per key (NULL: none)
 
 
@@ -98,13 +105,27 @@ class HostSave:
 class HostLoad:
     """Copy host blocks ``keys`` into device blocks (a prefix hit)."""
     req_id: str
-    keys: list[int]
+    keys: list[bytes]
     blocks: list[list[int]]            # per group, one device block per key (NULL: skip)
 
 
 @dataclass
 class KvabiConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the worker side: pulls, then host saves, then host loads."""
-    pulls: list[Pull] = field(default_factory=list)
-    saves: list[HostSave] = field(default_factory=list)
+    """One step's work for the worker side, in this order: refusals, pulls, grants, host
+    loads, host evictions, host saves."""
+    fails: list[Fail] = field(default_factory=list)
+    pulls: list[PullWork] = field(default_factory=list)
+    grants: list[GrantIssue] = field(default_factory=list)
     loads: list[HostLoad] = field(default_factory=list)
+    evicts: list[bytes] = field(default_factory=list)
+    saves: list[HostSave] = field(default_factory=list)
+
+
+@dataclass
+class KvabiHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What the worker side tells the scheduler side once, at start: the handshake
+    messages (JSON) it serves per KV cache group and part, its grant table's, and the seed
+    of host tier keys (what makes this engine's KV bytes differ from another's)."""
+    handshakes: list[dict[str, str]] = field(default_factory=list)
+    grants: str = ""
+    host_seed: bytes = b""

@@ -14,8 +14,10 @@
   ``vllm.cpu_kt`` the keys are read in place and the values of the step's blocks copied
   token-major into a scratch; in any other layout the step's blocks are copied whole.
   Value rows no query sees are zeroed in the copy: the kernels multiply every value row of
-  a block by its probability, and 0 * NaN is NaN.  In place, the output is checked
-  instead: where it is not finite, the step runs again on the copy.
+  a block by its probability, and 0 * NaN is NaN; rows some queries see and others do not
+  are checked per call (:mod:`kvabi_vllm.cpu_masking`), so a NaN reaches only the queries
+  that see it.  In place, the output is checked instead: where it is not finite, the step
+  runs again on the copy.
 
 The kernels return no log-sum-exp: with ``return_lse=True`` it is computed in torch (float64)
 from the same keys (a second pass; engines decoding through vLLM never ask for it).
@@ -45,6 +47,7 @@ from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch,
                          keys_in_kernel_order, to_kernel_blocks, value_scratch,
                          value_scratch_numel, values_in_kernel_order,
                          values_to_kernel_order)
+from .cpu_masking import PartialRows, merge_entries, pair_visibility, poisoned_queries
 
 KINDS = ("full", "sliding_window")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -74,7 +77,8 @@ class CpuVllmSteps:
     request's ``seq_len``, ``table`` [R, max blocks] int32 each request's entries (the
     kernels' block table over the copied blocks), ``hidden`` [E, N] the rows no query of
     the entry's request sees. ``hidden`` holds those rows as row indices of the value
-    scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is.
+    scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is;
+    ``partial`` the rows some queries see and others do not (:mod:`kvabi_vllm.cpu_masking`).
     ``write_*``: the tokens written (slot != -1) and their block and offset.
     ``inplace``: the values are in kernel order too (``vllm.cpu``): the kernels read the
     cache itself and ``hidden`` indexes its value rows
@@ -99,6 +103,7 @@ class CpuVllmSteps:
     write_offsets: torch.Tensor
     slot_mapping: torch.Tensor
     inplace: bool
+    partial: PartialRows | None  # value rows some queries see and others do not
     #: the plan's sinks as float32 (the kernels' ``s_aux``), or None
     s_aux: torch.Tensor | None
     sched: dict = attrs.field(factory=dict)
@@ -176,41 +181,42 @@ class CpuVllmBackend(kvabi.Backend):
         bs = spec.block_size
         qsl = meta.query_start_loc.astype(np.int64)
         seq = meta.seq_lens.astype(np.int64)
-        ctx = meta.context_lens.astype(np.int64)
         nblk = -(-seq // bs)  # block columns each request reads
         total = int(nblk.sum())
         start = np.cumsum(nblk) - nblk
         req = np.repeat(np.arange(meta.num_reqs), nblk)
         col = np.arange(total) - np.repeat(start, nblk)
         entries = meta.block_table[req, col].astype(np.int64) if total else np.zeros(0, np.int64)
-        # Rows no query of the request sees: past seq_len, or before the window of its
-        # first query (a request without queries sees nothing).
-        j = col[:, None] * bs + np.arange(bs)[None, :]
-        lo = np.asarray(spec.first_visible_key(ctx), np.int64)[req][:, None]
-        hidden = (j >= seq[req][:, None]) | (j < lo) | (np.diff(qsl) == 0)[req][:, None]
+        # Rows some query of the request sees, and rows all its queries see.
+        some, every = pair_visibility(meta, spec, req, col)
         native = keys_in_kernel_order(layout)
-        if native:  # distinct blocks; a row is hidden when every request reading it hides it
+        if native:  # distinct blocks, each read by one or more (request, column) pairs
             entries, inv = np.unique(entries, return_inverse=True)
-            seen = np.zeros((len(entries), bs), bool)
-            e, n = np.nonzero(~hidden)
-            seen[inv.reshape(-1)[e], n] = True  # repeated (block, row) pairs: same value
-            hidden = ~seen
+            inv = inv.reshape(-1)
+            some, every = merge_entries(some, every, inv, len(entries))
             table = np.array(meta.block_table, np.int32)  # metadata arrays are read-only
             if table.shape[1] == 0:
                 table = np.zeros((meta.num_reqs, 1), np.int32)
         else:
+            inv = np.arange(total)
             width = int(nblk.max()) if meta.num_reqs else 0
             table = np.zeros((meta.num_reqs, max(width, 1)), np.int32)
             table[req, col] = np.arange(total, dtype=np.int32)
-        # Hidden value rows as row indices of the value scratch viewed [rows, D].
-        he, hn = np.nonzero(hidden)
         h = np.arange(spec.num_kv_heads, dtype=np.int64)[None, :]
-        if native:  # the scratch has the layout's block and head strides
-            row = (layout.stride("B") * entries[he][:, None] + layout.stride("H") * h) \
-                // (layout.itemsize * spec.head_dim)
-        else:
-            row = (he[:, None] * spec.num_kv_heads + h) * 2 * bs + bs
-        rows = (row + hn[:, None]).reshape(-1)
+
+        def value_rows(e, n):  # rows [k, H] of the value scratch viewed [rows, D]
+            if native:  # the scratch has the layout's block and head strides
+                row = (layout.stride("B") * entries[e][:, None] + layout.stride("H") * h) \
+                    // (layout.itemsize * spec.head_dim)
+            else:
+                row = (e[:, None] * spec.num_kv_heads + h) * 2 * bs + bs
+            return row + n[:, None]
+
+        # rows no query sees: zeroed in every copy; rows some queries see: checked per call
+        rows = value_rows(*np.nonzero(~some)).reshape(-1)
+        pe, pn = np.nonzero(some & ~every)
+        partial = PartialRows(torch.from_numpy(value_rows(pe, pn)), pe, pn, req, col, inv) \
+            if len(pe) else None
         slots = meta.slot_mapping
         written = np.nonzero(slots >= 0)[0]
         t = torch.from_numpy
@@ -219,7 +225,7 @@ class CpuVllmBackend(kvabi.Backend):
             t(meta.query_start_loc.astype(np.int32)), t(meta.seq_lens.astype(np.int32)),
             t(entries), t(table), t(rows) if len(rows) else None,
             t(written), t(slots[written] // bs), t(slots[written] % bs),
-            t(slots.astype(np.int64)), native and values_in_kernel_order(layout),
+            t(slots.astype(np.int64)), native and values_in_kernel_order(layout), partial,
             None if plan.sinks is None else t(plan.sinks.astype(np.float32)))
         # fp8 codes: the kernels compute in the query's dtype, float32 most likely
         _schedule(plan, steps, torch.float32 if spec.is_quantized else
@@ -267,7 +273,7 @@ class CpuVllmBackend(kvabi.Backend):
         result[n:].zero_()  # padding tokens: unspecified by the ABI, zero here
         s_aux = p.s_aux if sinks is plan.sinks else self._s_aux(sinks)
 
-        def run(kc, vc):
+        def run(kc, vc, poisoned=None):
             if not (n and e):
                 result[:n].zero_()  # no request has a key: nothing to attend
                 return
@@ -281,6 +287,8 @@ class CpuVllmBackend(kvabi.Backend):
                 scheduler_metadata=_schedule(plan, p, wdt), s_aux=s_aux,
                 k_scale=scales[0], v_scale=scales[1],
                 kv_cache_dtype=FP8.get(spec.dtype, "auto"))
+            if poisoned is not None:  # what the poison they see gives those queries
+                result[:n][torch.from_numpy(poisoned)] = float("nan")
 
         kc = key_tiles(torch, kview)
         again = False
@@ -297,14 +305,14 @@ class CpuVllmBackend(kvabi.Backend):
                                      self._buffer(value_scratch_numel(kc), cdt))
             if e:
                 values_to_kernel_order(vview, p.entries, vc, rows, p.hidden)
-            run(kc, vc)
+            run(kc, vc, _poisoned(plan, rows))
         elif not p.native:
             h, bs = spec.num_kv_heads, spec.block_size
             scratch, kc, vc = kernel_scratch(torch, e, h, bs, d, cdt,
                                              self._buffer(e * h * 2 * bs * d, cdt))
             if e:
                 to_kernel_blocks(kview, vview, p.entries, scratch, p.hidden)
-            run(kc, vc)
+            run(kc, vc, _poisoned(plan, scratch.view(-1, d)))
         if not direct:
             result = result.to(query.dtype)  # the base class copies it into ``out``
         if not return_lse:
@@ -314,6 +322,15 @@ class CpuVllmBackend(kvabi.Backend):
         else:  # [E, N, H, D] over the copied entries
             keys = kc.view(e, spec.num_kv_heads, d, spec.block_size).permute(0, 3, 1, 2)
         return result, _lse(plan, query, keys, sinks, scales[0])
+
+
+def _poisoned(plan, rows):
+    """The query heads that see a non-finite partial value row of the copy ``rows`` (those
+    rows zeroed there), or None (:mod:`kvabi_vllm.cpu_masking`)."""
+    p = plan.prepared
+    if not len(p.entries) or p.partial is None:
+        return None
+    return poisoned_queries(plan, p.partial, rows, plan.num_q_heads)
 
 
 def _schedule(plan, steps: CpuVllmSteps, dtype):

@@ -27,7 +27,7 @@ if __name__ == "__main__":
     ref = llm.generate(tp, [_sampling(gen, {"kvabi_host": False}) for _ in tp], use_tqdm=False)
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    conn = get_kv_transfer_group()
+    conn = get_kv_transfer_group().connector_worker
     before = dict(conn.host_stats)
     hit = llm.generate(tp, _sampling(gen), use_tqdm=False)
     mid = dict(conn.host_stats)

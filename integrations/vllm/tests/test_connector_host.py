@@ -19,8 +19,8 @@ HERE = Path(__file__).parent
 def run(model, out, **env):
     e = {**os.environ, **ENV, "PYTHONPATH": str(HERE), **env}
     r = subprocess.run([sys.executable, str(HERE / "host_tier_run.py"), str(model), "32",
-                        str(out), "corrupting_connector"], env=e, capture_output=True,
-                       text=True, timeout=900)
+                        str(out), "kvabi_vllm.tools.corrupting_connector"], env=e,
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return json.loads(Path(out).read_text())
 

@@ -1,12 +1,11 @@
 """KvabiConnector's step arithmetic against direct formulas: token slots of a block list (null
-blocks left out), slot pairs across block sizes, prefix keys, the restorable prefix of a
-host tier with sliding-window groups."""
+blocks left out), slot pairs across block sizes, the restorable prefix of a host tier with
+sliding-window groups."""
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvabi_vllm.connector_meta import (NULL_BLOCK, paired_slots, prefix_keys, token_slots,
-                                       usable_prefix)
+from kvabi_vllm.connector_meta import NULL_BLOCK, paired_slots, token_slots, usable_prefix
 
 block_lists = st.lists(st.one_of(st.just(NULL_BLOCK), st.integers(1, 50)), max_size=8)
 
@@ -35,21 +34,6 @@ def test_paired_slots_keep_tokens_both_sides_hold(src, dst, sizes, start, n):
     assert list(zip(s.tolist(), d.tolist())) == want
 
 
-@given(st.lists(st.integers(0, 9), min_size=0, max_size=40), st.sampled_from([1, 4, 8]),
-       st.integers(0, 39))
-def test_prefix_keys_change_exactly_from_the_first_differing_block(toks, bs, where):
-    keys = prefix_keys(toks, bs)
-    assert len(keys) == len(toks) // bs
-    if where >= len(toks):
-        return
-    other = list(toks)
-    other[where] += 1
-    k2 = prefix_keys(other, bs)
-    first = where // bs
-    assert keys[:first] == k2[:first]
-    assert all(a != b for a, b in zip(keys[first:], k2[first:]))
-
-
 @given(st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=3),
        st.data())
 def test_usable_prefix_is_the_longest_restorable(present, data):
@@ -64,9 +48,9 @@ def test_usable_prefix_is_the_longest_restorable(present, data):
 
 
 def test_block_pairs_move_the_blocks_holding_the_range():
-    from kvabi_vllm.connector import _block_pairs
+    from kvabi_vllm.connector_worker import block_pairs
 
-    s, d = _block_pairs([5, 6, 7, 8], [9, NULL_BLOCK, 11, 12], 32, 32, 70)
+    s, d = block_pairs([5, 6, 7, 8], [9, NULL_BLOCK, 11, 12], 32, 32, 70)
     # positions 32..101 lie in blocks 1..3; block 1 is null on the destination
     assert s.tolist() == [7, 8] and d.tolist() == [11, 12]
 
@@ -75,17 +59,17 @@ def test_matching_parts_prefers_the_same_block_image_and_refuses_other_parts():
     import pytest
 
     from kvabi import KVABIError
-    from kvabi_vllm.connector import _matching_parts
+    from kvabi_vllm.connector_worker import matching_parts
 
     mine = [("k", "K"), ("v", "V"), ("image.kt_v.n32.d32", "I")]
-    assert _matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n32.d32": "c"}, 0) == \
+    assert matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n32.d32": "c"}, 0) == \
         [("image.kt_v.n32.d32", "I", "c")]
-    assert _matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n64.d32": "c"}, 0) == \
+    assert matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n64.d32": "c"}, 0) == \
         [("k", "K", "a"), ("v", "V", "b")]
     with pytest.raises(KVABIError, match=r"kvabi_handshakes\[0\]: the peer serves parts \['kv'\]"):
-        _matching_parts(mine, {"kv": "a"}, 0)
+        matching_parts(mine, {"kv": "a"}, 0)
     both = [("kv", "KV"), ("k", "K"), ("v", "V")]
-    assert _matching_parts(both, {"kv": "a", "k": "b", "v": "c"}, 0) == [("kv", "KV", "a")]
-    assert _matching_parts(both, {"k": "b", "v": "c"}, 0) == [("k", "K", "b"), ("v", "V", "c")]
+    assert matching_parts(both, {"kv": "a", "k": "b", "v": "c"}, 0) == [("kv", "KV", "a")]
+    assert matching_parts(both, {"k": "b", "v": "c"}, 0) == [("k", "K", "b"), ("v", "V", "c")]
     with pytest.raises(KVABIError, match=r"kvabi_handshakes\[2\]: must be an object"):
-        _matching_parts(mine, ["k"], 2)
+        matching_parts(mine, ["k"], 2)

@@ -27,8 +27,8 @@ class _VecBlocks(CpuVllmBackend):
 
 
 # fp8 caches (vec only) are written and laid out here too: write_kv and layouts
-_KERNEL_CHECKS = ("attention", "poisoned_rows", "kv_sharing", "cascade", "pad", "write_kv",
-                  "layouts")
+_KERNEL_CHECKS = ("attention", "poisoned_rows", "poisoned_per_query", "kv_sharing", "cascade",
+                  "pad", "write_kv", "layouts")
 
 
 class TestCpuVllmVecBlocks(BackendConformance):

@@ -16,6 +16,7 @@ from .frameworks import check_foreign_framework, foreign_framework_strategy
 from .hostile import (check_hostile_cache, check_huge_lengths, hostile_cache_strategy,
                       huge_lengths_strategy)
 from .poison import check_poisoned_rows, poison_strategy
+from .poison_per_query import check_poisoned_per_query, poison_per_query_strategy
 from .refusal import check_unsupported, unsupported_strategy
 from .sharing import check_kv_sharing, sharing_strategy
 from .transforms import (cascade_strategy, check_cascade, check_local_virtual_batches,
@@ -54,6 +55,8 @@ CHECKS: tuple[Check, ...] = (
           check_kv_sharing, sharing_strategy),
     Check("poisoned_rows", "NaN/inf in rows no query may see change nothing",
           check_poisoned_rows, poison_strategy),
+    Check("poisoned_per_query", "NaN/inf in rows some queries see change nothing for the "
+          "others", check_poisoned_per_query, poison_per_query_strategy),
     Check("hostile_cache", "caches that do not fit refused before any write",
           check_hostile_cache, hostile_cache_strategy),
     Check("foreign_framework", "a cache of another framework refused by name or converted",
@@ -78,6 +81,7 @@ __all__ = ["CHECKS", "CHECK_NAMES", "Check", "KitOptions", "NotApplicable", "Ref
            "attention_cases", "check_attention", "check_cascade", "check_foreign_layouts",
            "check_kv_sharing", "check_kv_update_slices", "check_layouts",
            "check_hostile_cache", "check_huge_lengths", "check_local_virtual_batches",
-           "check_pad", "check_permute", "check_poisoned_rows", "check_prefill_skip",
+           "check_pad", "check_permute", "check_poisoned_per_query", "check_poisoned_rows",
+           "check_prefill_skip",
            "check_split_ubatches", "check_unsupported", "check_write_kv", "get_check",
            "spec_strategy"]

@@ -37,22 +37,24 @@ def poison_values(dtype: str) -> np.ndarray:
     return vals
 
 
-def visible_slots(meta, spec, num_slots: int) -> np.ndarray:
-    """bool [num_slots]: the slots some real query token of ``meta`` may see (its own
-    request's keys from ``spec.first_visible_key`` to its position), vectorized."""
-    seen = np.zeros(num_slots, bool)
+def seen_pairs(meta, spec) -> tuple[np.ndarray, np.ndarray]:
+    """(token, slot) int64 arrays: every slot each real query token of ``meta`` may see
+    (its own request's keys from ``spec.first_visible_key`` to its position), vectorized."""
     t = meta.num_actual_tokens
-    if not t:
-        return seen
     pos = meta.positions[:t].astype(np.int64)
-    req = meta.token_request.astype(np.int64)
+    req = meta.token_request[:t].astype(np.int64)
     lo = np.asarray(spec.first_visible_key(pos), np.int64)
     n = pos - lo + 1
     owner = np.repeat(np.arange(t), n)
     key = np.repeat(lo, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
     bs = spec.block_size
-    slots = meta.block_table[req[owner], key // bs].astype(np.int64) * bs + key % bs
-    seen[slots] = True
+    return owner, meta.block_table[req[owner], key // bs].astype(np.int64) * bs + key % bs
+
+
+def visible_slots(meta, spec, num_slots: int) -> np.ndarray:
+    """bool [num_slots]: the slots some real query token of ``meta`` may see."""
+    seen = np.zeros(num_slots, bool)
+    seen[seen_pairs(meta, spec)[1]] = True
     return seen
 
 

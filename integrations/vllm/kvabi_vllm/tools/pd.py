@@ -95,7 +95,8 @@ def _prompts(path: str):
 def _worker_connector():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()
+    conn = get_kv_transfer_group()
+    return getattr(conn, "connector_worker", conn)
 
 
 def _nixl_side_channel(a) -> None:
@@ -247,17 +248,23 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
                             "--max-tokens", str(max_tokens)],
                            env={**penv, **decode.get("env", {})}, capture_output=True,
                            text=True, timeout=timeout)
+        (work / "decode.log").write_text(d.stdout + d.stderr)
         if d.returncode:
             raise RuntimeError("decode process failed:\n" + (d.stdout + d.stderr)[-4000:])
         return json.loads(out.read_text())
     finally:
-        stop.touch()
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop_process(p, stop)
         plog.close()
+
+
+def stop_process(p: subprocess.Popen, stop: Path, timeout: float = 60.0) -> None:
+    """Ask a prefill process to exit (its ``stop`` file), killing it after ``timeout``."""
+    stop.touch()
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
 
 
 if __name__ == "__main__":
@@ -282,7 +289,7 @@ def demo_pair(workdir=None, *, progress=print) -> bool:
              "UCX over DRAM, relayout ...")
     r = run_pair(model, ps, work / "pd", prefill={"block_size": 32},
                  decode=KVABI_DECODE, max_tokens=12)
-    for (req, secs, regions, nbytes, read_s), toks in zip(r["pulls"], r["pd"]):
+    for (req, secs, regions, nbytes, read_s, *_), toks in zip(r["pulls"], r["pd"]):
         progress(f"  request {req.split('-')[0]}: {nbytes / 1024:.0f} KiB in {regions} "
                  f"regions, READs {read_s * 1e3:.1f} ms; tokens {toks[:6]}...")
     ok = r["pd"] == r["single"] and distinct_tokens(r["single"]) > 1

@@ -1,0 +1,99 @@
+"""What both sides of KvabiConnector read from vLLM's configuration, once, at start.
+
+``kv_connector_extra_config`` keys (all optional):
+
+| key | default | meaning |
+|---|---|---|
+| ``host_blocks`` | 0 | host tier blocks per KV cache group (0: no host tier) |
+| ``nixl_host`` | ``"127.0.0.1"`` | the address this engine's NIXL agent listens on |
+| ``pull_timeout_s`` | 30 | decode side: a request's pull (connect, grant, READs, checks) fails after this |
+| ``hold_timeout_s`` | 120 | prefill side: blocks held for a decode engine are released after this |
+| ``max_held`` | 256 | prefill side: requests holding blocks for decode engines at once |
+| ``max_pulls`` | 64 | decode side: pulls queued or running at once (more are refused) |
+| ``pull_threads`` | 4 | decode side: pulls running at once (a frozen peer holds one) |
+| ``max_peers`` | 16 | decode side: prefill engines kept connected (least recently used dropped) |
+"""
+from __future__ import annotations
+
+import uuid
+
+import attrs
+import numpy as np
+
+from kvabi import KVABIError
+from kvabi.coerce import as_float, as_int
+
+#: kv_connector_extra_config keys and their defaults
+DEFAULTS = {"host_blocks": 0, "nixl_host": "127.0.0.1", "pull_timeout_s": 30.0,
+            "hold_timeout_s": 120.0, "max_held": 256, "max_pulls": 64, "pull_threads": 4,
+            "max_peers": 16}
+
+
+def window_blocks(spec, block_size: int) -> int | None:
+    """Blocks a sliding-window group needs before a block boundary (None: all of them):
+    the first token computed after it attends back ``window - 1`` tokens."""
+    w = getattr(spec, "sliding_window", None)
+    return None if not w else max(-(-(int(w) - 1) // block_size), 1)
+
+
+def _extra(extra: dict) -> dict:
+    """The extra config's known keys, checked (KVABIError naming the key and value)."""
+    out = dict(DEFAULTS)
+    for key, value in extra.items():
+        name = f"kv_connector_extra_config.{key}"
+        if key == "nixl_host":
+            if not isinstance(value, str) or not value:
+                raise KVABIError(f"{name}: must be a host name or address, got {value!r}")
+            out[key] = value
+        elif key.endswith("_s") and key in DEFAULTS:
+            out[key] = as_float(value, name, positive=True)
+        elif key in DEFAULTS:
+            out[key] = as_int(value, name, lo=0 if key == "host_blocks" else 1)
+    return out
+
+
+@attrs.frozen(eq=False)
+class ConnectorConfig:
+    """The connector's settings (``kv_transfer_config`` and ``kv_connector_extra_config``)
+    and the engine's KV cache groups."""
+
+    producer: bool           # kv_producer: serves its prompts' KV to decode engines
+    consumer: bool           # kv_consumer: reads prompts' KV from prefill engines
+    engine: str              # this engine's id (names its NIXL agent)
+    block_size: int
+    groups: tuple            # vLLM's KVCacheGroupSpec per KV cache group
+    need_back: np.ndarray    # per group: blocks it needs before a position (full: all)
+    windows: tuple           # per group: its sliding window (None: full attention)
+    model: str               # what makes one engine's KV bytes differ from another's
+    max_model_len: int
+    host_blocks: int = 0
+    nixl_host: str = "127.0.0.1"
+    pull_timeout_s: float = 30.0
+    hold_timeout_s: float = 120.0
+    max_held: int = 256
+    max_pulls: int = 64
+    pull_threads: int = 4
+    max_peers: int = 16
+
+    @classmethod
+    def from_vllm(cls, vllm_config, kv_cache_config) -> "ConnectorConfig":
+        cfg = vllm_config.kv_transfer_config
+        extra = _extra(dict(cfg.kv_connector_extra_config or {}))
+        block_size = int(vllm_config.cache_config.block_size)
+        groups = tuple(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else ()
+        need = np.array([window_blocks(g.kv_cache_spec, block_size) or 1 << 40
+                         for g in groups], np.int64)
+        windows = tuple(getattr(g.kv_cache_spec, "sliding_window", None) or None
+                        for g in groups)
+        mc = vllm_config.model_config
+        model = "|".join(str(x) for x in (getattr(mc, "model", ""), getattr(mc, "revision", ""),
+                                           getattr(mc, "dtype", ""),
+                                           vllm_config.cache_config.cache_dtype))
+        # P/D needs one side each; kv_both engines use the host tier only
+        return cls(producer=cfg.kv_role == "kv_producer", consumer=cfg.kv_role == "kv_consumer",
+                   engine=cfg.engine_id or uuid.uuid4().hex[:8], block_size=block_size,
+                   groups=groups, need_back=need, windows=windows, model=model,
+                   max_model_len=int(getattr(mc, "max_model_len", 0) or 0), **extra)
+
+
+__all__ = ["ConnectorConfig", "DEFAULTS", "window_blocks"]

@@ -1,0 +1,192 @@
+"""``kv_transfer_params``: validated once, in full, where a request enters the connector
+(its scheduler side), against the request's own prompt and the producer's advertised
+layouts.  Anything wrong raises KVABIError naming the field and value; the scheduler side
+then fails that request alone through vLLM's path for a failed KV load.
+
+A client may send any JSON value there, so nothing is assumed about types: an object is
+required; ``do_remote_prefill``, ``do_remote_decode`` and ``kvabi_host`` must be booleans
+where present; a remote prefill must carry every field below, of the right type, with
+lengths matching the prompt and the producer's block size, block ids inside the producer's
+advertised blocks, no id twice in a group, and the null block only where a sliding window
+lets the producer drop it.  Keys this connector does not read are left alone.
+"""
+from __future__ import annotations
+
+import collections
+import re
+
+import attrs
+import numpy as np
+
+from kvabi import KVABIError
+from kvabi.coerce import as_bool, as_int
+from kvabi.transfer.handshake import parse_handshake
+
+from .connector_checksum import tokens_digest
+from .connector_grants import MAX_PARTS, TABLE_NAME
+from .connector_layout import IMAGE
+from .connector_meta import NULL_BLOCK
+
+_NONCE = re.compile(r"[0-9a-f]{32}")
+#: parsed handshakes kept (producers send the same messages with every request)
+HANDSHAKE_CACHE = 64
+
+
+@attrs.frozen(eq=False)
+class RemotePrefill:
+    """A decode request's validated remote prefill."""
+
+    num_tokens: int          # tokens whose KV the producer holds (a prefix of the prompt)
+    blocks: tuple            # per group: the producer's block ids (int64, NULL_BLOCK: none)
+    handshakes: tuple        # per group: {part: handshake message}
+    grants: str              # the handshake of the producer's grant table
+    slot: int                # the grant's slot in that table
+    nonce: bytes             # the grant's secret
+    tokens: bytes            # digest of this request's prompt[:num_tokens]
+    block_size: int          # the producer's
+
+
+@attrs.frozen(eq=False)
+class Entry:
+    """What a request asks of the connector: a remote prefill to pull (decode side), to
+    hold its blocks for a decode engine (prefill side), and whether the host tier may
+    serve and keep it."""
+
+    remote: RemotePrefill | None = None
+    remote_decode: bool = False
+    host: bool = True
+
+
+class ParamsReader:
+    """Reads requests' ``kv_transfer_params`` (one per scheduler side: it keeps a few
+    parsed handshakes)."""
+
+    def __init__(self, *, consumer: bool, windows: tuple):
+        self.consumer = consumer
+        self.windows = windows
+        self._parsed: collections.OrderedDict = collections.OrderedDict()
+
+    def _handshake(self, message, field: str):
+        if not isinstance(message, str):
+            raise KVABIError(f"{field}: must be a handshake message (a string), got "
+                             f"{type(message).__name__}")
+        h = self._parsed.get(message)
+        if h is None:
+            try:
+                h = parse_handshake(message)
+            except KVABIError as e:
+                raise KVABIError(f"{field}: {e}") from None
+            self._parsed[message] = h
+            if len(self._parsed) > HANDSHAKE_CACHE:
+                self._parsed.popitem(last=False)
+        else:
+            self._parsed.move_to_end(message)
+        return h
+
+    def read(self, params, prompt) -> Entry:
+        """The entry of a request with ``params`` and prompt token ids ``prompt``."""
+        if params is None:
+            return Entry()
+        if not isinstance(params, dict):
+            raise KVABIError(f"kv_transfer_params: must be an object, got "
+                             f"{type(params).__name__}")
+        flags = {}
+        for key, default in (("do_remote_prefill", False), ("do_remote_decode", False),
+                             ("kvabi_host", True)):
+            v = params.get(key, default)
+            flags[key] = default if v is None else as_bool(v, key)
+        remote = None
+        if flags["do_remote_prefill"] and self.consumer:
+            remote = self._remote(params, prompt)
+        return Entry(remote, flags["do_remote_decode"], flags["kvabi_host"])
+
+    def _remote(self, p: dict, prompt) -> RemotePrefill:
+        groups = len(self.windows)
+        for key in ("remote_num_tokens", "remote_block_ids", "kvabi_handshakes",
+                    "kvabi_grants", "kvabi_grant"):
+            if key not in p:
+                raise KVABIError(f"{key}: missing from a remote prefill's kv_transfer_params")
+        plen = len(prompt)
+        n = as_int(p["remote_num_tokens"], "remote_num_tokens", lo=1)
+        if n > plen:
+            raise KVABIError(f"remote_num_tokens: {n} exceeds this request's prompt of "
+                             f"{plen} tokens")
+        grant = p["kvabi_grant"]
+        if not isinstance(grant, dict) or set(grant) != {"slot", "nonce"}:
+            raise KVABIError("kvabi_grant: must be an object of exactly slot and nonce")
+        slot = as_int(grant["slot"], "kvabi_grant.slot", lo=0)
+        nonce = grant["nonce"]
+        if not isinstance(nonce, str) or not _NONCE.fullmatch(nonce):
+            raise KVABIError("kvabi_grant.nonce: must be 32 lowercase hex digits")
+        table = self._handshake(p["kvabi_grants"], "kvabi_grants").layout
+        if table.name != TABLE_NAME or table.dtype != "int8":
+            raise KVABIError(f"kvabi_grants: not a grant table (layout {table.name!r})")
+        if slot >= table.num_blocks:
+            raise KVABIError(f"kvabi_grant.slot: {slot} is beyond the producer's "
+                             f"{table.num_blocks} grant slots")
+        hs = p["kvabi_handshakes"]
+        if not isinstance(hs, list) or len(hs) != groups:
+            got = len(hs) if isinstance(hs, list) else type(hs).__name__
+            raise KVABIError(f"kvabi_handshakes: must list {groups} KV cache groups, got {got}")
+        ids = p["remote_block_ids"]
+        if not isinstance(ids, list) or len(ids) != groups:
+            got = len(ids) if isinstance(ids, list) else type(ids).__name__
+            raise KVABIError(f"remote_block_ids: must list {groups} KV cache groups, got {got}")
+        blocks, bs_all = [], set()
+        for g in range(groups):
+            parts = hs[g]
+            if not isinstance(parts, dict) or not parts or len(parts) > MAX_PARTS:
+                raise KVABIError(f"kvabi_handshakes[{g}]: must be an object of 1 to "
+                                 f"{MAX_PARTS} part -> message entries")
+            layouts = {}
+            for name, msg in parts.items():
+                if not isinstance(name, str) or len(name) > 32:
+                    raise KVABIError(f"kvabi_handshakes[{g}]: part names are strings of at "
+                                     f"most 32 characters, got {name!r}")
+                layouts[name] = self._handshake(msg, f"kvabi_handshakes[{g}].{name}").layout
+            token_parts = [lay for name, lay in layouts.items() if not name.startswith(IMAGE)]
+            if not token_parts:
+                raise KVABIError(f"kvabi_handshakes[{g}]: the producer serves no token "
+                                 f"layout (only {sorted(layouts)})")
+            bs = token_parts[0].size("N")
+            num_blocks = min(lay.num_blocks for lay in layouts.values())
+            bs_all.add(bs)
+            blocks.append(self._block_ids(ids[g], g, n, bs, num_blocks))
+        if len(bs_all) != 1:
+            raise KVABIError(f"kvabi_handshakes: groups of block sizes {sorted(bs_all)}")
+        return RemotePrefill(n, tuple(blocks), tuple(dict(h) for h in hs), p["kvabi_grants"],
+                             slot, bytes.fromhex(nonce), tokens_digest(prompt[:n]),
+                             bs_all.pop())
+
+    def _block_ids(self, row, g: int, n: int, bs: int, num_blocks: int) -> np.ndarray:
+        field = f"remote_block_ids[{g}]"
+        want = -(-n // bs)
+        if not isinstance(row, list) or len(row) != want:
+            got = len(row) if isinstance(row, list) else type(row).__name__
+            raise KVABIError(f"{field}: must list the {want} blocks holding {n} tokens of "
+                             f"{bs}, got {got}")
+        typed = [isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_))
+                 for b in row]
+        if not all(typed) or (row and not 0 <= min(row) <= max(row) < num_blocks):
+            for i, b in enumerate(row):  # name the first offender
+                as_int(b, f"{field}[{i}]", lo=0, hi=num_blocks - 1)
+        ids = np.array(row, np.int64).reshape(-1)
+        null = ids == NULL_BLOCK
+        if null.any():
+            # a sliding window lets the producer drop blocks wholly before the window of
+            # the last prompt token (which the decode side computes again)
+            w = self.windows[g]
+            ok = (np.arange(1, want + 1) * bs <= n - w) if w else np.zeros(want, bool)
+            bad = np.flatnonzero(null & ~ok)
+            if bad.size:
+                raise KVABIError(f"{field}[{int(bad[0])}]: the null block where the prompt's "
+                                 f"KV must be")
+        real = ids[~null]
+        if np.unique(real).size != real.size:
+            vals, counts = np.unique(real, return_counts=True)
+            raise KVABIError(f"{field}: block {int(vals[counts > 1][0])} appears twice")
+        ids.setflags(write=False)
+        return ids
+
+
+__all__ = ["Entry", "ParamsReader", "RemotePrefill"]

@@ -1,0 +1,101 @@
+"""Pulls off the engine's thread: a stuck pull is given up at its deadline while the
+others finish; a given-up pull's commit refuses (no byte lands after the engine gave up);
+the queue is bounded; errors come back as reasons, never as a dead thread."""
+import threading
+import time
+
+import pytest
+
+from kvabi import KVABIError
+
+from kvabi_vllm.connector_pulls import Puller
+
+
+def _wait(puller, n, limit=10.0):
+    out, t0 = [], time.monotonic()
+    while len(out) < n and time.monotonic() - t0 < limit:
+        out += puller.collect()
+        time.sleep(0.01)
+    return dict(out)
+
+
+def test_a_stuck_pull_is_given_up_and_the_others_finish():
+    release = threading.Event()
+    landed = []
+
+    def run(job):
+        if job.work == "frozen":
+            release.wait(5)  # a peer that answers only after the engine gave up
+            with job.commit:  # the copy into the request's blocks
+                landed.append(job.req_id)
+            return
+        if job.work == "bad":
+            raise KVABIError("kvabi_grant: forged")
+        if job.work == "crash":
+            raise IndexError("a bug")
+        with job.commit:
+            landed.append(job.req_id)
+
+    p = Puller(run, max_jobs=8, timeout_s=0.5, threads=2)
+    try:
+        t0 = time.monotonic()
+        for req, work in [("f", "frozen"), ("a", "ok"), ("b", "bad"), ("c", "crash"),
+                          ("d", "ok")]:
+            assert p.submit(req, work) is None
+        got = _wait(p, 5)
+        assert time.monotonic() - t0 < 3.0
+        assert got["a"] is None and got["d"] is None
+        assert got["b"] == "kvabi_grant: forged"
+        assert got["c"].startswith("pull: internal error: IndexError")
+        assert got["f"].startswith("pull: no answer within pull_timeout_s = 0.5 s")
+        release.set()
+        time.sleep(0.2)
+        assert "f" not in landed and sorted(landed) == ["a", "d"]  # the late copy refused
+        assert len(p) == 0 and p.collect() == []
+    finally:
+        release.set()
+        p.stop()
+
+
+def test_queue_is_bounded():
+    gate = threading.Event()
+    p = Puller(lambda job: gate.wait(5), max_jobs=2, timeout_s=10, threads=1)
+    try:
+        assert p.submit("a", 1) is None and p.submit("b", 1) is None
+        why = p.submit("c", 1)
+        assert why.startswith("max_pulls: 2 pulls are already queued or running")
+        gate.set()
+        assert set(_wait(p, 2)) == {"a", "b"}
+        assert p.submit("c", 1) is None
+    finally:
+        gate.set()
+        p.stop()
+
+
+def test_job_left_raises_past_the_deadline():
+    seen = []
+
+    def run(job):
+        seen.append(job.left())
+        time.sleep(0.7)
+        job.left()  # past deadline - GRACE: the stage reports its own reason
+
+    p = Puller(run, max_jobs=2, timeout_s=1.0, threads=1)
+    try:
+        p.submit("a", None)
+        got = _wait(p, 1)
+        assert 0 < seen[0] <= 0.5 and got["a"] == "pull: past its deadline (pull_timeout_s)"
+    finally:
+        p.stop()
+
+
+def test_an_abandoned_commit_refuses():
+    from kvabi_vllm.connector_pulls import Commit
+
+    c = Commit()
+    with c:
+        pass
+    c.abandon()
+    with pytest.raises(KVABIError, match="given up after its deadline"):
+        with c:
+            pass
