@@ -38,8 +38,8 @@ def __getattr__(name):
 
 
 __all__ = ["ABI_VERSION", "AttentionOptions", "Backend", "Capabilities",
-           "CommonAttentionMetadata", "Component", "KVABIError", "KVCache", "KVGroup", "KVSpec", "LayerKV",
-           "Layout", "ModelKV", "StepLimits", "StepPlan", "UnsupportedError", "WIRE_VERSION",
-           "backend_names", "check_layer", "check_num_q_heads", "check_scales", "check_step", "get_backend",
-           "hookimpl", "index_dtype", "merge_attention", "tensors", "transforms",
-           "__version__"]
+           "CommonAttentionMetadata", "Component", "KVABIError", "KVCache", "KVGroup",
+           "KVSpec", "LayerKV", "Layout", "ModelKV", "StepLimits", "StepPlan",
+           "UnsupportedError", "WIRE_VERSION", "backend_names", "check_layer",
+           "check_num_q_heads", "check_scales", "check_step", "get_backend", "hookimpl",
+           "index_dtype", "merge_attention", "tensors", "transforms", "__version__"]

@@ -1,14 +1,15 @@
 """``cpu.vllm``: vLLM's compiled CPU attention kernels (CPU_ATTN) as a kvabi backend.
 
-- ``prepare`` (once per step and KV group, from ``plan``): ``cpu_attn_get_scheduler_metadata``
-  (the kernels' work split over threads), plus the step's block entries in kernel order and
-  the slots to write, all vectorized over requests and tokens.
+- ``prepare`` (once per step and KV group, from ``plan``):
+  ``cpu_attn_get_scheduler_metadata`` (the kernels' work split over threads), plus the
+  step's block entries in kernel order and the slots to write, all vectorized over requests
+  and tokens.
 - ``write`` (``write_kv``): in ``vllm.cpu`` (vLLM's own cache) the kernels' own write
   ``cpu_attn_reshape_and_cache``; elsewhere the step's K/V scattered to their slots of the
   kvabi layout (a strided torch write; any layout ``Layout`` describes).
-- ``attend`` (``attention``): ``cpu_attention_with_kv_cache`` (causal, sliding window: the kernels take
-  W, the keys a query sees, its own included, kvabi's convention; soft cap; per-head sinks
-  as ``s_aux`` float32; scale; GQA). The kernels' keys are ``[D, N]`` tiles per block and
+- ``attend`` (``attention``): ``cpu_attention_with_kv_cache`` (causal, sliding window:
+  the kernels take W, the keys a query sees, its own included, kvabi's convention; soft
+  cap; per-head sinks as ``s_aux`` float32; scale; GQA). The kernels' keys are ``[D, N]`` tiles per block and
   head, their values ``[N, D]`` (see :mod:`kvabi_vllm.cpu_layout`). In the preferred
   layout ``vllm.cpu`` (vLLM's own cache) both are read in place: no copy per step. In
   ``vllm.cpu_kt`` the keys are read in place and the values of the step's blocks copied
