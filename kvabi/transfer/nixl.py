@@ -33,6 +33,7 @@ from ..tensors import framework
 from .execute import check_in_use, copy_from_staging
 from .handshake import (Handshake, check_agent_name, check_host, check_port, make_handshake,
                         parse_handshake)
+from .nixl_progress import create_agent
 from .pattern import plane_sizes
 from .plan import TransferPlan, plan_transfer
 from .staging import stage, stage_blocks, worth_staging
@@ -163,7 +164,7 @@ class NixlAgent:
         cfg = config_cls(enable_prog_thread=True, enable_listen_thread=True,
                          listen_port=self.port, backends=list(backends))
         try:
-            self._agent = agent_cls(name, cfg)
+            self._agent = create_agent(agent_cls, name, cfg)
         except Exception as e:  # noqa: BLE001 - nixl raises plain exceptions
             raise KVABIError(f"nixl: could not create agent {name!r}: {e}") from None
         self._regs = []  # (cache, descs, rows [n, 3] address/nbytes/device, memory)

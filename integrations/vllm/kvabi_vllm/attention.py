@@ -33,11 +33,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWind
 from . import kv_quant as kq
 from . import layouts as vl
 from .metadata import from_vllm, keep_indices
+from .startup import (ENV_BACKEND, ENV_LAYOUT, ConfigError, backend_from_env, backend_of,
+                      say_once)
 
-#: The kvabi backend vLLM's attention runs on (unset: the plugin changes nothing).
-ENV_BACKEND = "KVABI_VLLM_BACKEND"
-#: Optional: one of vLLM's six layout names to allocate (default: the backend's first fit).
-ENV_LAYOUT = "KVABI_VLLM_LAYOUT"
 
 #: Per process: kvabi plans made (one per step and attention group), and how many of them
 #: came from prefill skip and dropped tokens (``kv_sharing_fast_prefill``).  Read by tests,
@@ -49,16 +47,12 @@ _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 
 def kvabi_backend() -> kvabi.Backend:
     """The kvabi backend named by ``KVABI_VLLM_BACKEND``, available here (else
-    UnsupportedError with its reason)."""
-    name = os.environ.get(ENV_BACKEND, "")
-    if not name:
-        raise KVABIError(f"{ENV_BACKEND}: not set; name a kvabi backend "
-                         f"(`kvabi backends` lists them)")
-    backend = kvabi.get_backend(name)
-    ok, why = backend.available()
-    if not ok:
-        raise UnsupportedError(f"{ENV_BACKEND}={name}: not available here: {why}")
-    return backend
+    :class:`~kvabi_vllm.startup.ConfigError` naming the variable)."""
+    name = backend_from_env()
+    if name is None:
+        raise ConfigError(f"{ENV_BACKEND}: not set; name a kvabi backend "
+                          f"(`kvabi backends` lists them)")
+    return backend_of(name)
 
 
 def _forced_layout() -> str | None:
@@ -242,8 +236,13 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
         ptrs = tuple(v.data_ptr() for v in views)
         if ptrs != g.bound_to:
             layout, planes = vl.bind(g.choice, g.spec, views)
-            if g.backend.framework == "numpy":  # views of vLLM's memory (fp8 as ml_dtypes)
-                planes = [kvabi.tensors.to_numpy(p) for p in planes]
+            fingerprint = getattr(layout, "fingerprint", None)  # a Layout method to come
+            say_once("kvabi-vllm: %s layers of kind %s on kvabi backend %s, kvabi layout %s%s "
+                     "in vLLM's layout %s", len(self._owners), g.spec.kind, g.backend.name,
+                     layout.name, f" (fingerprint {fingerprint()})" if fingerprint else "",
+                     g.choice.vllm_name)
+            if g.backend.framework == "numpy":
+                planes = [kvabi.tensors.to_numpy(p) for p in planes]  # bf16, fp8: ml_dtypes
             g.layout, g.bound_to = layout, ptrs
             g.cache = kvabi.KVCache.wrap(layout, planes)
         return g
@@ -315,8 +314,8 @@ class KvabiAttentionImpl(AttentionImpl):
     @staticmethod
     def _out(g: KvabiGroup, out: torch.Tensor):
         """vLLM's output buffer as the backend writes it: the same memory (a numpy view for
-        a numpy backend)."""
-        return out.numpy() if g.backend.framework == "numpy" else out
+        a numpy backend; bfloat16 as ml_dtypes)."""
+        return kvabi.tensors.to_numpy(out) if g.backend.framework == "numpy" else out
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor,
                            value: torch.Tensor, kv_cache: torch.Tensor,

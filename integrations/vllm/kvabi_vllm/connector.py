@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from .connector_config import ConnectorConfig
 from .connector_meta import KvabiHandshakeMetadata
 from .connector_scheduler import KvabiConnectorScheduler
+from .connector_stats import KvabiConnectorStats, KvabiPromMetrics
 from .connector_worker import KvabiConnectorWorker
 
 
@@ -91,6 +92,20 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self):
         return self.connector_worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self):
+        """This interval's transfer figures (worker side; None when there are none)."""
+        worker = self.connector_worker
+        return None if worker is None else worker.kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return KvabiConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
+                           per_engine_labelvalues):
+        return KvabiPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self.connector_worker is not None:

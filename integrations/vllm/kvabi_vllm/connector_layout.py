@@ -175,25 +175,24 @@ def engine_writer(attn_layers, tensors, parts, part: str):
         s = torch.from_numpy(np.asarray(slots, np.int64))
         return view[s // bs, s % bs].clone()
 
+    def tensor(x):  # bfloat16 arrives as ml_dtypes, which torch.from_numpy refuses
+        return tensors_mod.to_torch(np.ascontiguousarray(x))
+
     def write(layer, slot_mapping, key, value):
         mod = attn_layers[layer]
         with unit_scales(mod):  # the probe's values land as they are, whatever the scales
             _write(mod, layer, slot_mapping, key, value)
 
     def _write(mod, layer, slot_mapping, key, value):
-        k = None if part != "v" else current("k", layer, slot_mapping)
+        k = tensor(key) if part != "v" else current("k", layer, slot_mapping)
         if part == "kv":
-            v = _model_values(value)
+            v = tensor(value)
         elif part == "k":
             v = current("v", layer, slot_mapping)
         else:
-            v = _model_values(key)  # a part's own elements
-        k = _model_values(key) if part != "v" else k
+            v = tensor(key)  # a part's own elements
         mod.impl.do_kv_cache_update(mod, _widen(k), _widen(v), tensors[layer],
                                     torch.from_numpy(np.asarray(slot_mapping, np.int64)))
-
-    def _model_values(x):
-        return tensors_mod.to_torch(np.ascontiguousarray(x))
 
     def _widen(t):  # fp8 codes go in as the model's float32 values (scale 1: exact)
         return t.float() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t

@@ -30,6 +30,7 @@ from kvabi.transfer.kv_scales import check_same_scales
 
 from .connector_checksum import layout_fingerprint, planes_digest, token_checksums
 from .connector_config import ConnectorConfig
+from .connector_fixes import with_fix
 from .connector_grants import (LIVE, STATES, GrantRecord, GrantTable, PartClaim, decode,
                                notify_message, parse_notification, read_header, record_bytes,
                                table_layout)
@@ -39,6 +40,7 @@ from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, in
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata,
                              KvabiHandshakeMetadata, PullWork, paired_slots, token_slots)
 from .connector_pulls import Puller
+from .connector_stats import KvabiConnectorStats
 from .kv_quant import FP8
 
 log = logging.getLogger(__name__)
@@ -137,6 +139,10 @@ class KvabiConnectorWorker:
         self.ignored_notifications = 0
         #: (request id, reason) of the latest failed loads
         self.refusals: collections.deque = collections.deque(maxlen=256)
+        #: this interval's pulls and refusals, drained by vLLM (kv_connector_stats); pull
+        #: threads queue their figures, the engine thread moves them in
+        self.transfer_stats = KvabiConnectorStats()
+        self._stat_pulls: collections.deque = collections.deque(maxlen=4096)
 
     # -- start ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches):
@@ -269,8 +275,10 @@ class KvabiConnectorWorker:
         failed = set()
         for req_id, why in ended:
             if why is not None:
-                log.error("KvabiConnector: load of request %s failed: %s", req_id, why)
+                log.error("KvabiConnector: load of request %s failed: %s", req_id,
+                          with_fix(str(why)))
                 self.refusals.append((req_id, why))
+                self.transfer_stats.record_refusal(str(why))
                 failed.add(req_id)
         return KVConnectorTransferResults(finished_sending=done,
                                           finished_recving={r for r, _ in ended},
@@ -279,6 +287,13 @@ class KvabiConnectorWorker:
     def get_finished(self, finished_req_ids):
         r = self.get_transfer_results(finished_req_ids)
         return (r.finished_sending or None), (r.finished_recving or None)
+
+    def kv_connector_stats(self) -> KvabiConnectorStats | None:
+        """This interval's transfer figures (None when there are none)."""
+        while self._stat_pulls:
+            secs, read_s, nbytes, regions, relayout = self._stat_pulls.popleft()
+            self.transfer_stats.record_pull(secs, read_s, nbytes, regions, relayout=relayout)
+        return None if self.transfer_stats.is_empty() else self.transfer_stats.take()
 
     def get_block_ids_with_load_errors(self):
         return set()  # failed loads are reported per request (failed_recving)
@@ -463,6 +478,8 @@ class KvabiConnectorWorker:
         self._verify(p, rec)
         t1 = time.perf_counter()
         self.pull_stats.append((p.req_id, t1 - t0, regions, nbytes, read_s, grant_s, t1 - v0))
+        self._stat_pulls.append((t1 - t0, read_s, nbytes, regions,
+                                 any(not part.startswith(IMAGE) for _, part, _, _ in todo)))
 
     def _verify(self, p: PullWork, rec: GrantRecord) -> None:
         """Every pulled token's checksum equals the producer's (before any token is

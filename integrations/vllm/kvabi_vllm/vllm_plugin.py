@@ -1,11 +1,14 @@
 """vLLM general plugin (entry point group ``vllm.general_plugins``): runs in every vLLM
-process (main, engine core, worker).  A no-op unless ``KVABI_VLLM_BACKEND`` names a kvabi
-backend; then vLLM's attention runs on that backend (:mod:`kvabi_vllm.attention`)."""
+process (main, engine core, worker).  Unless ``KVABI_VLLM_BACKEND`` names a kvabi backend it
+changes nothing in vLLM; then vLLM's attention runs on that backend
+(:mod:`kvabi_vllm.attention`).  Either way it checks the kvabi variables and, where vLLM
+builds its configuration, what kvabi is asked to serve (:mod:`kvabi_vllm.startup`)."""
 from __future__ import annotations
 
-import os
+import sys
 
-ENV_BACKEND = "KVABI_VLLM_BACKEND"
+from .startup import backend_from_env, install, log_with_vllm
+
 BACKEND_CLASS = "kvabi_vllm.attention.KvabiAttentionBackend"
 
 
@@ -14,8 +17,14 @@ def register() -> None:
 
     vLLM's CPU platform ignores a user-selected attention backend and always takes
     ``CPU_ATTN``, so the plugin replaces that entry (and ``CUSTOM``, for platforms that
-    honour a selection); the backend is read again when an engine starts."""
-    if not os.environ.get(ENV_BACKEND):
+    honour a selection); the backend is read again when an engine starts.  A kvabi variable
+    set wrong raises :class:`~kvabi_vllm.startup.ConfigError` here, before vLLM builds its
+    configuration."""
+    if "vllm.logger" in sys.modules:
+        log_with_vllm()
+    if "vllm.engine.arg_utils" in sys.modules:  # this process builds an engine config
+        install()
+    if backend_from_env() is None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

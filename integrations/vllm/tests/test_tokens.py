@@ -75,7 +75,7 @@ def test_gemma3n_fast_prefill_is_kvabi_prefill_skip(models, backend):
     assert native(models, "gemma3n", fast_prefill=True) == out
 
 
-@pytest.mark.parametrize("backend, reason", [("no.such", "no backend named"),
+@pytest.mark.parametrize("backend, reason", [("no.such", "KVABI_VLLM_BACKEND=no.such: not a"),
                                               ("tpu.jax", "fits vLLM's KV cache")])
 def test_an_unservable_backend_fails_at_engine_start(models, backend, reason):
     if backend != "no.such":
@@ -83,3 +83,13 @@ def test_an_unservable_backend_fails_at_engine_start(models, backend, reason):
     with pytest.raises(kvabi.KVABIError, match=reason):
         with E.engine(models["llama"], backend=backend):
             pytest.fail("the engine started")
+
+
+def test_a_bfloat16_model_runs_on_the_numpy_reference(models):
+    """vLLM hands bfloat16 tensors, which torch cannot give numpy: the plugin views them as
+    ml_dtypes bfloat16 (it failed at the first forward)."""
+    plans = STATS["plans"]
+    out, _ = E.generate(models["llama"], PROMPTS, max_tokens=MAX_TOKENS, backend="reference",
+                        dtype="bfloat16")
+    assert STATS["plans"] > plans
+    assert all(len(o) == MAX_TOKENS for o in out) and ck.distinct_tokens(out) > 1, out

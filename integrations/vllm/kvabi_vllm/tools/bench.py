@@ -8,8 +8,12 @@
    caches, long prompts, one new token: the prefill with and without
    ``kv_sharing_fast_prefill`` (the KV-shared layers' metadata from
    ``kvabi.transforms.prefill_skip``), on one kvabi backend.
-3. P/D (KvabiConnector against vLLM's NixlConnector), when :mod:`kvabi_vllm.tools.bench_pd` is
-   there.
+3. P/D (KvabiConnector against vLLM's NixlConnector, and P/D per request against the
+   decode engine's own decode): :mod:`kvabi_vllm.tools.bench_pd`.
+4. Connector tax: a request that moves no KV with KvabiConnector configured (each role)
+   against none: :mod:`kvabi_vllm.tools.bench_tax`.
+5. Serving: time to first token and tokens/s through ``kvabi-vllm proxy`` over HTTP against
+   one server: :mod:`kvabi_vllm.tools.bench_serving`.
 
 Engines run in this process, all of a section's engines open at once and taking turns
 (median of the rounds); prefix caching is off so that every run computes its prompts.
@@ -40,8 +44,12 @@ def parser() -> argparse.ArgumentParser:
         description="vLLM on kvabi, side by side in one run: tokens/s of vLLM's own CPU "
                     "attention, kvabi over cpu.vllm and over reference on the same batch; "
                     "prefill time with and without prefill skip on a Gemma-3n-like model "
-                    "with half of its layers KV-shared. Tiny random float32 checkpoints; "
-                    "a few minutes on 2 CPU cores.")
+                    "with half of its layers KV-shared; P/D transfer per request "
+                    "(KvabiConnector, vLLM's NixlConnector) and against the engine's own "
+                    "decode; a configured connector's cost to a request that moves no KV; "
+                    "time to first token and tokens/s through kvabi-vllm proxy over HTTP "
+                    "against one server. Tiny random float32 checkpoints; about a quarter "
+                    "of an hour on 2 CPU cores.")
     a = p.add_argument
     a("--prompts", type=pos, default=DEFAULTS["prompts"], help="throughput batch size")
     a("--prompt-len", type=pos, default=DEFAULTS["prompt_len"], help="throughput prompt tokens")
@@ -61,6 +69,10 @@ def parser() -> argparse.ArgumentParser:
     a("--block-size", type=pos, default=DEFAULTS["block_size"], help="vLLM block size")
     a("--repeat", type=pos, default=DEFAULTS["repeat"], help="timed runs (median reported)")
     a("--skip-pd", action="store_true", help="leave out the P/D section")
+    a("--skip-tax", action="store_true",
+      help="leave out the connector-tax section (a configured connector, no transfer)")
+    a("--skip-serving", action="store_true",
+      help="leave out the serving section (P/D servers behind the proxy, over HTTP)")
     a("--json", action="store_true", help="print JSON instead of a report")
     return p
 
@@ -187,13 +199,23 @@ def run(args, tick=lambda n=1: None) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvabi-bench-vllm-") as tmp:
         out["throughput"] = throughput(args, Path(tmp), tick)
         out["prefill_skip"] = prefill_skip(args, Path(tmp), tick)
+    quiet = (lambda *_: None) if args.json else print
     if not args.skip_pd:
-        try:
-            from . import bench_pd  # the P/D section (KvabiConnector), where present
-        except ImportError:
-            bench_pd = None
-        if bench_pd is not None:
-            out["pd"] = bench_pd.run(args)
+        from . import bench_pd
+
+        out["pd"] = bench_pd.run(args)
+    with tempfile.TemporaryDirectory(prefix="kvabi-bench-vllm-") as tmp:
+        from .checkpoints import write_checkpoint
+
+        model = write_checkpoint("llama", Path(tmp) / "llama", tokenizer=True)
+        if not args.skip_tax:
+            from . import bench_tax
+
+            out["tax"] = bench_tax.run(model, progress=quiet)
+        if not args.skip_serving:
+            from . import bench_serving
+
+            out["serving"] = bench_serving.run(model, Path(tmp) / "serving", progress=quiet)
     return out
 
 
@@ -235,6 +257,14 @@ def report(r) -> str:
               f"prefill ({p['vllm_own']['speedup']:.2f}x)"]
     if "pd" in r and hasattr(r["pd"], "get") and r["pd"].get("report"):
         lines += ["", r["pd"]["report"]]
+    if "tax" in r:
+        from .bench_tax import report as tax_report
+
+        lines += ["", tax_report(r["tax"])]
+    if "serving" in r:
+        from .bench_serving import report as serving_report
+
+        lines += ["", serving_report(r["serving"])]
     return "\n".join(lines)
 
 

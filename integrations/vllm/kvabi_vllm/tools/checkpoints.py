@@ -1,5 +1,9 @@
-"""Tiny random-weight float32 checkpoints that vLLM loads from disk, for tests, the demo and
-the benchmark (no hub, no tokenizer: prompts are token ids).
+"""Tiny random-weight float32 checkpoints that vLLM loads from disk, for tests, the demo, the
+benchmark and the quick start (no hub).  Without a tokenizer prompts are token ids (vLLM's
+``skip_tokenizer_init``); with one (:func:`write_tokenizer`: bytes as tokens) a server takes
+text and chat messages and answers in text (random bytes: the weights are random).
+
+``python -m kvabi_vllm.tools.checkpoints --help`` writes one from the command line.
 
 vLLM's ``load_format="dummy"`` fills weights in +-1e-3 and tiny models with default
 initialisation repeat one token: greedy continuations that compare nothing.  Here every
@@ -8,12 +12,21 @@ matrix except the embeddings is redrawn with std :data:`LINEAR_STD`, so continua
 """
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 from kvabi.errors import KVABIError
 
 LINEAR_STD = 0.3
+#: the tokenizer's special tokens, at the ids the configs name (pad 0, bos 1, eos 2), then
+#: one token per byte: its vocabulary size
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+TOKENIZER_VOCAB = len(SPECIAL_TOKENS) + 256
+#: a chat template for the byte tokenizer: "role: content" lines, then "assistant:"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 #: Llama-like; Mistral-like (sliding window on every layer); Gemma-3-like (sliding and full
 #: layers: two KV groups in vLLM's hybrid allocator); Gemma-3n-like (its last layers read
 #: earlier layers' caches: KV sharing, and ``kv_sharing_fast_prefill``).
@@ -61,13 +74,44 @@ def tiny_config(family: str, *, layers: int = 4, hidden: int = 128, head_dim: in
                                 altup_num_inputs=4)
 
 
-def write_checkpoint(family: str, path, *, seed: int = 0, **config_kwargs) -> Path:
+def write_tokenizer(path) -> Path:
+    """Write a byte-level tokenizer (``tokenizer.json``, ``tokenizer_config.json`` with
+    :data:`CHAT_TEMPLATE`) into directory ``path``: :data:`SPECIAL_TOKENS`, then one token
+    per byte (:data:`TOKENIZER_VOCAB` in all; a model needs at least that vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    pad, bos, eos = SPECIAL_TOKENS
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad, "bos_token": bos,
+        "eos_token": eos, "model_max_length": 4096, "chat_template": CHAT_TEMPLATE},
+        indent=1))
+    return path
+
+
+def write_checkpoint(family: str, path, *, seed: int = 0, tokenizer: bool = False,
+                     **config_kwargs) -> Path:
     """Write a random float32 checkpoint of ``family`` (safetensors + config.json) into
     directory ``path`` and return it.  Matrices (embeddings excepted) are redrawn with std
-    :data:`LINEAR_STD` from ``seed``; the same arguments give the same bytes."""
+    :data:`LINEAR_STD` from ``seed``; the same arguments give the same bytes.  With
+    ``tokenizer`` a byte tokenizer goes with it (:func:`write_tokenizer`; the vocabulary
+    defaults to :data:`TOKENIZER_VOCAB`)."""
     import torch
     import transformers as tf
 
+    if tokenizer:
+        config_kwargs.setdefault("vocab", TOKENIZER_VOCAB)
+        if config_kwargs["vocab"] < TOKENIZER_VOCAB:
+            raise KVABIError(f"vocab: the byte tokenizer needs {TOKENIZER_VOCAB} tokens, got "
+                             f"{config_kwargs['vocab']}")
     config = tiny_config(family, **config_kwargs)
     torch.manual_seed(seed)
     cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
@@ -86,6 +130,8 @@ def write_checkpoint(family: str, path, *, seed: int = 0, **config_kwargs) -> Pa
     cfg = json.loads((path / "config.json").read_text())
     cfg["torch_dtype"] = cfg["dtype"] = "float32"
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    if tokenizer:
+        write_tokenizer(path)
     return path
 
 
@@ -111,3 +157,37 @@ def distinct_tokens(outputs: list[list[int]]) -> int:
     """The fewest distinct tokens in any one continuation: 1 means a repeated token (a
     comparison of such outputs proves little)."""
     return min((len(set(o)) for o in outputs), default=0)
+
+
+def main(argv=None) -> int:
+    """``python -m kvabi_vllm.tools.checkpoints PATH``: write a checkpoint vLLM can serve."""
+    from kvabi.argtypes import int_arg
+
+    p = argparse.ArgumentParser(
+        prog="python -m kvabi_vllm.tools.checkpoints",
+        description="Write a tiny random float32 checkpoint (safetensors, config.json and a "
+                    "byte tokenizer) that vLLM loads from disk, e.g. for `kvabi-vllm serve "
+                    "PATH`. Random weights: the text it generates is random bytes.")
+    p.add_argument("path", help="directory to write (created if missing)")
+    p.add_argument("--family", choices=FAMILIES, default="llama",
+                   help="architecture (llama; mistral: sliding window; gemma3: sliding and "
+                        "full layers; gemma3n: KV-shared layers); default llama")
+    p.add_argument("--layers", type=int_arg(1, 1024), default=4,
+                   help="decoder layers (default 4)")
+    p.add_argument("--head-dim", type=int_arg(1, 1024), default=32,
+                   help="head size (default 32; vLLM's CPU kernels take 32 and up)")
+    p.add_argument("--seed", type=int_arg(0, 2**31 - 1), default=0,
+                   help="seed of the weights (default 0: the same bytes every time)")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="leave the tokenizer out (prompts are then token ids and vLLM needs "
+                        "--skip-tokenizer-init)")
+    a = p.parse_args(argv)
+    path = write_checkpoint(a.family, a.path, seed=a.seed, tokenizer=not a.no_tokenizer,
+                            layers=a.layers, head_dim=a.head_dim)
+    print(f"wrote a random {a.family}-like checkpoint ({a.layers} layers, head size "
+          f"{a.head_dim}) to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,8 +27,8 @@ def parser() -> argparse.ArgumentParser:
                     "random Gemma-3n-like checkpoint; tokens compared with vLLM's own CPU "
                     "attention. About a minute on 2 cores.")
     p.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS),
-                   help="kvabi backends (one not registered here is replaced by "
-                        "example.torch)")
+                   help="kvabi backends to run vLLM's attention on (`kvabi backends` lists "
+                        "them; a name not registered here is refused)")
     p.add_argument("--prompts", type=pos, default=4, help="prompts in the batch")
     p.add_argument("--new-tokens", type=pos, default=16, help="tokens generated per prompt")
     p.add_argument("--block-size", type=pos, default=32, help="vLLM block size")
@@ -38,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
 def run(args, progress=None) -> list[dict]:
     """Rows (path, tokens, seconds, whether they match vLLM's own) of the demo."""
     import kvabi
+    from kvabi import KVABIError
 
     from . import checkpoints as ck
     from ..attention import STATS
@@ -45,7 +46,11 @@ def run(args, progress=None) -> list[dict]:
 
     setup_env(quiet=True)
     names = kvabi.backend_names()
-    backends = list(dict.fromkeys(b if b in names else "example.torch" for b in args.backends))
+    unknown = [b for b in args.backends if b not in names]
+    if unknown:
+        raise KVABIError(f"--backends: {', '.join(unknown)} not a kvabi backend registered "
+                         f"here; registered: {', '.join(names)}")
+    backends = list(dict.fromkeys(args.backends))
     prompts = ck.prompts(args.prompts)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvabi-vllm-demo-") as tmp:

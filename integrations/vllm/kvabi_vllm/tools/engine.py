@@ -17,9 +17,7 @@ import time
 
 from kvabi.errors import KVABIError
 
-from ..vllm_plugin import ENV_BACKEND
-
-ENV_LAYOUT = "KVABI_VLLM_LAYOUT"
+from ..startup import ENV_BACKEND, ENV_LAYOUT
 #: Environment every in-process engine here runs with (set unless already set).
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 

@@ -5,14 +5,16 @@ vLLM's own NixlConnector), for the tests, ``kvabi bench vllm`` and the demo.
 process prefills each prompt (one token), writes the requests' ``kv_transfer_params`` to a
 JSON file and keeps its engine (and its cache, which the decode side reads) alive until told
 to stop.  The decode process generates from those params, then runs the same prompts again
-without them (the single-engine reference, prefix caching off) and writes both token lists
-and the connector's per-request pull figures.  :func:`run_pair` drives both.
+without them (the single-engine reference, prefix caching off) and writes both token lists,
+the connector's per-request pull figures and the batch timings (P/D; single engine with all
+tokens and with one).  :func:`run_pair` drives both.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -41,8 +43,8 @@ def allow_cpu_attn_layout(name: str) -> None:
 def make_llm(model: str, *, block_size: int, role: str | None, connector: str = "KvabiConnector",
              module: str | None = "kvabi_vllm.connector", extra: dict | None = None,
              layout: str | None = None, prefix_caching: bool = False, blocks: int = 256,
-             kv_cache_dtype: str = "auto", kv_scales=None):
-    """An in-process vLLM engine (float32, no tokenizer) with a KV connector in ``role``;
+             dtype: str = "float32", kv_cache_dtype: str = "auto", kv_scales=None):
+    """An in-process vLLM engine (``dtype``, no tokenizer) with a KV connector in ``role``;
     ``kv_cache_dtype`` (e.g. ``fp8``) and per-layer ``kv_scales`` ((k, v) pairs, cycled,
     set as the weights load)."""
     for k, v in ENV.items():
@@ -65,7 +67,7 @@ def make_llm(model: str, *, block_size: int, role: str | None, connector: str = 
         if connector == "NixlConnector":
             kw["kv_buffer_device"] = "cpu"
         kv = KVTransferConfig(**kw)
-    return LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=block_size,
+    return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, block_size=block_size,
                max_model_len=1024, enforce_eager=True, num_gpu_blocks_override=blocks,
                enable_prefix_caching=prefix_caching, kv_transfer_config=kv,
                kv_cache_dtype=kv_cache_dtype)
@@ -129,7 +131,7 @@ def _record_nixl_transfers() -> list:
 def prefill_main(a) -> int:
     _nixl_side_channel(a)
     llm = make_llm(a.model, block_size=a.block_size, role="kv_producer",
-                   connector=a.connector, module=a.module, layout=a.layout,
+                   connector=a.connector, module=a.module, layout=a.layout, dtype=a.dtype,
                    kv_cache_dtype=a.kv_cache_dtype, kv_scales=a.kv_scales)
     prompts = _prompts(a.prompts)
     outs = llm.generate(prompts, [_sampling(1, {"do_remote_decode": True}) for _ in prompts],
@@ -148,51 +150,84 @@ def decode_main(a) -> int:
     _nixl_side_channel(a)
     nixl = _record_nixl_transfers() if a.connector == "NixlConnector" else []
     llm = make_llm(a.model, block_size=a.block_size, role="kv_consumer",
-                   connector=a.connector, module=a.module, layout=a.layout,
+                   connector=a.connector, module=a.module, layout=a.layout, dtype=a.dtype,
                    kv_cache_dtype=a.kv_cache_dtype, kv_scales=a.kv_scales)
     prompts = _prompts(a.prompts)
     params = json.loads(Path(a.params).read_text())
-    t0 = time.perf_counter()
-    pd = llm.generate(prompts, [_sampling(a.max_tokens, p) for p in params], use_tqdm=False)
-    pd_s = time.perf_counter() - t0
+
+    def timed(sampling):
+        t0 = time.perf_counter()
+        out = llm.generate(prompts, sampling, use_tqdm=False)
+        return out, time.perf_counter() - t0
+
+    timed([_sampling(1) for _ in prompts])  # warm-up: the first forward passes are slower
+    pd, pd_s = timed([_sampling(a.max_tokens, p) for p in params])
     conn = _worker_connector()
     stats = list(getattr(conn, "pull_stats", []))
     layouts = conn.part_layouts() if hasattr(conn, "part_layouts") else []
-    single = llm.generate(prompts, [_sampling(a.max_tokens) for _ in prompts], use_tqdm=False)
+    # the single-engine reference; its prefill alone (one token) gives its decode time
+    # (taking turns, medians: a shared machine's load drifts)
+    fulls, ones = [], []
+    for _ in range(3):
+        single, t = timed([_sampling(a.max_tokens) for _ in prompts])
+        fulls.append(t)
+        ones.append(timed([_sampling(1) for _ in prompts])[1])
+    single_s, prefill_s = statistics.median(fulls), statistics.median(ones)
     Path(a.out).write_text(json.dumps({
         "pd": [list(o.outputs[0].token_ids) for o in pd],
+        "pd_ids": [o.request_id for o in pd],  # numbered after the warm-up's requests
         "finish": [str(o.outputs[0].finish_reason) for o in pd],
         "single": [list(o.outputs[0].token_ids) for o in single],
         "pulls": stats, "nixl": nixl, "generate_s": pd_s, "layouts": layouts,
+        "single_s": single_s, "single_prefill_s": prefill_s,
     }))
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvabi_vllm.tools.pd",
-                                 description="one engine of a vLLM prefill/decode pair")
-    sub = ap.add_subparsers(dest="role", required=True)
-    for role in ("prefill", "decode"):
-        p = sub.add_parser(role)
+    ap = argparse.ArgumentParser(
+        prog="python -m kvabi_vllm.tools.pd",
+        description="One engine of a vLLM prefill/decode pair in this process, for tests and "
+                    "benchmarks (run_pair drives both). prefill: prefill each prompt (one "
+                    "token), write the requests' kv_transfer_params, keep the engine (and "
+                    "the blocks the decode side reads) until --stop exists. decode: generate "
+                    "from those params, then again without them (the single-engine "
+                    "reference), and write both token lists and the pull figures.")
+    sub = ap.add_subparsers(dest="role", required=True, metavar="{prefill,decode}")
+    for role, what in (("prefill", "the producer side (kv_role kv_producer)"),
+                       ("decode", "the consumer side (kv_role kv_consumer)")):
+        p = sub.add_parser(role, help=what, description=what)
         p.add_argument("--model", required=True, help="checkpoint directory")
-        p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
-        p.add_argument("--block-size", type=int, default=32)
-        p.add_argument("--layout", default=None, help="vLLM KV cache layout, e.g. BLHNC")
-        p.add_argument("--connector", default="KvabiConnector")
+        p.add_argument("--prompts", required=True,
+                       help="JSON file: a list of prompts, each a list of token ids")
+        p.add_argument("--block-size", type=int, default=32,
+                       help="vLLM block size (default 32)")
+        p.add_argument("--dtype", default="float32",
+                       help="model and KV cache dtype (default float32)")
+        p.add_argument("--layout", default=None,
+                       help="vLLM KV cache layout name, e.g. BLHNC (default: the "
+                            "attention backend's)")
+        p.add_argument("--connector", default="KvabiConnector",
+                       help="KV connector class name (default KvabiConnector; "
+                            "NixlConnector: vLLM's own)")
         p.add_argument("--module", default="kvabi_vllm.connector",
-                       help="module of the connector ('' for vLLM's own)")
-        p.add_argument("--out", required=True, help="where to write results (JSON)")
+                       help="module of the connector ('' for one of vLLM's own)")
+        p.add_argument("--out", required=True, help="where to write the results (JSON)")
+        p.add_argument("--timeout", type=float, default=600.0,
+                       help="seconds before giving up (default 600)")
         p.add_argument("--kv-cache-dtype", default="auto",
                        help="vLLM's kv_cache_dtype (auto, fp8, fp8_e5m2)")
         p.add_argument("--kv-scales", type=json.loads, default=None,
                        help="per-layer static KV scales as JSON [[k, v], ...] (cycled), set "
                             "as the weights load")
-        p.add_argument("--timeout", type=float, default=600.0)
         if role == "prefill":
-            p.add_argument("--stop", required=True, help="exit once this file exists")
+            p.add_argument("--stop", required=True,
+                           help="keep serving the decode side's reads until this file exists")
         else:
-            p.add_argument("--params", required=True, help="the prefill side's output")
-            p.add_argument("--max-tokens", type=int, default=16)
+            p.add_argument("--params", required=True,
+                           help="the prefill side's output (its kv_transfer_params)")
+            p.add_argument("--max-tokens", type=int, default=16,
+                           help="tokens to generate per prompt (default 16)")
     return ap
 
 
@@ -206,8 +241,9 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
              max_tokens: int = 16, timeout: float = 600.0, env: dict | None = None,
              edit_params=None) -> dict:
     """Run a prefill and a decode process; ``prefill``/``decode`` give each side's
-    ``block_size``, ``layout``, ``connector``, ``module``, ``kv_cache_dtype``,
-    ``kv_scales`` and ``env`` (e.g. the kvabi attention backend, ``KVABI_VLLM_BACKEND``); ``edit_params`` (tests) may
+    ``block_size``, ``layout``, ``connector``, ``module``, ``dtype``, ``model`` (default:
+    ``model``), ``kv_cache_dtype``, ``kv_scales`` and ``env`` (e.g. the kvabi attention
+    backend, ``KVABI_VLLM_BACKEND``); ``edit_params`` (tests) may
     rewrite the prefill side's kv_transfer_params on their way.  Returns the decode side's
     results (``pd`` and ``single`` tokens, ``finish`` reasons, ``pulls``)."""
     work = Path(workdir)
@@ -218,8 +254,9 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
         f.unlink(missing_ok=True)
 
     def args(side: dict) -> list[str]:
-        a = ["--model", str(model), "--prompts", str(work / "prompts.json"),
+        a = ["--model", str(side.get("model", model)), "--prompts", str(work / "prompts.json"),
              "--block-size", str(side.get("block_size", 32)),
+             "--dtype", side.get("dtype", "float32"),
              "--connector", side.get("connector", "KvabiConnector"),
              "--module", side.get("module", "kvabi_vllm.connector") or ""]
         a += ["--kv-cache-dtype", side.get("kv_cache_dtype", "auto")]
@@ -243,14 +280,15 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
             time.sleep(0.2)
         if edit_params is not None:
             params.write_text(json.dumps(edit_params(json.loads(params.read_text()))))
-        d = subprocess.run(cmd + ["decode"] + args(decode) +
-                           ["--params", str(params), "--out", str(out),
-                            "--max-tokens", str(max_tokens)],
-                           env={**penv, **decode.get("env", {})}, capture_output=True,
-                           text=True, timeout=timeout)
-        (work / "decode.log").write_text(d.stdout + d.stderr)
+        with open(work / "decode.log", "w") as dlog:
+            d = subprocess.run(cmd + ["decode"] + args(decode) +
+                               ["--params", str(params), "--out", str(out),
+                                "--max-tokens", str(max_tokens)],
+                               env={**penv, **decode.get("env", {})}, stdout=dlog,
+                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
         if d.returncode:
-            raise RuntimeError("decode process failed:\n" + (d.stdout + d.stderr)[-4000:])
+            raise RuntimeError("decode process failed:\n" +
+                               (work / "decode.log").read_text()[-4000:])
         return json.loads(out.read_text())
     finally:
         stop_process(p, stop)
