@@ -3,10 +3,12 @@ from . import tensors
 from .backend import Backend
 from .cache import KVCache
 from .capabilities import Capabilities
+from .component import Component
 from .errors import KVABIError, UnsupportedError
 from .hookspecs import hookimpl
 from .layout import Layout
 from .metadata import CommonAttentionMetadata
+from .quant import check_scales
 from .shard import Shard
 from .spec import KVGroup, KVSpec, LayerKV, ModelKV
 from .step_checks import (AttentionOptions, check_layer, check_num_q_heads, check_step,
@@ -38,9 +40,8 @@ def __getattr__(name):
 
 
 __all__ = ["ABI_VERSION", "AttentionOptions", "Backend", "Capabilities",
-           "CommonAttentionMetadata", "KVABIError", "KVCache", "KVGroup", "KVSpec", "LayerKV",
-           "Layout", "ModelKV", "Shard", "StepLimits", "StepPlan", "TPView", "UnsupportedError",
-           "WIRE_VERSION",
-           "backend_names", "check_layer", "check_num_q_heads", "check_step", "get_backend",
-           "hookimpl", "index_dtype", "merge_attention", "tensors", "transforms",
-           "__version__"]
+           "CommonAttentionMetadata", "Component", "KVABIError", "KVCache", "KVGroup",
+           "KVSpec", "LayerKV", "Layout", "ModelKV", "Shard", "StepLimits", "StepPlan",
+           "TPView", "UnsupportedError", "WIRE_VERSION", "backend_names", "check_layer",
+           "check_num_q_heads", "check_scales", "check_step", "get_backend", "hookimpl",
+           "index_dtype", "merge_attention", "tensors", "transforms", "__version__"]

@@ -5,21 +5,29 @@ per layer a write and an attention with that plan):
 
 - ``plan(meta, spec, layout, *, num_q_heads, scale=None, softcap=None, sinks=None)`` gives
   a :class:`kvabi.StepPlan`, which fixes the layout;
-- ``write_kv(plan, cache, *, key, value=None, layer=0)`` gives the cache;
-- ``attention(plan, cache, *, query, layer=0, sinks=None, out=None, return_lse=False)``.
+- ``write_kv(plan, cache, *, key, value=None, layer=0, k_scale=None, v_scale=None)``
+  gives the cache;
+- ``attention(plan, cache, *, query, layer=0, sinks=None, out=None, return_lse=False,
+  k_scale=None, v_scale=None)``.
+
+``k_scale``/``v_scale`` are the layer's static scales of a ``per_tensor`` quantized cache
+(``specs/semantics.md`` section 11) and are refused for any other cache.
 
 :class:`Backend` runs every public check of these calls, once and in one place: the backend
 is available and claims the spec, the layout and the options; the step fits the layout;
 the plan is one this backend made; the cache is a :class:`kvabi.KVCache` of the plan's
 layout in the backend's framework; key, value and query have the step's shapes and real
 dtypes (converted into the backend's framework and device where they are not); per-call
-sinks; the ``out=`` buffer (shape, dtype, no byte shared with the query or the cache).
+sinks; the ``out=`` buffer (shape, dtype, no byte shared with the query or the cache);
+static scales.
 Then it calls the backend's own small methods, by keyword, with checked arguments:
 
 - ``prepare(plan)``: what the backend precomputes for the step (index arrays on its
   device, a library's planned wrapper), attached to the plan as ``plan.prepared``;
 - ``write(plan, cache, key, value, layer)``: the new K/V into the cache; returns the cache;
-- ``attend(plan, cache, query, layer, sinks, out, return_lse)``: ``(output, lse or None)``.
+- ``attend(plan, cache, query, layer, sinks, out, return_lse)``: ``(output, lse or None)``;
+- for a ``per_tensor`` spec only (a backend that claims it in ``Capabilities.quant``), both
+  also get ``scales``: the checked ``(k_scale, v_scale)`` as float32 values.
 
 A backend author writes those three (and describes the backend: ``available``,
 ``capabilities``, ``preferred_layouts``, optionally ``layout_refusals``, ``device``,
@@ -34,6 +42,7 @@ from .cache import KVCache
 from .capabilities import Capabilities
 from .coerce import as_bool, real_array
 from .errors import KVABIError, UnsupportedError
+from .quant import check_scales
 from .spec import KVSpec
 from .step_checks import (AttentionOptions, check_kv, check_layer, check_num_q_heads,
                           check_out, check_query, check_sinks, check_step, dtype_class,
@@ -172,11 +181,14 @@ class Backend:
         return plan
 
     def write_kv(self, plan: StepPlan, cache: KVCache, *, key, value=None,
-                 layer: int = 0) -> KVCache:
+                 layer: int = 0, k_scale=None, v_scale=None) -> KVCache:
         """Write the step's new K/V into ``layer`` of ``cache`` at the plan's slots (slot
         -1 skipped); returns the cache.  numpy and torch caches are written in place; a
-        jax cache is consumed (its buffers donated to the update): use the returned one."""
+        jax cache is consumed (its buffers donated to the update): use the returned one.
+        ``k_scale``/``v_scale``: the layer's static scales of a ``per_tensor`` cache (1.0
+        when not given)."""
         cache = self.__cache(plan, cache)
+        scales = check_scales(plan.spec, k_scale, v_scale)
         if type(layer) is not int or not 0 <= layer < plan.num_layers:
             layer = check_layer(layer, plan.layout)
         key = self.__array(key, "key")
@@ -184,24 +196,31 @@ class Backend:
         kshape, vshape = plan.shapes[:2]
         if key.shape != kshape or (None if value is None else value.shape) != vshape:
             check_kv(key, value, plan.meta, plan.spec)  # names what is wrong
+        if scales is not None:
+            return self.write(plan=plan, cache=cache, key=key, value=value, layer=layer,
+                              scales=scales)
         return self.write(plan=plan, cache=cache, key=key, value=value, layer=layer)
 
     @overload
     def attention(self, plan: StepPlan, cache: KVCache, *, query, layer: int = 0,
-                  sinks=None, out=None, return_lse: Literal[False] = False) -> Any: ...
+                  sinks=None, out=None, return_lse: Literal[False] = False, k_scale=None,
+                  v_scale=None) -> Any: ...
 
     @overload
     def attention(self, plan: StepPlan, cache: KVCache, *, query, layer: int = 0,
-                  sinks=None, out=None, return_lse: Literal[True]) -> tuple[Any, Any]: ...
+                  sinks=None, out=None, return_lse: Literal[True], k_scale=None,
+                  v_scale=None) -> tuple[Any, Any]: ...
 
     def attention(self, plan, cache, *, query, layer=0, sinks=None, out=None,
-                  return_lse=False):
+                  return_lse=False, k_scale=None, v_scale=None):
         """Attention of the step's ``query`` over ``layer`` of ``cache``: the output, or
         ``(output, lse)`` with ``return_lse``.  ``sinks`` ([Hq] logits) override the
         plan's for this call; ``out`` ([T, Hq, Dv], the query's dtype, sharing no memory
         with the query or the cache) receives the output in place where the framework
-        allows (numpy, torch) and is returned (jax: a new array is returned)."""
+        allows (numpy, torch) and is returned (jax: a new array is returned).
+        ``k_scale``/``v_scale``: as for :meth:`write_kv`."""
         cache = self.__cache(plan, cache)
+        scales = check_scales(plan.spec, k_scale, v_scale)
         if type(layer) is not int or not 0 <= layer < plan.num_layers:
             layer = check_layer(layer, plan.layout)
         if return_lse is not False and return_lse is not True:
@@ -220,8 +239,9 @@ class Backend:
         if out is not None:
             check_out(out, plan.shapes[3], query, self.framework,
                       () if self.framework == "jax" else cache.layer_spans(layer))
+        kw = {} if scales is None else {"scales": scales}
         res, lse = self.attend(plan=plan, cache=cache, query=query, layer=layer, sinks=sinks,
-                               out=out, return_lse=return_lse)
+                               out=out, return_lse=return_lse, **kw)
         if out is not None and res is not out and self.framework != "jax":
             if self.framework == "torch":
                 out.copy_(res)

@@ -20,6 +20,7 @@ from .layout import check_layout as _check_layout
 from .planes import (byte_span, check_plane, check_planes, check_torch,
                      check_torch_devices, plane_stamp)
 from .tensors import framework, torch_dtype
+from .views import allocate_numpy, component_view, layer_view
 
 
 class KVCache(tuple):
@@ -83,7 +84,7 @@ class KVCache(tuple):
         if framework not in ("numpy", "torch", "jax"):
             raise KVABIError(f"framework: must be numpy, torch or jax, got {framework!r:.60}")
         if framework == "numpy":
-            return cls(layout, tuple(layout.allocate_numpy(fill, bytewise=True)),
+            return cls(layout, tuple(allocate_numpy(layout, fill, bytewise=True)),
                        _checked=True)
         if framework == "torch":
             import torch
@@ -93,12 +94,14 @@ class KVCache(tuple):
                     device = torch.device(device)
                 except (RuntimeError, TypeError, ValueError):
                     raise KVABIError(f"device: not a torch device, got {device!r:.60}") from None
-            nbytes = -(-layout.plane_nbytes // layout.itemsize) * layout.itemsize
+            axis = layout.is_axis_form
             # host planes from numpy's allocator: it asks for transparent huge pages on large
             # buffers, torch's does not (execute on torch planes ran 0.72x numpy's without)
             host = (device if device is not None else torch.empty(0).device).type == "cpu"
             planes = []
-            for _ in range(layout.num_planes):
+            sizes = [layout.plane_nbytes] * layout.num_planes if axis else layout.plane_sizes
+            for size in sizes:
+                nbytes = -(-size // layout.itemsize) * layout.itemsize
                 try:  # a device that is not there, or too little memory on it
                     buf = (torch.from_numpy(np.full(nbytes, fill, np.uint8)) if host else
                            torch.full((nbytes,), fill, dtype=torch.uint8, device=device))
@@ -107,8 +110,9 @@ class KVCache(tuple):
                     raise KVABIError(f"device: cannot allocate {layout.num_planes} planes of "
                                      f"{nbytes} bytes on {device or 'the default device'}: "
                                      f"{why:.200}") from None
-                planes.append(buf.view(torch_dtype(layout.dtype)).as_strided(
-                    layout.plane_shape, layout.plane_strides))
+                typed = buf.view(torch_dtype(layout.dtype))
+                planes.append(typed.as_strided(layout.plane_shape, layout.plane_strides)
+                              if axis else typed)
                 check_torch(planes[-1], len(planes) - 1)
             return cls(layout, tuple(planes), _checked=True)
         import jax.numpy as jnp
@@ -117,7 +121,7 @@ class KVCache(tuple):
             raise KVABIError(f"layout: {layout.name or 'custom'} has padding bytes or "
                              f"explicit strides; jax arrays are dense")
         return cls(layout, tuple(jnp.asarray(p) for p in
-                                 layout.allocate_numpy(fill, bytewise=True)), _checked=True)
+                                 allocate_numpy(layout, fill, bytewise=True)), _checked=True)
 
     @property
     def planes(self) -> tuple:
@@ -176,7 +180,7 @@ class KVCache(tuple):
             kvs = (0, 1) if "KV" in self.layout.planes else (0,)
             idx = tuple(self.layout.plane_index(layer, kv) for kv in kvs)
             self.check_unchanged(idx)  # before any view is made from the planes
-            v = self.layout._layer_view(self, layer)
+            v = layer_view(self.layout, self, layer)
             hit = self._views[("layer", layer)] = (v, idx, tuple(
                 plane_stamp(t, self.framework) for t in v))
         if self.framework != "jax":
@@ -186,19 +190,31 @@ class KVCache(tuple):
 
     def kv_view(self, layer: int, kv: int):
         """Strided [B, N, H, D] view of the keys (kv=0) or values (kv=1) of ``layer``
-        (numpy and torch planes; writes go through), cached."""
-        if type(layer) is not int:
-            layer = as_int(layer, "layer")
+        (the MLA latent: kv=0), numpy and torch planes, writes go through; cached."""
         if type(kv) is not int:
             kv = as_int(kv, "kv")
-        hit = self._views.get((layer, kv))
+        if not 0 <= kv < (2 if self.layout.has_kv else 1):
+            raise KVABIError(f"kv: {kv} out of range [0, {2 if self.layout.has_kv else 1})")
+        return self.component_view(("key", "value")[kv] if self.layout.has_kv else "latent",
+                                   layer)
+
+    def component_view(self, name: str, layer: int):
+        """Strided ``[B, N, H, E]`` view of component ``name`` of ``layer`` in its own dtype
+        (``kvabi.views.component_view``: size 1 along axes it does not vary along; packed
+        dtypes as their bytes), numpy and torch planes, writes go through; cached."""
+        if type(layer) is not int:
+            layer = as_int(layer, "layer")
+        hit = self._views.get((name, layer))
         if hit is None:
             if self.framework == "jax":
                 raise KVABIError("cache: jax planes have no strided views; use layer_view")
-            i = self.layout.plane_index(layer, kv)
+            from .step_checks import check_layer
+
+            c = self.layout.component(name)
+            i = c.plane + check_layer(layer, self.layout) * c.plane_strides.get("L", 0)
             self.check_unchanged((i,))  # before any view is made from the plane
-            v = self.layout._kv_view(self, layer, kv)
-            hit = self._views[(layer, kv)] = (v, i, plane_stamp(v, self.framework))
+            v = component_view(self.layout, self, name, layer)
+            hit = self._views[(name, layer)] = (v, i, plane_stamp(v, self.framework))
         self._check_view(hit[1], hit[0], hit[2])
         return hit[0]
 
@@ -226,8 +242,10 @@ class KVCache(tuple):
                              f"and written through, never re-pointed")
 
     def __repr__(self) -> str:
+        what = (f"{self.layout.plane_shape} {self.layout.dtype}" if self.layout.is_axis_form
+                else "components " + ", ".join(self.layout.component_names))
         return (f"KVCache({self.layout.name or 'custom'}, {len(self)} {self.framework} "
-                f"planes of {self.layout.plane_shape} {self.layout.dtype})")
+                f"planes of {what})")
 
     # Identity semantics: planes are arrays, whose == is elementwise.
     def __eq__(self, other):

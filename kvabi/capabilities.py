@@ -20,6 +20,10 @@ class Capabilities:
     sinks: bool = False
     layouts: tuple[str, ...] = ()
     notes: str = ""
+    #: the ``KVSpec.quant`` granularities computed (``specs/semantics.md`` section 11)
+    quant: tuple[str, ...] = ("none",)
+    #: the ``KVSpec.rounding`` modes a quantizing write implements
+    roundings: tuple[str, ...] = ("nearest_even",)
 
     def refusals(self, spec, *, softcap=None, sinks=None) -> tuple[str, ...]:
         """Every reason ``spec`` (with a soft cap / sinks, when given) is outside these
@@ -30,6 +34,10 @@ class Capabilities:
             out.append(f"kind {spec.kind!r} not in {self.kinds}")
         if spec.dtype not in self.dtypes:
             out.append(f"dtype {spec.dtype!r} not in {self.dtypes}")
+        if spec.quant not in self.quant:
+            out.append(f"quant {spec.quant!r} not in {self.quant}")
+        elif spec.quant != "none" and spec.rounding not in self.roundings:
+            out.append(f"rounding {spec.rounding!r} not in {self.roundings}")
         if self.head_dims is not None:
             for d in dict.fromkeys((spec.head_dim, spec.head_dim_v)):
                 if d not in self.head_dims:

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "conformance": "run the conformance kit against a backend",
     "bench": "run a benchmark suite (transforms, tpu, cuda, ...)",
     "probe": "infer the layout a backend's write_kv really produces; compare to its declared one",
+    "layout": "draw one block of a layout (a preset or a descriptor file) as a byte map",
 }
 
 #: exit status of a KVABIError or a usage error

@@ -181,6 +181,15 @@ def checked(value: int, field: str) -> int:
     return value
 
 
+def checked_bytes(value: int, field: str, what: str) -> int:
+    """:func:`checked` for a byte count: KVABIError ``"<field>: <what> (<value> bytes) does
+    not fit in int64"``."""
+    try:
+        return checked(value, field)
+    except KVABIError:
+        raise KVABIError(f"{field}: {what} ({value} bytes) does not fit in int64") from None
+
+
 def _dtype_bounds(dt: np.dtype) -> tuple[int, int]:
     info = np.iinfo(dt)
     return int(info.min), int(info.max)

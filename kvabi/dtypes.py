@@ -19,6 +19,12 @@ DTYPE_BITS = {
     "int8": 8,
 }
 DTYPES = tuple(DTYPE_BITS)
+#: dtypes a layout component may also have: raw bytes, and sub-byte values packed two per
+#: byte, element ``2i`` in the low nibble (bits 0-3) and ``2i + 1`` in the high nibble
+#: (bits 4-7), the order of vLLM's int4 and NVFP4 writers
+PACKED_BITS = {"int4": 4, "uint4": 4, "float4_e2m1fn": 4}
+COMPONENT_BITS = {**DTYPE_BITS, "uint8": 8, **PACKED_BITS}
+COMPONENT_DTYPES = tuple(COMPONENT_BITS)
 
 
 def check_dtype(name: str, field: str = "dtype") -> str:
@@ -26,6 +32,32 @@ def check_dtype(name: str, field: str = "dtype") -> str:
     if not isinstance(name, str) or name not in DTYPE_BITS:
         raise KVABIError(f"{field}: unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
     return name
+
+
+def check_component_dtype(name, field: str = "dtype") -> str:
+    """``name`` if it is a dtype a layout component may have (the cache dtypes, ``uint8``,
+    and the packed 4-bit ``int4``, ``uint4``, ``float4_e2m1fn``); else KVABIError naming
+    ``field``."""
+    if not isinstance(name, str) or name not in COMPONENT_BITS:
+        raise KVABIError(f"{field}: unknown dtype {name!r:.60}; expected one of "
+                         f"{', '.join(COMPONENT_DTYPES)}")
+    return name
+
+
+def is_packed(name: str) -> bool:
+    """Whether a component dtype packs two elements per byte."""
+    return check_component_dtype(name) in PACKED_BITS
+
+
+def unit_bytes(name: str) -> int:
+    """Bytes of one storage unit of a component dtype: its itemsize, or 1 for a packed
+    dtype (one byte holds two elements)."""
+    return max(1, COMPONENT_BITS[check_component_dtype(name)] // 8)
+
+
+def per_unit(name: str) -> int:
+    """Elements per storage unit: 2 for packed dtypes, else 1."""
+    return 2 if is_packed(name) else 1
 
 
 def itemsize(name: str) -> int:
@@ -40,6 +72,8 @@ def tpu_packing(name: str) -> int:
 
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype for a cache dtype name (bfloat16/float8 via ml_dtypes)."""
+    if name in ("uint8",) + tuple(PACKED_BITS):
+        return np.dtype(np.uint8)  # raw bytes; packed values are seen as their bytes
     check_dtype(name)
     if name in ("float32", "float16", "int8"):
         return np.dtype(name)

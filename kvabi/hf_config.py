@@ -20,6 +20,13 @@ configuration classes (the semantics, not their code):
 - KV sharing (``num_kv_shared_layers`` N, Gemma 3n): the last N layers own no cache; each
   reads the cache of the last earlier non-shared layer of its own type.
 
+A quantized KV cache (``specs/semantics.md`` section 11) is read from
+``quantization_config``: compressed-tensors' ``kv_cache_scheme`` (``type`` float,
+``num_bits`` 8, ``strategy`` tensor, symmetric) and ModelOpt's ``kv_cache_quant_algo``
+``FP8`` both state an ``float8_e4m3fn`` cache with one static scale per layer for keys and
+one for values (``quant`` ``per_tensor``; the scale values are checkpoint weights, passed
+per call).  Per-head static scales (``strategy`` ``attn_head``) are refused by field.
+
 The window W of ``sliding_window`` is used as is: Hugging Face masks keys j <= p - W, so a
 query sees W keys including itself, which is kvabi's convention too.
 
@@ -41,6 +48,7 @@ from typing import Any, Mapping
 from .coerce import as_bool, as_int
 from .dtypes import DTYPES
 from .errors import KVABIError, require
+from .quant import check_quant
 from .safe_json import MAX_BYTES, loads
 from .spec import KVSpec, LayerKV, ModelKV
 
@@ -151,6 +159,37 @@ def config_kv_dtype(cfg: Mapping) -> str:
     return "bfloat16"
 
 
+def config_kv_quant(config: Mapping) -> tuple[str, str] | None:
+    """``(kvabi dtype, quant)`` of the KV cache a config's ``quantization_config`` states,
+    or None when it states none; KVABIError naming the field for a scheme kvabi has no
+    granularity for."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    require(isinstance(qc, Mapping), "quantization_config", "must be an object",
+            type(qc).__name__)
+    scheme = qc.get("kv_cache_scheme")
+    if scheme is not None:
+        f = "quantization_config.kv_cache_scheme"
+        require(isinstance(scheme, Mapping), f, "must be an object", type(scheme).__name__)
+        kind, bits = scheme.get("type"), scheme.get("num_bits")
+        require(kind == "float" and type(bits) is int and bits == 8, f,
+                "kvabi reads float 8-bit KV cache schemes (type float, num_bits 8)",
+                {"type": kind, "num_bits": bits})
+        strategy = scheme.get("strategy", "tensor")
+        require(strategy == "tensor", f + ".strategy", "must be tensor (one static scale "
+                "per layer; per-head static scales are not a kvabi granularity)", strategy)
+        require(scheme.get("symmetric", True) is True, f + ".symmetric",
+                "must be true (kvabi's scales have no zero point)", scheme.get("symmetric"))
+        return "float8_e4m3fn", "per_tensor"
+    algo = qc.get("kv_cache_quant_algo")
+    if algo is None:
+        return None
+    require(isinstance(algo, str) and algo.upper() == "FP8",
+            "quantization_config.kv_cache_quant_algo", "kvabi reads FP8 (per-tensor)", algo)
+    return "float8_e4m3fn", "per_tensor"
+
+
 def _int_or_none(value, field: str, minimum: int = 1) -> int | None:
     """None, or an int >= ``minimum`` (no bool, no float, no string; int64 at most)."""
     if value is None:
@@ -238,17 +277,31 @@ def _divides(heads: int, kv_heads: int, field: str) -> int:
 
 
 def model_from_hf_config(config: Mapping | str | os.PathLike, block_size: int = 16,
-                         kv_dtype: str | None = None) -> ModelKV:
+                         kv_dtype: str | None = None, kv_quant: str | None = None,
+                         rounding: str = "nearest_even") -> ModelKV:
     """The :class:`ModelKV` of a Hugging Face config (a dict, a config.json path, or the
-    folder holding it).  ``kv_dtype`` defaults to the config's dtype (bfloat16 if none).
+    folder holding it).  ``kv_dtype`` defaults to the config's KV quantization
+    (:func:`config_kv_quant`), else its dtype (bfloat16 if none); ``kv_quant`` (``none``,
+    ``per_tensor``, ``per_token_head``) to what the config states when ``kv_dtype`` is not
+    given, else ``none``; ``rounding`` is the quantized cache's (``KVSpec.rounding``).
 
     Every field is type-checked (ints are ints, booleans are booleans) and every error
     names the config field.  Linear in the number of layers, which is at most
     :data:`MAX_LAYERS`.
     """
     block_size = as_int(block_size, "block_size", lo=1)
-    cfg = text_config(load_hf_config(config))
-    dtype = config_kv_dtype(cfg) if kv_dtype is None else resolve_kv_dtype(kv_dtype)
+    raw = load_hf_config(config)
+    cfg = text_config(raw)
+    stated = config_kv_quant(raw) or config_kv_quant(cfg)
+    if kv_dtype is None and stated is not None:
+        dtype, quant = stated
+    else:
+        dtype = config_kv_dtype(cfg) if kv_dtype is None else resolve_kv_dtype(kv_dtype)
+        quant = "none"
+    if kv_quant is not None:
+        quant = kv_quant
+    check_quant(quant, rounding, dtype)  # refused by field before any spec is built
+    q = {} if quant == "none" else {"quant": quant, "rounding": rounding}
     n = _need_int(cfg, "num_hidden_layers")
     require(n <= MAX_LAYERS, "num_hidden_layers", f"must be <= {MAX_LAYERS} (kvabi's "
             f"limit on decoder layers)", n)
@@ -259,7 +312,8 @@ def model_from_hf_config(config: Mapping | str | os.PathLike, block_size: int = 
     if cfg.get("kv_lora_rank") is not None:
         rank = _need_int(cfg, "kv_lora_rank")
         rope_dim = _need_int(cfg, "qk_rope_head_dim", minimum=0)
-        spec = KVSpec("mla", block_size, 1, rank + rope_dim, dtype=dtype, head_dim_v=rank)
+        spec = KVSpec("mla", block_size, 1, rank + rope_dim, dtype=dtype, head_dim_v=rank,
+                      **q)
         return ModelKV([LayerKV(f"layers.{i}", spec) for i in range(n)])
 
     heads = _need_int(cfg, "num_attention_heads")
@@ -290,9 +344,11 @@ def model_from_hf_config(config: Mapping | str | os.PathLike, block_size: int = 
         elif kind == "chunked_local":
             extra["chunk"] = _need_int(cfg, "attention_chunk_size")
         if kind == "full":
-            specs[t] = KVSpec(kind, block_size, full_kv_heads, full_head_dim, dtype=dtype)
+            specs[t] = KVSpec(kind, block_size, full_kv_heads, full_head_dim, dtype=dtype,
+                              **q)
         else:
-            specs[t] = KVSpec(kind, block_size, kv_heads, head_dim, dtype=dtype, **extra)
+            specs[t] = KVSpec(kind, block_size, kv_heads, head_dim, dtype=dtype, **extra,
+                              **q)
 
     num_shared = _int_or_none(cfg.get("num_kv_shared_layers"), "num_kv_shared_layers",
                               minimum=0) or 0

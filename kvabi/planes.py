@@ -40,7 +40,29 @@ def check_planes(layout, planes) -> str:
 
 def check_plane(layout, p, i, fw):
     """Plane ``i`` (of framework ``fw``) against ``layout``: shape, dtype, and for numpy and
-    torch (strided memory) element strides and the memory under it."""
+    torch (strided memory) element strides and the memory under it.  A component layout's
+    planes are bytes: a numpy or torch array of the layout's dtype (or ``uint8``), of any
+    shape, whose memory from its first element holds the plane's bytes (the components'
+    views are made over those bytes)."""
+    if not layout.is_axis_form:
+        if fw == "jax":
+            raise KVABIError(f"cache[{i}]: jax arrays have no strided views; "
+                             f"{layout.name or 'this layout'} is stated by components")
+        if fw == "torch":
+            check_torch(p, i)
+        try:
+            name = dtype_name(p)
+        except KVABIError:
+            name = str(p.dtype)
+        if name != layout.dtype and not str(p.dtype).endswith("uint8"):
+            raise KVABIError(f"cache[{i}].dtype: must be the layout's {layout.dtype} (or "
+                             f"uint8 bytes), got {name}")
+        need = layout.plane_size(i)
+        have = _bytes_from_start(p, fw)
+        if have < need:
+            raise KVABIError(f"cache[{i}]: the layout addresses {need} bytes from the "
+                             f"plane's start, but its memory holds only {have}")
+        return
     if fw == "jax":
         _check_dense(layout, p, i, fw)
         return

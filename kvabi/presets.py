@@ -11,6 +11,8 @@ import attrs
 from .coerce import as_int
 from .dtypes import tpu_packing
 from .errors import KVABIError
+from .presets_components import PRESETS as COMPONENT_PRESETS
+from .presets_components import QUANTIZED, build_component_preset
 from .spec import KVSpec
 
 # name -> (memory order, plane axes, folds); "C" in vLLM's names is (KV, D) folded.
@@ -42,12 +44,16 @@ _OTHER = {
 }
 _NO_MLA = {"flash_attn", "flashinfer.NHD", "flashinfer.HND", "tpu.combined", "tpu.hidden"}
 
-PRESETS = tuple(_VLLM) + tuple(_OTHER)
+#: the presets of the axis form (every 1.x preset)
+AXIS_PRESETS = tuple(_VLLM) + tuple(_OTHER)
+PRESETS = AXIS_PRESETS + COMPONENT_PRESETS
 
 
 def preset_names(spec: KVSpec) -> tuple[str, ...]:
-    """The presets that can hold ``spec``."""
-    return tuple(n for n in PRESETS if not (spec.is_mla and n in _NO_MLA))
+    """The presets that can hold ``spec`` (the quantized presets, whose dtypes are their
+    own, are asked for by name)."""
+    no_mla = _NO_MLA | set(COMPONENT_PRESETS)
+    return tuple(n for n in PRESETS if n not in QUANTIZED and not (spec.is_mla and n in no_mla))
 
 
 def build_preset(cls, name: str, spec: KVSpec, num_blocks: int, num_layers: int = 1):
@@ -59,6 +65,10 @@ def build_preset(cls, name: str, spec: KVSpec, num_blocks: int, num_layers: int 
         raise KVABIError(f"spec: must be a KVSpec, got {type(spec).__name__}")
     num_blocks = as_int(num_blocks, "num_blocks", lo=1)
     num_layers = as_int(num_layers, "num_layers", lo=1)
+    if name in COMPONENT_PRESETS:
+        return build_component_preset(cls, name, spec, num_blocks, num_layers)
+    if spec.quant == "per_token_head":  # the axis presets have no scale components
+        raise KVABIError(f"spec.quant: preset {name!r} stores no per-token-head scales")
     if name in _VLLM:
         order, planes, folds = _VLLM[name], (), (("KV", "D"),)
     else:

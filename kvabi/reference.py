@@ -23,9 +23,16 @@ from .coerce import as_int
 from .dtypes import DTYPES, numpy_dtype
 from .errors import KVABIError
 from .layout import Layout
-from .presets import PRESETS
+from .presets import preset_names
+from .presets_components import QUANTIZED
+from .quant import (ROUNDINGS, check_quant_layout, quantize_per_tensor,
+                    quantize_per_token_head)
 from .reference_attention import Pieces, attend, step_work
 from .spec import KINDS
+
+#: the quantization granularities the oracle computes (semantics section 11): per_token_head
+#: over any layout with scale components (its presets: vllm.*_per_token_head, flashinfer.*)
+QUANT = ("none", "per_tensor", "per_token_head")
 
 
 @attrs.frozen(eq=False)
@@ -71,17 +78,29 @@ class ReferenceBackend(Backend):
         return Capabilities(kinds=KINDS, dtypes=DTYPES, head_dims=None, block_sizes=None,
                             softcap=True, sinks=True,
                             layouts=self.preferred_layouts(spec) if spec is not None else (),
-                            notes="numpy float64 oracle; any head dim, block size, layout")
+                            notes="numpy float64 oracle; any head dim, block size, layout",
+                            quant=self._claimed(spec), roundings=ROUNDINGS)
+
+    def _claimed(self, spec) -> tuple[str, ...]:
+        """Every granularity it computes; for a per_token_head spec only where a preset
+        holds it (the kit tests what it claims on the presets it prefers)."""
+        if spec is None or spec.quant != "per_token_head" or self.preferred_layouts(spec):
+            return QUANT
+        return tuple(q for q in QUANT if q != "per_token_head")
 
     def preferred_layouts(self, spec) -> tuple[str, ...]:
-        """Every preset layout that can hold ``spec`` (MLA: those without a KV axis)."""
+        """Every preset layout that can hold ``spec`` (MLA: those without a KV axis; a
+        quantized preset where its dtype and scales are the spec's)."""
+        names = preset_names(spec) + (QUANTIZED if spec.quant == "per_token_head" else ())
         out = []
-        for name in PRESETS:
+        for name in names:
             try:  # a preset may still refuse the spec (packing, page alignment, Dv != D)
-                Layout.preset(name, spec, num_blocks=1)
+                lay = Layout.preset(name, spec, num_blocks=1)
+                check_quant_layout(spec, lay)
             except KVABIError:
                 continue
-            out.append(name)
+            if lay.dtype == spec.dtype:
+                out.append(name)
         return tuple(out)
 
     def prepare(self, plan) -> ReferenceWork:
@@ -105,22 +124,52 @@ class ReferenceBackend(Backend):
         v = cache.kv_view(layer, 1)
         return k, v if v.shape[3] == spec.head_dim_v else v[..., :spec.head_dim_v]
 
-    def write(self, plan, cache, key, value, layer):
-        """New K/V at the plan's slots, in place; returns ``cache``."""
+    def write(self, plan, cache, key, value, layer, scales=None):
+        """New K/V at the plan's slots, in place; returns ``cache``.
+
+        A ``per_tensor`` cache stores codes under the layer's static ``scales`` (``(k_scale,
+        v_scale)`` float32 values, checked by the base class); a ``per_token_head`` cache
+        codes and one float32 scale per token and head in the layout's ``key_scale`` and
+        ``value_scale`` components (semantics section 11)."""
+        spec = plan.spec
         kview, vview = self._views(cache, plan, layer)
         if not (kview.flags.writeable and vview.flags.writeable):
             raise KVABIError(f"cache: the planes of layer {layer} are read-only")
         tokens, blk, off = plan.prepared.write_rows
-        dt = numpy_dtype(plan.spec.dtype)
-        kview[blk, off] = to_cache_dtype(key if tokens is None else key[tokens], dt)
-        if not plan.spec.is_mla:
-            vview[blk, off] = to_cache_dtype(value if tokens is None else value[tokens], dt)
+        k = key if tokens is None else key[tokens]
+        v = None if spec.is_mla else value if tokens is None else value[tokens]
+        if spec.quant == "per_token_head":
+            kq, ks = quantize_per_token_head(k, spec.dtype, spec.rounding, "key")
+            vq, vs = quantize_per_token_head(v, spec.dtype, spec.rounding, "value")
+            kview[blk, off], vview[blk, off] = kq, vq
+            cache.component_view("key_scale", layer)[blk, off, :, 0] = ks
+            cache.component_view("value_scale", layer)[blk, off, :, 0] = vs
+            return cache
+        if scales is None:
+            dt = numpy_dtype(spec.dtype)
+            kview[blk, off] = to_cache_dtype(k, dt)
+            if v is not None:
+                vview[blk, off] = to_cache_dtype(v, dt)
+            return cache
+        kq = quantize_per_tensor(k, scales[0], spec.dtype, spec.rounding, "key")
+        vq = None if v is None else \
+            quantize_per_tensor(v, scales[1], spec.dtype, spec.rounding, "value")
+        kview[blk, off] = kq  # both quantized before either lands: a refusal changes nothing
+        if vq is not None:
+            vview[blk, off] = vq
         return cache
 
-    def attend(self, plan, cache, query, layer, sinks, out, return_lse):
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse, scales=None):
         """float64 output [T, Hq, Dv] and lse [T, Hq], the oracle's precision (the base
-        class copies the output into ``out`` when one is given)."""
+        class copies the output into ``out`` when one is given); a ``per_tensor`` cache is
+        read as codes times the layer's ``scales``, a ``per_token_head`` one as codes times
+        their row's stored scale."""
         spec, hq = plan.spec, plan.num_q_heads
+        if spec.quant == "per_token_head":  # [B, N, H, 1] float32 views
+            scales = tuple(cache.component_view(n, layer)
+                           for n in ("key_scale", "value_scale"))
+        elif scales is None:
+            scales = (1.0, 1.0)
         h = spec.num_kv_heads
         sink = np.full((h, hq // h), -np.inf) if sinks is None else sinks.reshape(h, hq // h)
         kview, vview = self._views(cache, plan, layer)
@@ -128,7 +177,7 @@ class ReferenceBackend(Backend):
         res = np.zeros((t, hq, spec.head_dim_v), np.float64)
         lse = np.full((t, hq), -np.inf, np.float64)
         attend(query, kview, vview, spec, plan.prepared.work(plan), plan.scale, plan.softcap,
-               sink, res, lse)
+               sink, res, lse, scales)
         return res, lse
 
 

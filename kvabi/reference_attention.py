@@ -168,12 +168,17 @@ def _chunk_work(meta, spec, pieces, idx, w, s, keep_mask: bool) -> ChunkWork:
 
 
 def attend(query, kview, vview, spec, work, scale: float, softcap,
-           sink, out, lse) -> None:
+           sink, out, lse, kv_scales=(1.0, 1.0)) -> None:
     """Fill ``out`` [T, Hq, Dv] and ``lse`` [T, Hq] (float64) at the real tokens.
 
     ``kview``/``vview``: numpy [B, N, H, D] / [B, N, H, Dv] cache views; ``sink``: float64
-    [H, g] (``-inf`` without sinks); ``work`` (chunks) from :func:`step_work`.
+    [H, g] (``-inf`` without sinks); ``work`` (chunks) from :func:`step_work`;
+    ``kv_scales``: the (key, value) scales the cache's codes are read with (exact float64
+    products): static numbers (an MLA latent uses the key's), or ``[B, N, H, 1]`` views of
+    one scale per token and head.
     """
+    ks, vs = kv_scales
+    per_row = not np.isscalar(ks)
     h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
     hq = query.shape[1]
     g = hq // h
@@ -183,6 +188,14 @@ def attend(query, kview, vview, spec, work, scale: float, softcap,
         v, w, s = c.v, c.w, c.s
         keys = kview[c.blk, c.off].astype(np.float64)  # [v, s, H, D]
         vals = keys[..., :dv] if kv_same else vview[c.blk, c.off].astype(np.float64)
+        if per_row:  # one scale per token and head: [v, s, H, 1]
+            keys *= ks[c.blk, c.off]
+            vals *= vs[c.blk, c.off]
+        else:
+            if ks != 1.0:
+                keys *= ks
+            if vs != 1.0 and not kv_same:
+                vals *= vs
         # Logits [v, H, w*g, s]: query heads h*g .. h*g+g-1 read KV head h (GQA).
         q = query[c.tok].astype(np.float64).reshape(v, w, h, g, d).transpose(0, 2, 1, 3, 4)
         logits = np.matmul(q.reshape(v, h, w * g, d), keys.transpose(0, 2, 3, 1))

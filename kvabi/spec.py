@@ -8,6 +8,7 @@ import attrs
 from .coerce import as_int
 from .dtypes import check_dtype, itemsize
 from .errors import KVABIError, require
+from .quant import check_quant
 
 KINDS = ("full", "sliding_window", "chunked_local", "mla")
 
@@ -38,6 +39,15 @@ class KVSpec:
     kv_lora_rank + rope dim; ``head_dim_v`` = kv_lora_rank, the part attention returns;
     ``num_kv_heads`` must be 1).  ``page_align`` pads each page (block of one layer) to a
     multiple of that many bytes, as some backends require.
+
+    A quantized cache (``specs/semantics.md`` section 11) states ``quant``:
+    ``per_tensor`` (one static float32 scale per layer for keys and one for values, given
+    by the caller of ``write_kv`` and ``attention``) or ``per_token_head`` (one float32
+    scale per token and head for keys and for values, computed by the write and stored in
+    the cache beside the codes); its ``dtype`` is then ``float8_e4m3fn``, ``float8_e5m2``
+    or ``int8``, and ``rounding`` says how a scaled value becomes a code
+    (``nearest_even``; ``nearest_away`` for int8; ``toward_zero`` for float8).  ``quant``
+    ``none`` (the default) stores values as given, in any dtype.
     """
 
     kind: str = attrs.field()
@@ -50,6 +60,8 @@ class KVSpec:
     window: int | None = attrs.field(default=None, converter=_positive("window", optional=True))
     chunk: int | None = attrs.field(default=None, converter=_positive("chunk", optional=True))
     page_align: int = attrs.field(default=1, converter=_positive("page_align"))
+    quant: str = attrs.field(default="none")
+    rounding: str = attrs.field(default="nearest_even")
 
     @kind.validator
     def _check_kind(self, attr, value):
@@ -57,6 +69,7 @@ class KVSpec:
 
     def __attrs_post_init__(self):
         check_dtype(self.dtype)
+        check_quant(self.quant, self.rounding, self.dtype)
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         if self.kind == "sliding_window":
@@ -76,6 +89,9 @@ class KVSpec:
                     self.num_kv_heads)
             require(self.head_dim_v <= self.head_dim, "head_dim_v",
                     f"MLA value width must be <= latent width {self.head_dim}", self.head_dim_v)
+            require(self.quant != "per_token_head", "quant",
+                    "an MLA latent has no per-(token, head) scales (per_tensor or none)",
+                    self.quant)
 
     @property
     def is_mla(self) -> bool:
@@ -86,11 +102,24 @@ class KVSpec:
         return itemsize(self.dtype)
 
     @property
+    def is_quantized(self) -> bool:
+        """Whether values are stored as codes under scales (``quant`` is not ``none``)."""
+        return self.quant != "none"
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """Bytes of the scales one token stores: a float32 for its keys and one for its
+        values per head when ``quant`` is ``per_token_head``, else 0."""
+        return self.num_kv_heads * 2 * 4 if self.quant == "per_token_head" else 0
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes one token of context costs in this layer (unpadded)."""
+        """Bytes one token of context costs in this layer (unpadded; stored scales
+        included)."""
         if self.is_mla:
             return self.head_dim * self.itemsize
-        return self.num_kv_heads * (self.head_dim + self.head_dim_v) * self.itemsize
+        return (self.num_kv_heads * (self.head_dim + self.head_dim_v) * self.itemsize
+                + self.scale_bytes_per_token)
 
     @property
     def page_bytes(self) -> int:
@@ -244,8 +273,11 @@ class ModelKV:
 
     @classmethod
     def from_hf_config(cls, config: Mapping | str, block_size: int = 16,
-                       kv_dtype: str | None = None) -> "ModelKV":
-        """Build from a Hugging Face ``config.json`` (a dict or a path); see kvabi.hf_config."""
+                       kv_dtype: str | None = None, kv_quant: str | None = None,
+                       rounding: str = "nearest_even") -> "ModelKV":
+        """Build from a Hugging Face ``config.json`` (a dict or a path); see kvabi.hf_config
+        (``kv_quant``/``rounding``: a quantized cache, by default as the config states)."""
         from .hf_config import model_from_hf_config
 
-        return model_from_hf_config(config, block_size=block_size, kv_dtype=kv_dtype)
+        return model_from_hf_config(config, block_size=block_size, kv_dtype=kv_dtype,
+                                    kv_quant=kv_quant, rounding=rounding)

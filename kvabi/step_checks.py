@@ -13,6 +13,7 @@ from .errors import KVABIError
 from .layout import check_layout
 from .metadata import CommonAttentionMetadata
 from .planes import byte_span, overlaps
+from .quant import check_quant_layout
 from .spec import KVSpec
 from .tensors import framework
 
@@ -115,6 +116,7 @@ def check_step(meta, spec, layout) -> None:
     if layout.dtype != spec.dtype:
         raise KVABIError(f"layout.dtype: must equal spec.dtype {spec.dtype!r}, got "
                          f"{layout.dtype!r}")
+    check_quant_layout(spec, layout)  # scale components exactly when the spec stores them
     for axis, want in (("N", spec.block_size), ("H", spec.num_kv_heads)):
         if layout.size(axis) != want:
             raise KVABIError(f"layout.sizes.{axis}: must be {want} for this spec, got "

@@ -113,9 +113,13 @@ def convert(x, to: str, *, device=None):
 
 
 def torch_dtype(name: str):
-    """The torch dtype of a kvabi dtype name."""
+    """The torch dtype of a kvabi dtype name (``uint8`` for raw and packed bytes)."""
     import torch
 
+    from .dtypes import PACKED_BITS
+
+    if name == "uint8" or name in PACKED_BITS:
+        return torch.uint8
     return getattr(torch, check_dtype(name))
 
 

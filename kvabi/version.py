@@ -13,8 +13,9 @@ from .errors import KVABIError
 #: (major, minor) of the Python ABI: the Backend calls and hooks (``specs/versioning.md``).
 ABI_VERSION = (2, 0)
 
-#: (major, minor) of the descriptor JSON and the handshake message (``kvabi_abi``).
-WIRE_VERSION = (1, 2)
+#: (major, minor) of the descriptor JSON and the handshake message (``kvabi_abi``); 2.0:
+#: components in the descriptor. Readers take this major and every 1.x message.
+WIRE_VERSION = (2, 0)
 
 
 def wire_version(ver) -> tuple[int, int]:

@@ -6,6 +6,7 @@ import pytest
 
 import kvabi
 from kvabi import KVABIError, KVCache, KVSpec, Layout
+from kvabi.views import allocate_numpy
 
 torch = pytest.importorskip("torch")
 
@@ -36,7 +37,7 @@ def test_allocate_numpy_torch_wrap_and_views_are_the_layouts():
 
 
 def test_a_list_of_planes_is_wrapped_over_the_same_memory():
-    planes = CROSS.allocate_numpy()
+    planes = allocate_numpy(CROSS)
     c = KVCache.wrap(CROSS, planes)
     assert isinstance(c, KVCache) and c[0] is planes[0]
 
@@ -52,7 +53,7 @@ def test_too_little_memory_is_refused_numpy():
         buf, PADDED.plane_shape, [s * 4 for s in PADDED.plane_strides])
     with pytest.raises(KVABIError, match="memory holds only"):
         KVCache.wrap(PADDED, [bad])
-    KVCache.wrap(PADDED, PADDED.allocate_numpy())
+    KVCache.wrap(PADDED, allocate_numpy(PADDED))
 
 
 def test_too_little_memory_is_refused_torch():
@@ -63,7 +64,7 @@ def test_too_little_memory_is_refused_torch():
 
 @pytest.mark.parametrize("bad", ["float16", "shape", "count", "mixed", "object"])
 def test_other_dtype_shape_count_framework_refused(bad):
-    good = CROSS.allocate_numpy()
+    good = allocate_numpy(CROSS)
     planes = {
         "float16": [np.zeros(CROSS.plane_shape, np.float16)],
         "shape": [np.zeros(CROSS.plane_shape[:-1] + (3,), np.float32)],
@@ -73,7 +74,7 @@ def test_other_dtype_shape_count_framework_refused(bad):
     }[bad]
     if bad == "mixed":
         layout = Layout.preset("flash_attn", _spec(), num_blocks=3)
-        planes = [layout.allocate_numpy()[0], torch.zeros(layout.plane_shape)]
+        planes = [allocate_numpy(layout)[0], torch.zeros(layout.plane_shape)]
         with pytest.raises(KVABIError, match="mix frameworks"):
             KVCache.wrap(layout, planes)
         return

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 import kvabi
 from kvabi import CommonAttentionMetadata, KVABIError, KVCache, KVSpec, Layout
 from kvabi.layout import MAX_BLOCK_REGIONS
+import kvabi.cache as cache_mod
 
 torch = pytest.importorskip("torch")
 
@@ -135,13 +136,13 @@ def test_a_view_lookup_stays_cheap():
     c = KVCache.allocate(CROSS, "torch")
     c.kv_view(1, 1)
     calls = []
-    orig = Layout._kv_view
+    orig = cache_mod.component_view
     try:
-        Layout._kv_view = lambda *a, **k: calls.append(a) or orig(*a, **k)
+        cache_mod.component_view = lambda *a, **k: calls.append(a) or orig(*a, **k)
         for _ in range(3):
             c.kv_view(1, 1)
     finally:
-        Layout._kv_view = orig
+        cache_mod.component_view = orig
     assert calls == []
 
 
@@ -184,30 +185,25 @@ def test_more_pieces_than_the_limit_are_refused_by_name():
 
 
 def _naive_regions(layout, blocks, layers):
-    """Every (plane, block, outer index) piece enumerated, then merged across block padding:
-    the definition the folded computation must equal."""
-    cut = layout.order.index("B")
-    if layers is not None and "L" in layout.order and len(set(layers)) < layout.num_layers:
-        cut = max(cut, layout.order.index("L"))
-    outer, inner = layout.order[:cut + 1], layout.order[cut + 1:]
-    span = sum((layout.extent(a) - 1) * layout.stride(a) for a in inner) + layout.itemsize
-    gap = layout.stride(layout.order[cut]) - span
-    axes = list(layout.planes) + list(outer)
-    vals = [sorted(set(blocks)) if a == "B" else sorted(set(layers)) if a == "L" and
-            layers is not None else range(layout.size(a)) for a in axes]
-    pieces = []
-    for combo in itertools.product(*vals):
-        idx = dict(zip(axes, combo))
-        plane = 0
-        for a in layout.planes:
-            plane = plane * layout.size(a) + idx[a]
-        pieces.append((plane, sum(idx[a] * layout.stride(a) for a in outer)))
+    """The definition, byte by byte: every byte of every element of the blocks (and
+    layers) asked, grouped into runs where the bytes between two asked bytes of a plane
+    hold no byte of another element (of any block, layer or component)."""
+    asked, other = set(), set()
+    lay_asked = set(range(layout.num_layers) if layers is None else layers)
+    for l_, b_, kv, n, h, d in itertools.product(
+            range(layout.num_layers), range(layout.num_blocks), range(2 if layout.has_kv
+                                                                      else 1),
+            range(layout.size("N")), range(layout.size("H")), range(layout.size("D"))):
+        p, o = layout.byte_offset(l_, b_, kv, n, h, d)
+        mine = b_ in set(blocks) and l_ in lay_asked
+        (asked if mine else other).update((p, o + i) for i in range(layout.itemsize))
     out = []
-    for p, o in sorted(pieces):
-        if out and out[-1][0] == p and o - (out[-1][1] + out[-1][2]) <= gap:
-            out[-1][2] = o + span - out[-1][1]
+    for p, o in sorted(asked):
+        if out and out[-1][0] == p and not any((p, x) in other for x in
+                                               range(out[-1][1] + out[-1][2], o)):
+            out[-1][2] = o + 1 - out[-1][1]
         else:
-            out.append([p, o, span])
+            out.append([p, o, 1])
     return [tuple(r) for r in out]
 
 

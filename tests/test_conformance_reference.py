@@ -17,6 +17,7 @@ import kvabi
 from kvabi import registry
 from kvabi.cli import main
 from kvabi.layout import Layout
+from kvabi.quant import quantize_per_tensor
 from kvabi.reference import ReferenceBackend
 from kvabi.testing import (BackendConformance, ConformanceFailure, KitOptions, check_write_kv,
                            get_check, run_check)
@@ -38,8 +39,9 @@ class WrongSlot(ReferenceBackend):
 
     name = "planted.wrong_slot"
 
-    def write(self, plan, cache, key, value, layer):
-        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer)
+    def write(self, plan, cache, key, value, layer, **scales):
+        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer,
+                              **scales)
         m, bs = plan.meta, plan.spec.block_size
         real = np.nonzero(m.slot_mapping >= 0)[0]
         if len(real):
@@ -54,8 +56,9 @@ class WritesPadding(ReferenceBackend):
 
     name = "planted.writes_padding"
 
-    def write(self, plan, cache, key, value, layer):
-        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer)
+    def write(self, plan, cache, key, value, layer, **scales):
+        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer,
+                              **scales)
         pad = np.nonzero(plan.meta.slot_mapping < 0)[0]
         if len(pad):
             view = cache.kv_view(layer, 0)
@@ -233,7 +236,87 @@ class NoCausalMask(ReferenceBackend):
         return super().prepare(attrs.evolve(plan, meta=as_decodes))
 
 
+class _Quantized(ReferenceBackend):
+    """The reference on quantized per-tensor caches only (so every example is one)."""
+
+    def capabilities(self, spec=None):
+        return attrs.evolve(super().capabilities(spec), quant=("per_tensor",),
+                            dtypes=("float8_e4m3fn", "float8_e5m2", "int8"))
+
+
+def _rows(plan, x):
+    tokens = plan.prepared.write_rows[0]
+    return np.asarray(x, np.float32) if tokens is None else np.asarray(x, np.float32)[tokens]
+
+
+class RoundsNearestAlways(_Quantized):
+    """Ignores ``spec.rounding``: codes always round to nearest, ties to even."""
+
+    name = "planted.rounds_nearest"
+
+    def write(self, plan, cache, key, value, layer, scales):
+        _, blk, off = plan.prepared.write_rows
+        for kv, x in ((0, key), (1, value)):
+            if x is not None:
+                cache.kv_view(layer, kv)[blk, off] = quantize_per_tensor(
+                    _rows(plan, x), scales[kv], plan.spec.dtype, "nearest_even")
+        return cache
+
+
+class NoSaturation(_Quantized):
+    """Converts scaled values without clamping them to the format's range first."""
+
+    name = "planted.no_saturation"
+
+    def write(self, plan, cache, key, value, layer, scales):
+        _, blk, off = plan.prepared.write_rows
+        dt = kvabi.dtypes.numpy_dtype(plan.spec.dtype)
+        for kv, x in ((0, key), (1, value)):
+            if x is None:
+                continue
+            y = _rows(plan, x) * (np.float32(1) / np.float32(scales[kv]))
+            with np.errstate(invalid="ignore", over="ignore"):
+                codes = np.rint(y).astype(dt) if dt == np.int8 else y.astype(dt)
+            cache.kv_view(layer, kv)[blk, off] = codes
+        return cache
+
+
+class ValueScaleOfKeys(_Quantized):
+    """Attention reads values with the key scale (the per-call v_scale is dropped)."""
+
+    name = "planted.value_scale_of_keys"
+
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse, scales):
+        return super().attend(plan=plan, cache=cache, query=query, layer=layer, sinks=sinks,
+                              out=out, return_lse=return_lse, scales=(scales[0], scales[0]))
+
+
+class NoEpsilon(ReferenceBackend):
+    """Per-token-head scales without vLLM's floor: an all-zero row gets scale 0 (and NaN
+    codes from 0 * inf)."""
+
+    name = "planted.no_epsilon"
+
+    def capabilities(self, spec=None):
+        return attrs.evolve(super().capabilities(spec), quant=("per_token_head",),
+                            dtypes=("float8_e4m3fn", "int8"))
+
+    def write(self, plan, cache, key, value, layer):
+        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer)
+        _, blk, off = plan.prepared.write_rows
+        for name, x in (("key_scale", key), ("value_scale", value)):
+            zero = ~np.abs(_rows(plan, x)).max(-1).astype(bool)  # [T', H] all-zero rows
+            sv = cache.component_view(name, layer)
+            sv[blk[:, None].repeat(zero.shape[1], 1)[zero], off[:, None].repeat(
+                zero.shape[1], 1)[zero], np.nonzero(zero)[1], 0] = 0.0
+        return cache
+
+
 PLANTED = [
+    (RoundsNearestAlways, "write_kv", KitOptions(), "slot(s) differ"),
+    (NoEpsilon, "write_kv", KitOptions(), "_scale"),
+    (NoSaturation, "write_kv", KitOptions(), "slot(s) differ"),
+    (ValueScaleOfKeys, "attention", KitOptions(), "error"),
     (WrongSlot, "write_kv", KitOptions(), "slot(s) differ"),
     (WritesPadding, "write_kv", KitOptions(), "slot(s) differ"),
     (IgnoresLayer, "write_kv", KitOptions(), "layer"),
@@ -254,7 +337,7 @@ PLANTED = [
     (SwapsHeadOrder, "layouts", KitOptions(), ""),
     (PrefersImpossible, "layouts", KitOptions(kinds=("mla",)), "cannot hold"),
     (WrongSlot, "split_ubatches", KitOptions(), "split_ubatches"),
-    (WritesPadding, "pad", KitOptions(), "pad("),
+    (WritesPadding, "pad", KitOptions(), "pad"),
 ]
 
 

@@ -43,6 +43,9 @@ def test_the_unmutated_bases_are_accepted():
     gen = _generator()
     layout = Layout.from_json(json.dumps(gen.DESC))
     assert layout.name == "flashinfer.NHD" and layout.num_planes == 2
+    comp = Layout.from_json(json.dumps(gen.COMP))
+    assert comp.component_names == ("key", "value", "key_scale", "value_scale")
+    assert comp.plane_sizes == (1152,)
     model = ModelKV.from_hf_config(gen.CONFIG)
     assert len(model) == 4 and model.layers[0].spec.num_kv_heads == 2
 

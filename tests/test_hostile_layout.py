@@ -8,7 +8,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kvabi import KVABIError, KVSpec, Layout
+from kvabi import KVABIError, KVCache, KVSpec, Layout
+from kvabi.views import allocate_numpy
 
 SPEC = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 BASE = dict(order=("B", "N", "H", "D"), sizes={"B": 3, "N": 4, "H": 2, "D": 8},
@@ -155,30 +156,30 @@ def _page_aligned():
         [s * 4 for s in l.plane_strides]) for _ in range(l.num_planes)],
      r"cache\[0\].*memory holds only"),
     (lambda l: [np.zeros(1, np.float32)] * l.num_planes, r"cache\[0\].shape"),
-    (lambda l: l.allocate_numpy()[:1], "cache: layout has 2 planes"),
+    (lambda l: allocate_numpy(l)[:1], "cache: layout has 2 planes"),
     (lambda l: "planes", "cache: must be"),
 ])
 def test_views_check_plane_memory(bad_planes, match):
     layout = _page_aligned()
     planes = bad_planes(layout)
     with pytest.raises(KVABIError, match=match):
-        layout.kv_view(planes, 0, 0)
+        KVCache.wrap(layout, planes).kv_view(0, 0)
     with pytest.raises(KVABIError, match=match):
-        layout.layer_view(planes, 0)
+        KVCache.wrap(layout, planes).layer_view(0)
 
 
 def test_views_of_sound_planes_write_inside_the_layout():
     layout = _page_aligned()
-    planes = layout.allocate_numpy(fill=-1)  # a plain list: the layout's views check it
-    k = layout.kv_view(planes, 1, 1)
+    planes = allocate_numpy(layout, fill=-1)  # a plain list, wrapped (checked)
+    k = KVCache.wrap(layout, planes).kv_view(1, 1)
     k[...] = 7
     raw = np.concatenate([np.asarray(np.lib.stride_tricks.as_strided(
         p, (layout.plane_nbytes // 4,), (4,))) for p in planes])
     assert (raw == 7).sum() == 3 * 4 * 2 * 8  # exactly the layer's values, nothing else
     with pytest.raises(KVABIError, match="^layer"):
-        layout.layer_view(planes, 1.0)
+        KVCache.wrap(layout, planes).layer_view(1.0)
     with pytest.raises(KVABIError, match="^layer"):
-        layout.kv_view(planes, True, 0)
+        KVCache.wrap(layout, planes).kv_view(True, 0)
 
 
 @pytest.mark.parametrize("max_bytes", ["1024", 1024.0, True, -1])

@@ -8,14 +8,16 @@ A few hundred examples in the ``ci`` profile; 10,000 in ``thorough`` (``make tho
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from kvabi import KVABIError, KVSpec, Layout
-from kvabi.presets import PRESETS, preset_names
+from kvabi import KVABIError, KVCache, KVSpec, Layout
+from kvabi.presets import AXIS_PRESETS, preset_names
 from kvabi.testing.profiles import current_profile
+from kvabi.views import allocate_numpy
 
 INT64_MAX = 2**63 - 1
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -44,7 +46,7 @@ def preset_docs(draw) -> dict:
         spec = KVSpec(kind="full", block_size=draw(st.sampled_from([1, 4, 16])),
                       num_kv_heads=heads, head_dim=draw(st.sampled_from([8, 64])), dtype=dtype,
                       page_align=draw(st.sampled_from([1, 1, 256])))
-    name = draw(st.sampled_from([n for n in PRESETS if n in preset_names(spec)]))
+    name = draw(st.sampled_from([n for n in AXIS_PRESETS if n in preset_names(spec)]))
     try:
         layout = Layout.preset(name, spec, draw(st.integers(1, 6)), draw(st.integers(1, 3)))
     except KVABIError:  # page_align on a preset that splits pages: not a seed
@@ -102,9 +104,9 @@ def delete_at(doc, path):
 
 
 @st.composite
-def mutated(draw):
+def mutated(draw, seeds=None):
     """(text, the mutated document or None when the text is not its json.dumps)."""
-    d = draw(preset_docs())
+    d = draw(preset_docs() if seeds is None else seeds)
     dup = None
     for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2, 2, 3, 4]))):
         nodes = list(paths(d))
@@ -166,7 +168,8 @@ def is_int(v) -> bool:
 def described(d: dict) -> dict:
     """What a well-formed descriptor says, from its fields alone (specs/layout.md); raises
     AssertionError where the descriptor is not well formed, so that accepting it is a bug."""
-    assert d["kvabi_abi"][0] == 1 and all(is_int(x) and x >= 0 for x in d["kvabi_abi"])
+    assert d["kvabi_abi"][0] in (1, 2) and all(is_int(x) and x >= 0 for x in d["kvabi_abi"])
+    assert d["kvabi_abi"][0] == 1 or "components" not in d  # 2.x: the axis form here
     assert d["dtype"] in ITEMSIZE
     isz = ITEMSIZE[d["dtype"]]
     order, planes = d["order"], d.get("planes", [])
@@ -238,9 +241,9 @@ def check_sound(layout: Layout, d: dict | None, max_bytes, data):
     # views over real memory (small layouts): every view lies inside its plane's buffer and
     # addresses each element where the formula says
     if o["total"] <= 2**18:
-        planes = layout.allocate_numpy()
+        planes = allocate_numpy(layout)
         e = elems[0]
-        view = layout.kv_view(planes, e["L"], e["KV"])
+        view = KVCache.wrap(layout, planes).kv_view(e["L"], e["KV"])
         plane, off = oracle_offset(o, e)
         start = planes[plane].__array_interface__["data"][0]
         lo = view.__array_interface__["data"][0]
@@ -286,3 +289,111 @@ def test_mutated_preset_descriptors_are_sound_or_refused(case, max_bytes, as_byt
         return
     event("accepted")
     check_sound(layout, d, max_bytes, data)
+
+
+
+# -- component descriptors (2.0) ----------------------------------------------------------
+COMPONENT_SEEDS = ("vllm.cpu", "vllm.cpu.BLHNC", "vllm.int8_per_token_head",
+                   "vllm.int4_per_token_head", "flashinfer.HND.fp8_inline_scale",
+                   "flashinfer.HND.fp8_scale_plane", "deepseek.fp8_ds_mla")
+UNIT = {**ITEMSIZE, "uint8": 1, "int4": 1, "uint4": 1, "float4_e2m1fn": 1}
+NAMES = ("key", "value", "latent", "rope", "key_scale", "value_scale", "latent_scale",
+         "rope_scale")
+
+
+@st.composite
+def component_docs(draw) -> dict:
+    name = draw(st.sampled_from(COMPONENT_SEEDS))
+    if name.startswith("deepseek"):
+        spec = KVSpec(kind="mla", block_size=draw(st.sampled_from([1, 2])), num_kv_heads=1,
+                      head_dim=576, head_dim_v=512, dtype="bfloat16")
+    else:
+        spec = KVSpec(kind="full", block_size=draw(st.sampled_from([1, 2, 4])),
+                      num_kv_heads=draw(st.sampled_from([1, 2])), head_dim=8,
+                      dtype="float16")
+    layout = Layout.preset(name, spec, draw(st.integers(1, 3)), draw(st.integers(1, 2)))
+    return json.loads(layout.to_json())
+
+
+def described_components(d: dict) -> dict:
+    """What a well-formed component descriptor says (layout.md, Components), from its
+    fields alone; AssertionError where it is not well formed."""
+    assert d["kvabi_abi"][0] == 2 and "order" not in d
+    sizes = d["sizes"]
+    assert isinstance(sizes, dict) and set(sizes) <= {"L", "B", "N", "H"}
+    assert {"B", "N", "H"} <= set(sizes) and all(is_int(v) and v >= 1 for v in sizes.values())
+    comps = d["components"]
+    assert isinstance(comps, list) and 1 <= len(comps) <= 16
+    names = [c["name"] for c in comps]
+    assert len(set(names)) == len(names) and set(names) <= set(NAMES)
+    assert ({"key", "value"} <= set(names)) != ("latent" in names)
+    out = []
+    for c in comps:
+        assert set(c) <= {"name", "dtype", "count", "offset", "strides", "plane",
+                          "plane_strides"}
+        unit = UNIT[c["dtype"]]
+        per = 2 if c["dtype"] in ("int4", "uint4", "float4_e2m1fn") else 1
+        assert is_int(c["count"]) and c["count"] >= 1 and c["count"] % per == 0
+        st_ = c["strides"]
+        assert set(st_) <= {"L", "B", "N", "H", "E"} and "B" in st_
+        assert all(is_int(v) and v >= 1 and v % unit == 0 for v in st_.values())
+        off, plane = c.get("offset", 0), c.get("plane", 0)
+        assert is_int(off) and off >= 0 and off % unit == 0 and is_int(plane) and plane >= 0
+        ps = c.get("plane_strides", {}).get("L", 0)
+        count = {**{a: sizes.get(a, 1) for a in ("L", "B", "N", "H")}, "E": c["count"] // per}
+        hi = off + sum((count[a] - 1) * s for a, s in st_.items()) + unit
+        out.append(dict(c, unit=unit, per=per, count_of=count, hi=hi, ps=ps, plane=plane,
+                        offset=off))
+    return {"sizes": sizes, "components": out}
+
+
+@FUZZ
+@given(case=mutated(seeds=component_docs()), data=st.data())
+def test_mutated_component_descriptors_are_sound_or_refused(case, data):
+    """Mutated component descriptors are refused, or sound: each element where its fields
+    say, inside its plane; and, where the layout is small enough to list, no byte held by
+    two elements (checked byte by byte)."""
+    text, d = case
+    try:
+        layout = Layout.from_json(text)
+    except KVABIError as e:
+        event(f"refused: {str(e).split(':')[0]}")
+        return
+    event("accepted")
+    assert d is not None, "a descriptor with a duplicate key was accepted"
+    o = described_components(d)
+    total = 0
+    for c in o["components"]:
+        nl = o["sizes"].get("L", 1)
+        last_plane = c["plane"] + (nl - 1) * c["ps"]
+        assert last_plane < layout.num_planes
+        for q in range(nl):
+            assert c["hi"] <= layout.plane_size(c["plane"] + q * c["ps"])
+        total += math.prod(c["count_of"].values())
+        # random elements at the formula's place
+        idx = data.draw(st.fixed_dictionaries(
+            {a: st.integers(0, max(0, n - 1)) for a, n in c["count_of"].items()}))
+        e = idx["E"] * c["per"]
+        want = (c["plane"] + idx["L"] * c["ps"],
+                c["offset"] + sum(idx["E" if a == "E" else a] * s
+                                  for a, s in c["strides"].items()))
+        got = layout.element_offset(c["name"], layer=idx["L"], block=idx["B"],
+                                    token=idx["N"], head=idx["H"], index=e)
+        assert got == want
+    if total > 20_000:
+        event("overlap not listed (too many elements)")
+        return
+    owner = {}
+    for c in o["components"]:
+        ranges = [range(n if (a == "E" or a in c["strides"] or
+                              (a == "L" and c["ps"])) else 1)
+                  for a, n in c["count_of"].items()]
+        for ix in itertools.product(*ranges):
+            idx = dict(zip(c["count_of"], ix))
+            p = c["plane"] + idx["L"] * c["ps"]
+            off = c["offset"] + sum(idx[a] * s for a, s in c["strides"].items())
+            for i in range(c["unit"]):
+                key = (p, off + i)
+                assert key not in owner or (c["per"] > 1 and owner[key] == (c["name"], ix)), \
+                    (key, owner.get(key), c["name"], ix)
+                owner[key] = (c["name"], ix)

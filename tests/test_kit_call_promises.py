@@ -42,8 +42,8 @@ class TorchRef(kvabi.Backend):
         self._ref = ReferenceBackend()
         self.seen = collections.Counter()
 
-    def capabilities(self, spec=None):
-        return self._ref.capabilities(spec)
+    def capabilities(self, spec=None):  # the reference's, unquantized caches only
+        return attrs.evolve(self._ref.capabilities(spec), quant=("none",))
 
     def preferred_layouts(self, spec):
         return tuple(n for n in self._ref.preferred_layouts(spec)

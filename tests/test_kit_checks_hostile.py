@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+import attrs
+
 import numpy as np
 import pytest
 
@@ -81,7 +83,15 @@ def test_poisoned_pool_poisons_exactly_the_invisible_rows():
 
 
 # -- planted: masking by adding -inf --------------------------------------------------------
-class AddsNegInf(ReferenceBackend):
+class _Unquantized(ReferenceBackend):
+    """The reference without quantized caches (the planted bugs below write and read
+    unscaled values)."""
+
+    def capabilities(self, spec=None):
+        return attrs.evolve(super().capabilities(spec), quant=("none",))
+
+
+class AddsNegInf(_Unquantized):
     """Dense attention that masks by adding -inf to the logits of every slot of a
     request's blocks (instead of selecting the visible ones): NaN or inf in an invisible
     row turns the sum into NaN.  Correct on clean caches."""

@@ -54,8 +54,9 @@ class WritesPadding(ReferenceBackend):
 
     name = "planted.diag_writes_padding"
 
-    def write(self, plan, cache, key, value, layer):
-        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer)
+    def write(self, plan, cache, key, value, layer, **scales):
+        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer,
+                              **scales)
         pad = np.nonzero(plan.meta.slot_mapping < 0)[0]
         cache.kv_view(layer, 1)[-1, -1] = np.asarray(value[pad[-1]])
         return cache

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvabi
-from kvabi import KVABIError
+from kvabi import KVABIError, KVCache
 
 SPEC = kvabi.KVSpec(kind="full", block_size=4, num_kv_heads=1, head_dim=8, dtype="float32")
 WANT = r"^layer: {} out of range \[0, 2\)$"
@@ -20,7 +20,7 @@ def test_layout_and_cache_paths(name, bad):
     cache = kvabi.KVCache.allocate(layout)
     for call in (lambda: kvabi.check_layer(bad, layout), lambda: cache.kv_view(bad, 0),
                  lambda: cache.layer_view(bad), lambda: layout.byte_offset(layer=bad),
-                 lambda: layout.kv_view(list(cache), bad, 0)):
+                 lambda: KVCache.wrap(layout, list(cache)).kv_view(bad, 0)):
         with pytest.raises(KVABIError, match=WANT.format(bad)):
             call()
 

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvabi import KVABIError, KVSpec, Layout
+from kvabi import KVABIError, KVCache, KVSpec, Layout
 from kvabi.dtypes import numpy_dtype
-from kvabi.presets import PRESETS, preset_names
+from kvabi.presets import AXIS_PRESETS, PRESETS, preset_names
+from kvabi.presets_components import CPU, QUANTIZED
+from kvabi.views import allocate_numpy
 
 
 def anchor(name, L, B, N, H, D, dtype):
@@ -54,7 +56,7 @@ def logical_grid(L, B, N, H, D):
     return [x.ravel() for x in g]
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", AXIS_PRESETS)
 @pytest.mark.parametrize("dtype,H,D", [("float32", 2, 8), ("float16", 1, 4),
                                        ("bfloat16", 3, 64), ("int8", 2, 16)])
 def test_preset_byte_exact(name, dtype, H, D):
@@ -90,14 +92,14 @@ def test_preset_byte_exact(name, dtype, H, D):
         np.testing.assert_array_equal(vals, code[m].astype(dt))
     # kv_view reads the same elements, layer_view gives the per-layer tensors.
     for layer, k in itertools.product(range(L), range(2)):
-        v = layout.kv_view(planes, layer, k)
+        v = KVCache.wrap(layout, planes).kv_view(layer, k)
         m = (l == layer) & (kv == k)
         np.testing.assert_array_equal(v[b[m], n[m], h[m], d[m]], code[m].astype(dt))
-        views = layout.layer_view(planes, layer)
+        views = KVCache.wrap(layout, planes).layer_view(layer)
         assert len(views) == (2 if "KV" in layout.planes else 1)
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if not n.startswith("tpu.") and
+@pytest.mark.parametrize("name", [n for n in AXIS_PRESETS if not n.startswith("tpu.") and
                                   n not in ("flash_attn", "flashinfer.NHD", "flashinfer.HND")])
 def test_mla_presets_have_one_latent_plane(name):
     spec = KVSpec(kind="mla", block_size=4, num_kv_heads=1, head_dim=12, head_dim_v=8,
@@ -105,8 +107,8 @@ def test_mla_presets_have_one_latent_plane(name):
     layout = Layout.preset(name, spec, 3, 2)
     assert not layout.has_kv
     assert layout.total_nbytes == 2 * 3 * 4 * 12 * 4
-    planes = layout.allocate_numpy()
-    v = layout.kv_view(planes, 1, 0)
+    planes = allocate_numpy(layout)
+    v = KVCache.wrap(layout, planes).kv_view(1, 0)
     v[...] = np.arange(v.size, dtype=np.float32).reshape(v.shape)
     plane, off = layout.byte_offset(layer=1, block=2, token=3, dim=11)
     raw = planes[plane].view(np.uint8).ravel()
@@ -126,8 +128,8 @@ def test_page_align_pads_each_page():
     layout = Layout.preset("flashinfer.NHD", spec, 3)
     assert layout.stride("B") == 256 == spec.page_bytes
     assert not layout.is_c_contiguous
-    planes = layout.allocate_numpy()
-    k = layout.kv_view(planes, 0, 1)
+    planes = allocate_numpy(layout)
+    k = KVCache.wrap(layout, planes).kv_view(0, 1)
     k[2, 3, 0, 5] = 7
     _, off = layout.byte_offset(block=2, kv=1, token=3, head=0, dim=5)
     assert off == 2 * 256 + (4 + 3) * 6 * 2 + 5 * 2
@@ -138,30 +140,35 @@ def test_page_align_pads_each_page():
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(PRESETS), L=st.integers(1, 3), B=st.integers(1, 6),
+@given(name=st.sampled_from(AXIS_PRESETS + tuple(CPU)), L=st.integers(1, 3), B=st.integers(1, 6),
        data=st.data())
 def test_block_regions_cover_exactly_the_blocks(name, L, B, data):
-    """Regions hold exactly the bytes of the chosen blocks (brute force over byte_offset)
-    and are the fewest: no two regions touch."""
+    """Regions hold every byte of the chosen blocks and no byte of any other element
+    (brute force over byte_offset; padding between elements may be held) and are the
+    fewest: no two regions touch."""
     spec = KVSpec(kind="full", block_size=2, num_kv_heads=2, head_dim=4, dtype="float32")
     layout = Layout.preset(name, spec, B, L)
     blocks = data.draw(st.lists(st.integers(0, B - 1), unique=True, max_size=B))
     layers = data.draw(st.none() | st.lists(st.integers(0, L - 1), unique=True, min_size=1))
     regions = layout.block_regions(blocks, layers)
-    want = set()
-    lay = range(L) if layers is None else layers
-    for l_, b_ in itertools.product(lay, blocks):
-        g = np.meshgrid(np.arange(2), np.arange(2), np.arange(2), np.arange(4), indexing="ij")
-        p, o = layout.byte_offset(l_, b_, *[x.ravel() for x in g])
-        for pp, oo in zip(np.broadcast_to(p, o.shape), o):
-            want.update((int(pp), int(oo) + i) for i in range(4))
+
+    def element_bytes(lays, blks):
+        out = set()
+        for l_, b_ in itertools.product(lays, blks):
+            g = np.meshgrid(np.arange(2), np.arange(2), np.arange(2), np.arange(4),
+                            indexing="ij")
+            p, o = layout.byte_offset(l_, b_, *[x.ravel() for x in g])
+            for pp, oo in zip(np.broadcast_to(p, o.shape), o):
+                out.update((int(pp), int(oo) + i) for i in range(4))
+        return out
+
+    want = element_bytes(range(L) if layers is None else layers, blocks)
+    everything = element_bytes(range(L), range(B))
     got = set()
     for p, o, nbytes in regions:
         got.update((p, o + i) for i in range(nbytes))
-    if layout.extents:  # padded D: regions also hold the padding bytes of those blocks
-        pad = layout.extent("D") / layout.size("D")
-        assert got >= want and len(got) == len(want) * pad
-    else:
+    assert got >= want and not (got - want) & everything
+    if not layout.extents:
         assert got == want
     ends = {(p, o + nb) for p, o, nb in regions}
     assert not any((p, o) in ends for p, o, _ in regions), "adjacent regions not merged"
@@ -176,7 +183,7 @@ def test_cross_layer_blocks_need_one_region_per_block_run():
     blocks = [3, 7, 8, 9, 500]
     assert len(cross.block_regions(blocks)) == 3
     assert len(per_layer.block_regions(blocks)) == 32 * 3
-    assert preset_names(spec) == PRESETS
+    assert preset_names(spec) == tuple(n for n in PRESETS if n not in QUANTIZED)
 
 
 def test_page_align_counts_head_dim_padding():
@@ -185,8 +192,8 @@ def test_page_align_counts_head_dim_padding():
                   page_align=3000)
     layout = Layout.preset("tpu.combined", spec, 2)
     assert layout.stride("B") == 3000 * 2  # 4 tokens * 2 (k, v) * 128 * 4 bytes = 4096
-    planes = layout.allocate_numpy()
-    layout.kv_view(planes, 0, 1)[1, 3, 0, 63] = 5
+    planes = allocate_numpy(layout)
+    KVCache.wrap(layout, planes).kv_view(0, 1)[1, 3, 0, 63] = 5
     flat = np.lib.stride_tricks.as_strided(planes[0], (layout.plane_nbytes // 4,), (4,))
     assert flat[(6000 + 3 * 1024 + 512 + 63 * 4) // 4] == 5
 

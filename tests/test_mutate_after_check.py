@@ -198,8 +198,12 @@ def test_a_checked_object_changed_later_is_refused_or_harmless(setup):
             g.buf[s:s + layout.plane_nbytes] = 0
     cache, outcome = _mutate(g, cache, mutation, i, layer, meta)
     event(f"{fw} {mutation}: {outcome}")
+    # a component layout's planes are bytes from their first element: another shape or
+    # stride over the same memory changes nothing kvabi reads (harmless, checked below)
+    harmless = not layout.is_axis_form and mutation in ("replace_stepping", "plane_shape")
     if mutation in ("rebind", "layout_mapping", "replace_negative", "replace_stepping",
-                    "replace_shifted", "replace_other_framework", "replace_bad_key"):
+                    "replace_shifted", "replace_other_framework", "replace_bad_key") \
+            and not harmless:
         assert outcome != "applied", mutation  # refused where it was attempted
     used = "ok"
     try:
@@ -208,9 +212,9 @@ def test_a_checked_object_changed_later_is_refused_or_harmless(setup):
     except KVABIError:
         used = "refused"
     assert g.guards_intact(), f"{mutation}: bytes outside the planes' memory changed"
-    if outcome == "applied":
+    if outcome == "applied" and not harmless:
         assert used == "refused", f"{mutation} went unnoticed at use"
-    elif outcome in ("none", "refused"):
+    elif outcome in ("none", "refused") or used == "ok":
         assert used == "ok"
         want = _expected(layout, layer, key, value)
         for p, s in enumerate(g.starts):

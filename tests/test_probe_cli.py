@@ -20,10 +20,11 @@ class _Liar(ReferenceBackend):
     def preferred_layouts(self, spec):
         return ("vllm.LBHNC", "flash_attn")
 
-    def write(self, plan, cache, key, value, layer):
+    def write(self, plan, cache, key, value, layer, **scales):
         layout = plan.layout
         if layout.name != "vllm.LBHNC":
-            return super().write(plan=plan, cache=cache, key=key, value=value, layer=layer)
+            return super().write(plan=plan, cache=cache, key=key, value=value, layer=layer,
+                              **scales)
         real = kvabi.Layout(order=("L", "B", "H", "KV", "N", "D"), sizes=layout.sizes,
                             dtype=layout.dtype)
         layout_writer(real, list(cache))(layer, plan.meta.slot_mapping, np.asarray(key),

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kvabi import KVABIError, KVSpec, Layout
+from kvabi import KVABIError, KVCache, KVSpec, Layout
 from kvabi import tensors as kvabi_tensors
 from kvabi.dtypes import DTYPES
 from kvabi.presets import preset_names
 from kvabi.probe import infer_layout, placement_difference
 from kvabi.testing.strategies import random_layouts
 from kvabi.testing.writers import layout_writer
+from kvabi.views import allocate_numpy
 
 L, B = 3, 5
 
@@ -36,7 +37,7 @@ def assert_same_bytes(truth, got):
 
 
 def probe(truth, spec, planes=None):
-    planes = truth.allocate_numpy(fill=7) if planes is None else planes
+    planes = allocate_numpy(truth, fill=7) if planes is None else planes
     return infer_layout(spec, planes, layout_writer(truth, planes), num_blocks=truth.num_blocks,
                         num_layers=truth.num_layers)
 
@@ -164,7 +165,7 @@ def test_converted_values():
 
 def test_values_before_keys_in_planes():
     truth = Layout.preset("flash_attn", SPEC, B, L)
-    planes = truth.allocate_numpy()
+    planes = allocate_numpy(truth)
     inner = layout_writer(truth, planes)
 
     def write(layer, slots, key, value):  # planes in [V, K] order per layer
@@ -192,11 +193,14 @@ def test_keys_dim_major_values_token_major():
             blk = cache[layer, b].reshape(2, 2, 32)  # [H, KV, 32]
             blk[:, 0].reshape(2, 8, 4)[:, :, n] = key[i]
             blk[:, 1].reshape(2, 4, 8)[:, n, :] = value[i]
-    with pytest.raises(KVABIError, match=r"keys and values are placed with different strides "
-                       r"\(bytes per index step\): keys \{'L': \d+, 'B': 512, 'N': 4, "
-                       r"'H': 256, 'D': 16\}, values \{'L': \d+, 'B': 512, 'N': 32, "
-                       r"'H': 256, 'D': 4\}"):
-        infer_layout(SPEC, [cache], write, num_blocks=B, num_layers=L)
+    got = infer_layout(SPEC, [cache], write, num_blocks=B, num_layers=L)
+    # two components, each with its own strides: found, and named as the preset
+    key, value = got.component("key"), got.component("value")
+    assert (key.offset, dict(key.strides)) == (0, {"L": B * 512, "B": 512, "N": 4, "H": 256,
+                                                   "E": 16})
+    assert (value.offset, dict(value.strides)) == (128, {"L": B * 512, "B": 512, "N": 32,
+                                                         "H": 256, "E": 4})
+    assert got.name == "vllm.cpu" and got == Layout.preset("vllm.cpu", SPEC, B, L)
 
 
 def _view_writer(layout, planes):
@@ -207,7 +211,7 @@ def _view_writer(layout, planes):
         s = torch.as_tensor(np.asarray(slots), device=planes[0].device)
         b, n = s // layout.size("N"), s % layout.size("N")
         for kv, x in enumerate([key, value]):
-            view = layout.kv_view(planes, layer, kv)
+            view = KVCache.wrap(layout, planes).kv_view(layer, kv)
             view[b, n] = kvabi_tensors.to_torch(x, device=planes[0].device)
     return write
 
@@ -245,7 +249,7 @@ def test_cuda_planes():
 def test_one_byte_dtypes_spread_markers_over_writes(dtype, rounds):
     spec = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
     truth = Layout.preset("vllm.BHLNC", spec, B, L)
-    planes = truth.allocate_numpy()
+    planes = allocate_numpy(truth)
     inner = layout_writer(truth, planes)
     calls = []
 
@@ -261,7 +265,7 @@ def test_one_byte_dtypes_spread_markers_over_writes(dtype, rounds):
 def test_layers_not_probed_are_checked_on_a_fresh_sample():
     # layers 0, 1 and the last follow the layout; the middle ones land one block later
     truth = Layout.preset("vllm.BLNHC", SPEC, B, 5)
-    planes = truth.allocate_numpy()
+    planes = allocate_numpy(truth)
     inner = layout_writer(truth, planes)
 
     def write(layer, slots, key, value):

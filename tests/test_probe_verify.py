@@ -9,6 +9,7 @@ from kvabi.presets import preset_names
 from kvabi.probe import verify_layout
 from kvabi.testing.strategies import random_layouts
 from kvabi.testing.writers import layout_writer
+from kvabi.views import allocate_numpy
 
 L, B = 3, 6
 SPEC = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -19,7 +20,7 @@ def test_every_correct_preset_pair_passes(dtype):
     spec = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
     for name in preset_names(spec):
         layout = Layout.preset(name, spec, B, L)
-        planes = layout.allocate_numpy()
+        planes = allocate_numpy(layout)
         verify_layout(layout, planes, layout_writer(layout, planes), samples=6)
 
 
@@ -27,13 +28,13 @@ def test_every_correct_preset_pair_passes(dtype):
 def test_random_correct_pairs_pass(dtype, nl, data):
     spec = KVSpec(kind="full", block_size=3, num_kv_heads=2, head_dim=4, dtype=dtype)
     layout = data.draw(random_layouts(spec, 4, nl))
-    planes = layout.allocate_numpy()
+    planes = allocate_numpy(layout)
     verify_layout(layout, planes, layout_writer(layout, planes))
 
 
 def test_leaves_the_cache_as_it_was():
     layout = Layout.preset("vllm.LBHNC", SPEC, B, L)
-    planes = layout.allocate_numpy()
+    planes = allocate_numpy(layout)
     raw = planes[0].reshape(-1).view(np.uint16)
     raw[:] = np.random.default_rng(0).integers(0, 1 << 15, raw.size)
     before = raw.copy()
@@ -42,7 +43,7 @@ def test_leaves_the_cache_as_it_was():
 
 
 def _engine(actual, declared, transform=None):
-    planes = actual.allocate_numpy()
+    planes = allocate_numpy(actual)
     inner = layout_writer(actual, planes)
 
     def write(layer, slots, key, value):
@@ -93,7 +94,7 @@ def test_padding_written_into():
                       extents={"D": 10}, dtype="bfloat16")
     wide = Layout(order=declared.order, planes=("L",), dtype="bfloat16",
                   sizes={**declared.sizes, "D": 10})
-    planes = declared.allocate_numpy()
+    planes = allocate_numpy(declared)
     inner = layout_writer(wide, planes)
 
     def write(layer, slots, key, value):
@@ -108,7 +109,7 @@ def test_padding_written_into():
 
 def test_bad_arguments():
     layout = Layout.preset("flash_attn", SPEC, B, L)
-    planes = layout.allocate_numpy()
+    planes = allocate_numpy(layout)
     w = layout_writer(layout, planes)
     with pytest.raises(KVABIError, match="planes: flash_attn has 6 planes, got 5"):
         verify_layout(layout, planes[:5], w)
@@ -124,7 +125,7 @@ def test_write_must_be_callable_and_samples_bounded():
     from kvabi.probe import infer_layout
 
     layout = Layout.preset("flash_attn", SPEC, B, L)
-    planes = layout.allocate_numpy()
+    planes = allocate_numpy(layout)
     w = layout_writer(layout, planes)
     for call in (lambda **k: verify_layout(layout, planes, **k),
                  lambda **k: infer_layout(SPEC, planes, num_blocks=B, num_layers=L, **k)):
@@ -138,7 +139,7 @@ def test_write_must_be_callable_and_samples_bounded():
 
 def test_a_write_that_does_nothing():
     layout = Layout.preset("flash_attn", SPEC, B, L)
-    planes = layout.allocate_numpy()
+    planes = allocate_numpy(layout)
     with pytest.raises(KVABIError, match=r"^key of layer 0, block 0, token 0, head 0, dim 0 is "
                        r"not where flash_attn puts it \(plane 0, byte 0: it holds no marker"):
         verify_layout(layout, planes, lambda *a: None)

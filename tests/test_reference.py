@@ -20,8 +20,9 @@ import kvabi
 from kvabi import CommonAttentionMetadata, KVABIError, KVCache, KVSpec
 from kvabi.dtypes import DTYPES, numpy_dtype
 from kvabi.layout import Layout
-from kvabi.presets import PRESETS
+from kvabi.presets import AXIS_PRESETS, preset_names
 from kvabi.reference import ReferenceBackend, to_cache_dtype
+from kvabi.views import allocate_numpy
 
 BACKEND = ReferenceBackend()
 #: the same oracle with tiny query pieces and memory chunks: exercises the batching
@@ -150,8 +151,8 @@ def evict_invisible_blocks(spec, layout, cache, layer, ctx, qlen, table):
     sliding window or chunk left behind): only window and chunk layers have such blocks."""
     if spec.kind not in ("sliding_window", "chunked_local"):
         return
-    kview = layout.kv_view(cache, layer, 0)
-    vview = layout.kv_view(cache, layer, 1)
+    kview = KVCache.wrap(layout, cache).kv_view(layer, 0)
+    vview = KVCache.wrap(layout, cache).kv_view(layer, 1)
     for r in np.nonzero(qlen > 0)[0]:
         lowest = ctx[r] - spec.window + 1 if spec.kind == "sliding_window" else \
             ctx[r] // spec.chunk * spec.chunk
@@ -172,7 +173,7 @@ def run_step(b):
     # MLA: the latent is the key; attention returns its first head_dim_v elements.
     hist_v = [k[..., :dv] if spec.is_mla else cache_values(rng, spec.dtype, (s, h, dv))
               for s, k in zip(seq, hist_k)]
-    cache = KVCache.wrap(layout, layout.allocate_numpy(fill=poison(spec.dtype)))
+    cache = KVCache.wrap(layout, allocate_numpy(layout, fill=poison(spec.dtype)))
 
     def write(meta, rows):
         n = meta.num_tokens
@@ -310,7 +311,7 @@ def preset_spec(name, dtype, kind, bs, h, d, dv):
     return KVSpec("full", bs, h, d, dtype=dtype)
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", AXIS_PRESETS)
 @settings(max_examples=12, **SETTINGS)
 @given(dtype=st.sampled_from(DTYPES), kind=st.sampled_from(["full", "mla"]),
        bs=st.integers(1, 5), h=st.integers(1, 3), d=st.integers(1, 6), dv=st.integers(1, 6),
@@ -338,7 +339,7 @@ def test_write_kv_writes_exactly_the_slots(name, dtype, kind, bs, h, d, dv, laye
     hd, hv, n = spec.num_kv_heads, spec.head_dim_v, meta.num_tokens
     key = cache_values(rng, dtype, (n, hd, spec.head_dim))
     val = cache_values(rng, dtype, (n, hd, hv))
-    cache = KVCache.wrap(layout, layout.allocate_numpy(fill=poison(dtype)))
+    cache = KVCache.wrap(layout, allocate_numpy(layout, fill=poison(dtype)))
     before = [raw(p, layout).copy() for p in cache]
     plan = BACKEND.plan(meta, spec, layout, num_q_heads=spec.num_kv_heads)
     BACKEND.write_kv(plan, cache, key=key, value=None if spec.is_mla else val, layer=layer)
@@ -430,7 +431,7 @@ def test_capabilities_and_layouts():
     assert caps.softcap and caps.sinks and caps.head_dims is None and caps.block_sizes is None
     full = KVSpec("full", 16, 8, 128)
     mla = KVSpec("mla", 16, 1, 576, head_dim_v=512)
-    assert set(BACKEND.preferred_layouts(full)) == set(PRESETS)
+    assert set(BACKEND.preferred_layouts(full)) == set(preset_names(full))
     got = BACKEND.preferred_layouts(mla)
     assert got and all(not Layout.preset(n, mla, 1).has_kv for n in got)
     for s in (full, mla, KVSpec("sliding_window", 3, 1, 5, dtype="int8", window=2)):
@@ -554,7 +555,7 @@ def test_caches_are_checked_before_any_write():
     spec, layout, meta = _small()
     plan = BACKEND.plan(meta, spec, layout, num_q_heads=2)
     k = np.ones((3, 2, 4))
-    planes = layout.allocate_numpy()
+    planes = allocate_numpy(layout)
     with pytest.raises(KVABIError, match="cache: must be a kvabi.KVCache"):
         BACKEND.write_kv(plan, planes, key=k, value=k)
     assert not any(p.any() for p in planes)
@@ -601,7 +602,7 @@ def test_planes_of_the_right_shape_over_too_little_memory_are_refused():
     dense = [np.zeros(layout.plane_shape, np.float32) for _ in range(layout.num_planes)]
     with pytest.raises(KVABIError, match="cache"):
         KVCache.wrap(layout, dense)
-    good = KVCache.wrap(layout, layout.allocate_numpy())
+    good = KVCache.wrap(layout, allocate_numpy(layout))
     BACKEND.write_kv(plan, good, key=np.ones((1, 2, 6)), value=np.ones((1, 2, 6)))
     assert BACKEND.attention(plan, good, query=np.ones((1, 2, 6))).shape == (1, 2, 6)
 

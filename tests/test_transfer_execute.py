@@ -10,7 +10,7 @@ import pytest
 
 from kvabi import KVABIError, KVCache, KVSpec
 from kvabi.layout import Layout
-from kvabi.presets import PRESETS
+from kvabi.presets import AXIS_PRESETS
 from kvabi.transfer import HostPool, execute, plan_block_transfer, plan_transfer
 from transfer_oracle import POISON, element_bytes, gather, raw_planes, written_mask
 
@@ -198,7 +198,7 @@ def test_cuda_caches():
                                           _tokens(host, s, layer, kv).view(np.uint32))
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", AXIS_PRESETS)
 def test_cross_layer_host_pool_moves_whole_blocks(name):
     """The twin host layout keeps the device's byte order: offload regions are whole
     (layer, block) ranges of the device, merged across runs of blocks."""

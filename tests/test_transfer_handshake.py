@@ -80,7 +80,7 @@ def test_schema_accepts_what_is_sent_and_refuses_a_bad_message():
         uri, referencing.Resource.from_contents(layout_schema))
     check = jsonschema.Draft202012Validator(schema, registry=registry).validate
     check(message())
-    for bad in (message(memory="HBM"), message(kvabi_abi=[2, 0]),
+    for bad in (message(memory="HBM"), message(kvabi_abi=[3, 0]),
                 _mutate(("layout", "dtype"), "float64"), _mutate(("planes",), KeyError),
                 _mutate(("planes", "address"), [0, 1]), _mutate(("planes", "nbytes"), [0, 0])):
         with pytest.raises(jsonschema.ValidationError):
@@ -100,7 +100,7 @@ def _mutate(path, value):
 
 
 @pytest.mark.parametrize("path, value, match", [
-    (("kvabi_abi",), [2, 0], "kvabi_abi: the peer speaks ABI 2.0"),
+    (("kvabi_abi",), [3, 0], "kvabi_abi: the peer speaks ABI 3.0"),
     (("kvabi_abi",), [1], r"kvabi_abi: must be \[major, minor\]"),
     (("kvabi_abi",), [True, 1], r"kvabi_abi: must be \[major, minor\]"),
     (("kvabi_abi",), [1, 0], "kvabi_abi: the handshake message exists since ABI 1.1"),

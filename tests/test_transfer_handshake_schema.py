@@ -95,6 +95,7 @@ BOTH_ACCEPT = {
                                              (("agent", "zone"), "eu")),
     "newer minor, unknown plane field": edit((("kvabi_abi",), NEWER),
                                              (("planes", "numa"), 0)),
+    "a 1.x message (read by a 2.0 reader)": edit((("kvabi_abi",), [1, 2])),
 }
 
 BOTH_REFUSE = {
@@ -110,7 +111,8 @@ BOTH_REFUSE = {
     "unknown agent field": edit((("agent", "zone"), "eu")),
     "unknown plane field": edit((("planes", "numa"), 0)),
     "ABI 1.0 (no handshake then)": edit((("kvabi_abi",), [1, 0])),
-    "ABI 2.1": edit((("kvabi_abi",), [2, 1])),
+    "ABI 3.0": edit((("kvabi_abi",), [3, 0])),
+    "ABI 0.9": edit((("kvabi_abi",), [0, 9])),
     "ABI [1]": edit((("kvabi_abi",), [1])),
     "ABI [1, 1, 0]": edit((("kvabi_abi",), [1, 1, 0])),
     "ABI as strings": edit((("kvabi_abi",), ["1", "1"])),
@@ -215,7 +217,8 @@ _HOMES = [(), ("agent",), ("planes",)]
 def mutated(draw):
     d = valid()
     if draw(st.booleans()):
-        d["kvabi_abi"] = [1, draw(st.sampled_from([0, 1, 2]))]
+        d["kvabi_abi"] = draw(st.sampled_from([[1, 0], [1, 1], [1, 2], [1, 3], [2, 0],
+                                               [2, 1], [3, 0]]))
     for _ in range(draw(st.integers(1, 3))):
         op = draw(st.sampled_from(["set", "delete", "add"]))
         path = draw(st.sampled_from(_HOMES if op == "add" else _PATHS))
@@ -305,6 +308,25 @@ def test_the_schema_closes_the_readers_own_minor():
     schema's bound moves with WIRE_VERSION (a minor bump that forgets it fails here)."""
     from kvabi import WIRE_VERSION
 
-    bound = SCHEMA["if"]["properties"]["kvabi_abi"]["prefixItems"][1]["maximum"]
+    bound = SCHEMA["if"]["properties"]["kvabi_abi"]["anyOf"][1]["prefixItems"][1]["maximum"]
     assert bound == WIRE_VERSION[1]
 
+
+
+@pytest.mark.parametrize("name", ["vllm.fp8_per_token_head", "flashinfer.HND.fp8_scale_plane",
+                                  "vllm.cpu"])
+def test_component_layouts_travel_in_the_handshake(name):
+    """A 2.0 component descriptor (scales, planes of different sizes) is carried, accepted
+    by parser and schema alike, and read back equal; a plane smaller than its own size is
+    refused by the parser (a rule beyond the schema)."""
+    lay = Layout.preset(name, SPEC, 6, 2)
+    planes = [(4096 * (i + 1) << 20, n, 0) for i, n in enumerate(lay.plane_sizes)]
+    msg = json.loads(make_handshake(agent_name="prefill-0", host="127.0.0.1", port=5600,
+                                    memory="DRAM", layout=lay, planes=planes))
+    VALIDATOR.validate(msg)
+    assert parse_handshake(json.dumps(msg)).layout == lay
+    assert msg["layout"]["kvabi_abi"] == [2, 0] and "components" in msg["layout"]
+    msg["planes"]["nbytes"] = [*lay.plane_sizes[:-1], lay.plane_sizes[-1] - 1]
+    VALIDATOR.validate(msg)
+    with pytest.raises(KVABIError, match=rf"^planes\.nbytes: plane {len(planes) - 1} "):
+        parse_handshake(json.dumps(msg))

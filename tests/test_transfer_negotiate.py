@@ -98,6 +98,8 @@ def test_refusal_names_every_field_at_once():
     (lay("vllm.LBHNC", kind="mla", num_kv_heads=1), "sizes.KV"),
     (ranks("flashinfer.HND", 2, heads=8), "shard.of"),
     (lay("flashinfer.HND", dtype="int8"), "dtype"),
+    (lay("vllm.cpu"), "components"),  # component layouts are not negotiated yet
+    (lay("flashinfer.HND").component_form(), "components"),
 ])
 def test_data_refusals(remote, field):
     with pytest.raises(Refused) as e:
@@ -123,3 +125,9 @@ def test_bad_arguments():
         negotiate(lay("flashinfer.HND"), [])
     with pytest.raises(KVABIError, match=r"remote\[1\]: must be"):
         negotiate(lay("flashinfer.HND"), [lay("flashinfer.HND"), "x"])
+
+
+def test_a_local_component_layout_is_refused():
+    with pytest.raises(Refused, match="this cache is a component layout") as e:
+        negotiate(lay("vllm.cpu"), lay("flashinfer.HND"))
+    assert e.value.fields == ("components",)

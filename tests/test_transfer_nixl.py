@@ -234,9 +234,9 @@ def test_refusals(agents):
     with pytest.raises(KVABIError, match="agent.name: the peer has this agent's own name"):
         src = a_agent.register(KVCache.allocate(lay, "numpy"))
         a_agent.connect(a_agent.handshake(src))
-    with pytest.raises(KVABIError, match="kvabi_abi: the peer speaks ABI 2.0"):
+    with pytest.raises(KVABIError, match="kvabi_abi: the peer speaks ABI 3.0"):
         d = json.loads(a_agent.handshake(src))
-        d["kvabi_abi"] = [2, 0]
+        d["kvabi_abi"] = [3, 0]
         b_agent.connect(json.dumps(d))
     stranger = kv_nixl.Peer(b_agent.connect(a_agent.handshake(src)).handshake)
     with pytest.raises(KVABIError, match="peer: not connected"):

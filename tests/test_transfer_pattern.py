@@ -18,6 +18,7 @@ from kvabi import KVABIError, KVCache, KVSpec
 from kvabi.layout import Layout
 from kvabi.testing.strategies import SMALL_BLOCK_SIZES, kv_specs, layouts
 from kvabi.transfer import HostPool, execute, plan_block_transfer, plan_transfer
+from kvabi.transfer.pattern import GroupedPattern, block_strides
 from transfer_oracle import POISON, check_moved, raw_planes
 
 MANY = settings(max_examples=4 * settings().max_examples)
@@ -56,7 +57,12 @@ def test_block_plan_equals_general_plan_and_moves_exactly(move, seed):
     plan = plan_block_transfer(src, dst, sb, db, layers=layers)
     s, t = _slots(sb, src.size("N")), _slots(db, dst.size("N"))
     general = plan_transfer(src, dst, s, t, layers=layers)
+    u = math.gcd(src.size("N"), dst.size("N"))
+    # one pattern where every component of a layout steps alike along B (and along N where
+    # sub-blocks split blocks), else one per group of components that do
+    shifted = block_strides(src, u) is not None and block_strides(dst, u) is not None
     assert plan.pattern is not None and general.pattern is None
+    assert isinstance(plan.pattern, GroupedPattern) != shifted
     np.testing.assert_array_equal(plan.regions, general.regions)
     assert plan.check() is plan
     rng = np.random.default_rng(seed)

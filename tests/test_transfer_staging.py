@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import attrs
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvabi import KVSpec
+from kvabi import KVCache, KVSpec
+from kvabi.dtypes import numpy_dtype
 from kvabi.layout import Layout
-from kvabi.transfer import plan_transfer
-from kvabi.transfer.staging import GAP, stage
+from kvabi.transfer import execute, plan_block_transfer, plan_transfer
+from kvabi.transfer.execute import byte_view, copy_from_staging
+from kvabi.transfer.pattern import GroupedPattern
+from kvabi.transfer.staging import GAP, stage, stage_blocks
 
 SPEC = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 PRESETS = ("flashinfer.HND", "flashinfer.NHD", "kvbm.fully_contiguous", "tpu.combined",
@@ -55,3 +59,46 @@ def test_spans_join_near_regions_only():
     near = stage(plan_transfer(a, a, [0, 1], [0, 5]).regions)
     far = stage(plan_transfer(a, a, [0, 63 * 4], [0, 5]).regions)
     assert len(near.spans) == a.num_planes and len(far.spans) == 2 * a.num_planes
+
+
+BLOCK_PAIRS = [("flashinfer.HND", 4, "tpu.combined", 8), ("vllm.cpu", 4, "vllm.cpu.BLHNC", 8),
+               ("vllm.cpu", 8, "vllm.cpu.BLHNC", 4), ("vllm.cpu", 4, "flashinfer.NHD", 4),
+               ("vllm.cpu.BLHNC", 4, "vllm.cpu", 4)]
+
+
+@pytest.mark.parametrize("a_name,bs_a,b_name,bs_b", BLOCK_PAIRS)
+def test_staged_blocks_equal_the_direct_copy(a_name, bs_a, b_name, bs_b):
+    """A staged whole-block pull (the source cut to the blocks touched, READ in its own
+    byte order, then strided copies out of the staging buffer) writes exactly what a direct
+    execute of the plan writes; vLLM's CPU cache (keys and values shifting differently per
+    sub-block) takes the grouped pattern."""
+    a = Layout.preset(a_name, attrs.evolve(SPEC, block_size=bs_a), 24 // bs_a * 2, 2)
+    b = Layout.preset(b_name, attrs.evolve(SPEC, block_size=bs_b), 24 // bs_b, 2)
+    sb = np.array([5, 1, 2, 4, 0, 3])[:24 // bs_a]
+    db = np.random.default_rng(1).permutation(24 // bs_b)
+    plan = plan_block_transfer(a, b, sb, db)
+    src = _filled(a)
+    want = execute(plan, src, KVCache.allocate(b))
+    piece = stage_blocks(plan.pattern, a, b, [])
+    assert piece is not None
+    lay, n = piece.layout, piece.layout.plane_nbytes
+    buf = np.zeros(lay.num_planes * n, np.uint8)
+    for sp, so, dp, do, nb in piece.pull.check().regions.tolist():  # the simulated READ
+        buf[dp * n + do:dp * n + do + nb] = byte_view(src[sp], a)[so:so + nb]
+    got = KVCache.allocate(b)
+    piece.local.check(np.full(lay.num_planes, n), np.asarray(b.plane_sizes))
+    copy_from_staging([buf[i * n:(i + 1) * n] for i in range(lay.num_planes)], None,
+                      piece.local, lay, got, got)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(byte_view(x, b), byte_view(y, b))
+    assert isinstance(plan.pattern, GroupedPattern) == (a_name.startswith("vllm.cpu") and
+                                                        bs_a != bs_b)
+
+
+def _filled(layout):
+    planes = [np.random.default_rng(3 + i).integers(0, 256, layout.plane_nbytes, np.uint8)
+              for i in range(layout.num_planes)]
+    isz = layout.itemsize
+    return KVCache.wrap(layout, [np.lib.stride_tricks.as_strided(
+        p.view(f"u{isz}"), layout.plane_shape, [s * isz for s in layout.plane_strides])
+        .view(numpy_dtype(layout.dtype)) for p in planes])

@@ -14,7 +14,7 @@ import json
 import numpy as np
 
 from ..layout import Layout
-from ..presets import PRESETS
+from ..presets import preset_names
 from ..spec import KVSpec
 from .transforms import median_us
 
@@ -34,7 +34,7 @@ def transfers(num_blocks: int, seed: int) -> dict[str, np.ndarray]:
 def measure(seed: int = 0, quick: bool = False) -> list[dict]:
     rows = []
     sets = transfers(NUM_BLOCKS, seed)
-    for name in PRESETS:
+    for name in preset_names(SPEC):
         layout = Layout.preset(name, SPEC, NUM_BLOCKS, NUM_LAYERS)
         row = {"layout": name, "planes": layout.num_planes,
                "block_contiguous": layout.is_block_contiguous}

@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from ..cache import KVCache
 from ..errors import KVABIError
 from ..metadata import CommonAttentionMetadata
 from ..spec import KVSpec
@@ -160,14 +161,14 @@ def measure(backend, *, repeat: int, layers: int = NUM_LAYERS, log=None) -> dict
         handle.layer_view(1)
         row["view_lookup_us"] = median_us(lambda: handle.layer_view(1), min_runs=runs * 10,
                                           min_seconds=secs)
-        row["layout_view_us"] = median_us(lambda: layout.layer_view(planes, 1),
+        row["layout_view_us"] = median_us(lambda: KVCache.wrap(layout, planes).layer_view(1),
                                           min_runs=runs, min_seconds=secs)
     else:
         row["view"] = "kv_view"
         handle.kv_view(1, 0)
         row["view_lookup_us"] = median_us(lambda: handle.kv_view(1, 0), min_runs=runs * 10,
                                           min_seconds=secs)
-        row["layout_view_us"] = median_us(lambda: layout.kv_view(planes, 1, 0),
+        row["layout_view_us"] = median_us(lambda: KVCache.wrap(layout, planes).kv_view(1, 0),
                                           min_runs=runs, min_seconds=secs)
     row["check_step_us"] = median_us(lambda: check_step(meta, spec, layout),
                                      min_runs=runs * 10, min_seconds=secs)

@@ -16,6 +16,7 @@ import time
 
 from ..layout import Layout
 from ..spec import KVSpec
+from ..views import allocate_numpy
 
 SPEC = KVSpec(kind="full", block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 NUM_LAYERS = 32
@@ -46,7 +47,7 @@ def measure(quick: bool = False, blocks_list=(256, 512), num_layers: int = NUM_L
     for blocks in blocks_list:
         for name in ("vllm.LBHNC", "flash_attn"):
             layout = Layout.preset(name, SPEC, blocks, num_layers)
-            planes = layout.allocate_numpy()
+            planes = allocate_numpy(layout)
             write = layout_writer(layout, planes)
             mem = plane_bytes(planes)
 

@@ -4,13 +4,15 @@ request = 128 blocks, as one run of blocks and scattered).
 
 For each preset: regions per transfer and GB/s of a local ``execute`` (cache to cache), of a
 NIXL READ between two processes (UCX on loopback; skipped without nixl), and of host
-offload/onload through a ``HostPool``; and a relayout row (``flashinfer.HND`` block 16 ->
-``tpu.combined`` block 64).  Each figure is timed alternately with its reference, the same
-bytes moved by one ``memcpy`` (for NIXL rows: by one single-region READ), so that the ratios
-hold while the machine's load changes.  Then: a staged NIXL relayout pull against a
-same-layout pull of the same tokens, the bounds check of a post, torch planes against numpy
-planes on the same plans, and ``from_lengths`` of Python lists.  Each goal is printed as a
-"goal" line and a "measured" line.
+offload/onload through a ``HostPool``; and relayout rows (``flashinfer.HND`` block 16 ->
+``tpu.combined`` block 64; vLLM's CPU cache ``vllm.cpu`` block 16 -> its cross-layer
+``vllm.cpu.BLHNC`` block 64, keys ``[D, N]`` and values ``[N, D]`` per block-head).  Each
+figure is timed alternately with its reference, the same bytes moved by one ``memcpy`` (for
+NIXL rows: by one single-region READ), so that the ratios hold while the machine's load
+changes.  Then: staged NIXL relayout pulls (both relayouts) against a same-layout pull of
+the same tokens, the bounds check of a post, torch planes against numpy planes on the same
+plans, and ``from_lengths`` of Python lists.  Each goal is printed as a "goal" line and a
+"measured" line.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import numpy as np
 
 from ..cache import KVCache
 from ..layout import Layout
-from ..presets import PRESETS
+from ..presets import PRESETS, preset_names
 from ..spec import KVSpec
 from ..transfer import HostPool, TransferPlan, execute, plan_block_transfer, plan_transfer
 from . import transfer_tp
@@ -102,23 +104,31 @@ def _filled(layout):
 
 # -- the serving process for NIXL rows -------------------------------------------------------
 def _serve(conn):
-    """Child process: allocate and register source caches on request, hand out handshakes."""
+    """Child process: allocate and register source caches on request, hand out handshakes.
+    Each cache gets an agent of its own (closed when the cache is freed): memory freed and
+    allocated again may overlap a registration the puller's metadata of a longer-lived agent
+    still holds, which NIXL then cannot resolve."""
     from ..transfer.nixl import NixlAgent
 
-    agent = NixlAgent("bench-source")
-    caches = {}
+    caches, made = {}, 0
     while True:
         cmd, *args = conn.recv()
         if cmd == "stop":
-            agent.close()
+            for agent, _ in caches.values():
+                agent.close()
             conn.send("bye")
             return
         if cmd == "alloc":
             layout = Layout.from_json(args[0])
-            caches[args[1]] = agent.register(_filled(layout))
-            conn.send(agent.handshake(caches[args[1]]))
+            made += 1
+            agent = NixlAgent(f"bench-source-{made}")
+            cache = agent.register(_filled(layout))
+            caches[args[1]] = (agent, cache)
+            conn.send(agent.handshake(cache))
         elif cmd == "free":
-            agent.deregister(caches.pop(args[0]))
+            agent, cache = caches.pop(args[0])
+            agent.deregister(cache)
+            agent.close()
             conn.send("ok")
 
 
@@ -206,7 +216,11 @@ class NixlRig(ServingRig):
             self._ask("free", "src")
 
 # -- the run -------------------------------------------------------------------------------
-def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None,
+#: vLLM's CPU cache relayouted to its cross-layer form with a larger block
+CPU_FROM, CPU_TO, CPU_TO_BLOCK = "vllm.cpu", "vllm.cpu.BLHNC", 64
+
+
+def measure(setup: Setup, *, presets=None, nixl: bool = True, progress=None,
             tp_only: bool = False) -> dict:
     """Rows ``{src, dst, blocks, executor, regions, gbps, ref_gbps}``: ``ref_gbps`` is the
     reference timed alternately with the row (a memcpy of the same bytes; for NIXL rows one
@@ -214,6 +228,7 @@ def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None,
     seen.  ``figures`` holds the other figures, the tensor-parallel ones
     (:mod:`kvabi.bench.transfer_tp`) included; ``tp_only``: those alone."""
     say = progress or (lambda msg: None)
+    presets = preset_names(SPEC) if presets is None else presets
     sets = block_sets(setup)
     if nixl:
         from ..transfer.nixl import available
@@ -294,6 +309,21 @@ def measure(setup: Setup, *, presets=PRESETS, nixl: bool = True, progress=None,
             say("relayout pull (staged) against a same-layout pull of the same tokens")
             same = plan_block_transfer(a_l, a_l, sets["contiguous"], sets["contiguous"])
             extra["nixl_relayout"] = rig.measure_pair(a_l, b_l, plan, same, setup.repeat)
+        say(f"relayout {CPU_FROM} block 16 -> {CPU_TO} block {CPU_TO_BLOCK} (vLLM's CPU cache to "
+            "cross-layer), local and pulled, against a same-layout pull")
+        c_l = _layout(CPU_FROM, setup)
+        d_l = _layout(CPU_TO, setup, block_size=CPU_TO_BLOCK,
+                      num_blocks=setup.tokens // CPU_TO_BLOCK)
+        cplan = plan_block_transfer(c_l, d_l, sets["contiguous"],
+                                    np.arange(setup.tokens // CPU_TO_BLOCK))
+        src, dst = _filled(c_l), KVCache.allocate(d_l, "numpy")
+        add(f"{CPU_FROM}/16", f"{CPU_TO}/{CPU_TO_BLOCK}", "contiguous", "local", len(cplan),
+            *side_by_side(lambda: execute(cplan, src, dst), memcpy, setup.repeat))
+        del src, dst
+        if rig is not None:
+            same = plan_block_transfer(c_l, c_l, sets["contiguous"], sets["contiguous"])
+            extra["nixl_cpu_relayout"] = rig.measure_pair(c_l, d_l, cplan, same,
+                                                          setup.repeat)
             # the bounds check of a post with many regions (a token-level relayout)
             toks = np.random.default_rng(1).permutation(setup.blocks * SPEC.block_size)
             tplan = plan_transfer(a_l, b_l, toks + (setup.num_blocks - setup.blocks)
@@ -431,6 +461,14 @@ def goals(result: dict) -> list[tuple[str, bool | None, str]]:
     else:
         out.append(("NIXL relayout pull (staged) >= 50% of a same-layout pull", None,
                     "not measured (no nixl)"))
+    x = fig.get("nixl_cpu_relayout")
+    if x:
+        share = x["same_layout_s"] / x["relayout_s"]
+        out.append((f"NIXL relayout pull from vLLM's CPU cache ({CPU_FROM} -> cross-layer "
+                    f"{CPU_TO}/{CPU_TO_BLOCK}) >= 50% of a same-layout pull", share >= 0.5,
+                    f"{gbps(x['nbytes'], x['relayout_s'])} vs "
+                    f"{gbps(x['nbytes'], x['same_layout_s'])} GB/s = {share:.0%} "
+                    f"({x['regions']} regions)"))
     x = fig.get("post_check")
     if x:
         per = x["check_s"] / x["regions"] * 1e9
@@ -456,9 +494,9 @@ def run(argv=None) -> int:
                    help="tiny sizes (4 layers, 256 tokens, one timed run): checks the suite")
     p.add_argument("--no-nixl", action="store_true", help="skip the NIXL rows")
     p.add_argument("--presets", default=None,
-                   help="comma-separated presets (default: all); the tensor-parallel pulls "
-                        "use those of " + ", ".join(transfer_tp.PRESETS) + " among them "
-                        "(the first, if none)")
+                   help="comma-separated presets (default: every preset that holds the "
+                        "bench's bfloat16 spec); the tensor-parallel pulls use those of "
+                        + ", ".join(transfer_tp.PRESETS) + " among them (the first, if none)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per figure (best kept)")
     p.add_argument("--tp-only", action="store_true",
                    help="only the tensor-parallel figures: heterogeneous-TP pulls against "
@@ -467,7 +505,7 @@ def run(argv=None) -> int:
     if args.repeat < 1:
         p.error(f"--repeat: must be >= 1, got {args.repeat}")
     setup = Setup(layers=4, tokens=256, repeat=1) if args.quick else Setup(repeat=args.repeat)
-    presets = PRESETS if args.presets is None else tuple(args.presets.split(","))
+    presets = preset_names(SPEC) if args.presets is None else tuple(args.presets.split(","))
     unknown = [x for x in presets if x not in PRESETS]
     if unknown:
         p.error(f"--presets: unknown preset {unknown[0]!r}; presets are {', '.join(PRESETS)}")

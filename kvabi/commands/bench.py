@@ -49,10 +49,17 @@ def _builtin_probe(argv):
     return probe.run(argv)
 
 
+def _builtin_quant(argv):
+    from ..bench import quant
+
+    return quant.run(argv)
+
+
 def suites() -> dict:
     """{name: callable(argv) -> int}: the built-in suites plus those of plugins."""
     found = {"transforms": _builtin_transforms, "layout": _builtin_layout,
-             "overhead": _builtin_overhead, "transfer": _builtin_transfer, "probe": _builtin_probe}
+             "overhead": _builtin_overhead, "transfer": _builtin_transfer, "probe": _builtin_probe,
+             "quant": _builtin_quant}
     try:
         from .. import registry
     except ImportError:  # registry not available: built-in suites only

@@ -14,7 +14,7 @@ import json
 
 from ..dtypes import DTYPES
 from ..errors import KVABIError
-from ..argtypes import positive_int
+from ..argtypes import directory_arg, positive_int
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +32,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="block size (default: the claimed one closest to 16)")
     parser.add_argument("--blocks", type=positive_int, default=4, help="blocks in the cache")
     parser.add_argument("--layers", type=positive_int, default=2, help="layers in the cache")
+    parser.add_argument("--draw", action="store_true",
+                        help="draw block 0 of layer 0 of each layout: where the backend's "
+                             "bytes landed (the inferred layout) under where the declared "
+                             "layout puts them, differing bytes marked")
+    parser.add_argument("--svg", type=directory_arg, metavar="DIR",
+                        help="write the same drawings as SVG files into DIR, one per "
+                             "backend and layout")
 
 
 def probe_backend(backend, spec, num_blocks: int, num_layers: int) -> list[dict]:
@@ -51,10 +58,13 @@ def probe_backend(backend, spec, num_blocks: int, num_layers: int) -> list[dict]
             diff = placement_difference(declared, got)
             # Presets can place every element alike (tpu.hidden and flash_attn): name the
             # declared one when it is among them.
-            row["inferred"] = name if diff is None else \
-                got.name or "custom " + ",".join(got.order)
+            row["inferred"] = name if diff is None else got.name or (
+                "custom " + (",".join(got.order) if got.is_axis_form else
+                             "components " + ",".join(got.component_names)))
+            row["components"] = list(got.component_names)
             row["match"] = diff is None
             row["detail"] = diff or ""
+            row["_layouts"] = (declared, got)
             if diff is not None:
                 row["inferred_layout"] = got.to_dict()
         except Exception as e:  # noqa: BLE001 - a backend's failure is this row's result
@@ -82,9 +92,13 @@ def run(args) -> int:
             raise KVABIError(f"name: backend {name!r} is not available here: {why}")
         spec = _spec_for(backend, args)
         rows += probe_backend(backend, spec, args.blocks, args.layers)
+    drawings = [_drawing(r) for r in rows] if args.draw or args.svg else []
+    if args.svg:
+        _write_svgs(rows, drawings, args.svg)
     if args.json:
         for r in rows:
-            print(json.dumps(r, sort_keys=True))
+            print(json.dumps({k: v for k, v in r.items() if not k.startswith("_")},
+                             sort_keys=True))
     else:
         cols = ["backend", "layout", "dtype", "inferred", "match"]
         table = [cols] + [[str(r[c]) if c != "match" else ("yes" if r[c] else "NO")
@@ -95,4 +109,40 @@ def run(args) -> int:
         for r in rows:
             if not r["match"]:
                 print(f"{r['backend']} {r['layout']}: {r['detail']}")
+        if args.draw:
+            from ..layout_map import text
+            from .layout import colour_wanted
+
+            for r, d in zip(rows, drawings):
+                print()
+                print(f"{r['backend']} {r['layout']} (components found: "
+                      f"{', '.join(r.get('components', [])) or 'none'})")
+                print(text(d[0], colour=colour_wanted("auto"), against=d[1]) if d else
+                      f"nothing to draw: {r['detail']}")
     return 0 if all(r["match"] for r in rows) else 1
+
+
+def _drawing(row):
+    """(declared map, landed map) of block 0 of layer 0 over the declared layout's bytes
+    of it, or None where no layout was found."""
+    from ..layout_map import block_map
+    from ..layout_regions import block_cells
+
+    if "_layouts" not in row:
+        return None
+    declared, got = row["_layouts"]
+    cells = block_cells(declared, [(0, 0)])
+    return (block_map(declared, cells=cells),
+            block_map(got, cells=[c for c in cells if c[0] < got.num_planes]))
+
+
+def _write_svgs(rows, drawings, folder):
+    from pathlib import Path
+
+    from ..layout_map import svg
+
+    for r, d in zip(rows, drawings):
+        if d is not None:
+            path = Path(folder) / f"{r['backend']}_{r['layout']}.svg"
+            path.write_text(svg(d[0], against=d[1]))
+            print(f"wrote {path}")

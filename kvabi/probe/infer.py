@@ -26,6 +26,7 @@ import numpy as np
 
 from ..dtypes import itemsize
 from ..errors import KVABIError
+from ..component import Component
 from ..layout import Layout
 from ..presets import preset_names
 from .compare import placement_difference
@@ -158,13 +159,6 @@ def _plane_no(axes, size, layer, kv):
 
 def _fit(geo: Geometry, rows: Marked, place_p, place_o, nplanes: int,
          plane_nbytes: int) -> Layout:
-    planes = _plane_axes(geo, rows, place_p, nplanes)
-    isz = itemsize(geo.dtype)
-    size = {"L": geo.num_layers, "B": geo.num_blocks, "KV": geo.kvs, "N": geo.block_size,
-            "H": geo.num_heads, "D": geo.head_dim}
-    inplane = [a for a in ("L", "B", "KV", "N", "H", "D")
-               if a not in planes and not (a == "KV" and geo.kvs == 1)
-               and not (a == "L" and geo.num_layers == 1)]
     c = rows.coords(np.arange(rows.count))
 
     def element(**idx):  # id of the probed element with these indices (others 0)
@@ -179,18 +173,27 @@ def _fit(geo: Geometry, rows: Marked, place_p, place_o, nplanes: int,
         raise KVABIError(f"{rows.name(origin)} (every index 0) sits at byte "
                          f"{int(place_o[origin])} of plane {int(place_p[origin])}; a layout "
                          f"puts it at byte 0 (the plane's first element)")
+    fits = [_component_fit(geo, rows, c, place_p, place_o, element, kv)
+            for kv in range(geo.kvs)]
+    if geo.kvs == 2 and _steps_of(fits[0]) != _steps_of(fits[1]):
+        # keys and values step differently (e.g. keys dim-major, values token-major):
+        # two components, each placed on its own
+        return _component_layout(geo, fits, plane_nbytes)
+    planes = _plane_axes(geo, rows, place_p, nplanes)
+    isz = itemsize(geo.dtype)
+    size = {"L": geo.num_layers, "B": geo.num_blocks, "KV": geo.kvs, "N": geo.block_size,
+            "H": geo.num_heads, "D": geo.head_dim}
+    inplane = [a for a in ("L", "B", "KV", "N", "H", "D")
+               if a not in planes and not (a == "KV" and geo.kvs == 1)
+               and not (a == "L" and geo.num_layers == 1)]
     arg = {"L": "layer", "B": "block", "KV": "kv", "N": "token", "H": "head", "D": "dim"}
-    stride = {}
-    for a in inplane:
-        if size[a] == 1:
-            continue
-        s = int(place_o[element(**{arg[a]: 1})]) - int(place_o[origin])
+    stride = {a: fits[0]["strides"][a] for a in inplane if a in fits[0]["strides"]}
+    if "KV" in inplane:
+        s = int(place_o[element(kv=1)]) - int(place_o[origin])
         if s <= 0 or s % isz:
-            raise KVABIError(f"{a}: index 1 sits {s} bytes from index 0; a layout's strides "
+            raise KVABIError(f"KV: index 1 sits {s} bytes from index 0; a layout's strides "
                              f"are positive multiples of the itemsize {isz}")
-        stride[a] = s
-    if geo.kvs == 2:
-        _same_strides_for_values(rows, place_p, place_o, element, stride, arg)
+        stride["KV"] = s
     pred = sum(c[arg[a]] * s for a, s in stride.items())
     off = np.flatnonzero(pred != place_o)
     if len(off):
@@ -217,18 +220,68 @@ def _fit(geo: Geometry, rows: Marked, place_p, place_o, nplanes: int,
     return Layout(**kw, strides=stride, plane_bytes=plane_nbytes)
 
 
-def _same_strides_for_values(rows, place_p, place_o, element, stride, arg) -> None:
-    """KVABIError when the values step differently from the keys along some axis (e.g.
-    keys stored dim-major, values token-major): one layout gives each axis one stride."""
-    v0 = element(kv=1)
-    vstride = {a: int(place_o[element(kv=1, **{arg[a]: 1})]) - int(place_o[v0])
-               for a in stride if a != "KV"
-               and place_p[element(kv=1, **{arg[a]: 1})] == place_p[v0]}
-    kstride = {a: stride[a] for a in vstride}
-    if vstride != kstride:
-        raise KVABIError(f"keys and values are placed with different strides (bytes per "
-                         f"index step): keys {kstride}, values {vstride}; a layout gives each "
-                         f"axis one stride, so no layout expresses this placement")
+def _component_fit(geo, rows, c, place_p, place_o, element, kv) -> dict:
+    """Where the keys (kv 0), values (1) or latent were found: their first element's plane
+    and byte, the plane step per layer (0: every layer in one plane), and the byte stride
+    of each in-plane axis of size > 1 (from index 1 of it), checked on every probed
+    element of the component (affine, positive multiples of the itemsize)."""
+    isz = itemsize(geo.dtype)
+    what = "latent" if geo.kvs == 1 else ("keys", "values")[kv]
+    o0 = element(kv=kv)
+    p0, off0 = int(place_p[o0]), int(place_o[o0])
+    size = {"L": geo.num_layers, "B": geo.num_blocks, "N": geo.block_size,
+            "H": geo.num_heads, "D": geo.head_dim}
+    arg = {"L": "layer", "B": "block", "N": "token", "H": "head", "D": "dim"}
+    mine = c["kv"] == kv
+    ps, strides = 0, {}
+    for a in ("L", "B", "N", "H", "D"):
+        if size[a] == 1:
+            continue
+        e = element(kv=kv, **{arg[a]: 1})
+        if a == "L" and int(place_p[e]) != p0:
+            ps = int(place_p[e]) - p0
+            continue
+        s = int(place_o[e]) - off0
+        if s <= 0 or s % isz:
+            raise KVABIError(f"{a}: index 1 of the {what} sits {s} bytes from index 0; a "
+                             f"layout's strides are positive multiples of the itemsize {isz}")
+        strides[a] = s
+    plane = p0 + c["layer"] * ps
+    pred = off0 + sum(c[arg[a]] * s for a, s in strides.items())
+    bad = np.flatnonzero(mine & ((pred != place_o) | (plane != place_p)))
+    if len(bad):
+        i = int(bad[0])
+        raise KVABIError(f"{rows.name(i)} sits at plane {int(place_p[i])}, byte "
+                         f"{int(place_o[i])}, but the {what}' strides {strides} (from index 1 "
+                         f"of each axis) put it at plane {int(plane[i])}, byte {int(pred[i])}: "
+                         f"the placement is not affine, which no layout expresses (a tiled "
+                         f"or split axis?)")
+    return {"plane": p0, "plane_step": ps, "offset": off0, "strides": strides}
+
+
+def _steps_of(fit: dict) -> dict:
+    return {**fit["strides"], "plane_step": fit["plane_step"]}
+
+
+def _component_layout(geo: Geometry, fits, plane_nbytes: int) -> Layout:
+    """The component layout of keys and values placed each on its own (strides of axes of
+    size 1 are irrelevant: one element apart)."""
+    isz = itemsize(geo.dtype)
+    comps = []
+    for name, f in zip(("key", "value"), fits):
+        strides = {("E" if a == "D" else a): s for a, s in f["strides"].items()}
+        strides.setdefault("B", isz)
+        comps.append(Component(name=name, dtype=geo.dtype, count=geo.head_dim,
+                               offset=f["offset"], plane=f["plane"], strides=strides,
+                               plane_strides={"L": f["plane_step"]} if f["plane_step"]
+                               else {}))
+    sizes = {"L": geo.num_layers, "B": geo.num_blocks, "N": geo.block_size,
+             "H": geo.num_heads}
+    try:
+        return Layout(sizes=sizes, components=comps, plane_bytes=plane_nbytes)
+    except KVABIError as e:
+        raise KVABIError(f"keys and values are placed each on its own, but not as a layout "
+                         f"can state it: {e}") from None
 
 
 def _named(layout: Layout, spec, geo: Geometry) -> Layout:

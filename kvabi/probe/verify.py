@@ -46,23 +46,9 @@ def sample_rows(geo: Geometry, samples: int, seed: int, avoid=()) -> Marked:
 def _cells(layout: Layout, rows: Marked):
     """[(plane, lo, hi)] covering each sampled (layer, block) cell with the padding that
     follows it, merged per plane."""
-    cut = "B"
-    if "L" in layout.order and layout.num_layers > 1 and \
-            layout.order.index("L") > layout.order.index("B"):
-        cut = "L"
-    step = layout.stride(cut)
-    spans = []
-    for layer, block in set(zip(rows.layer.tolist(), rows.block.tolist())):
-        for p, off, n in layout.block_regions([block], layers=[layer]):
-            spans.append((p, off, min(layout.plane_nbytes, off + max(n, step))))
-    spans.sort()
-    merged = []
-    for p, lo, hi in spans:
-        if merged and merged[-1][0] == p and lo <= merged[-1][2]:
-            merged[-1][2] = max(merged[-1][2], hi)
-        else:
-            merged.append([p, lo, hi])
-    return [tuple(m) for m in merged]
+    from ..layout_regions import block_cells
+
+    return block_cells(layout, zip(rows.layer.tolist(), rows.block.tolist()))
 
 
 def _where(plane: int, off: int) -> str:

@@ -1,9 +1,11 @@
 """One conformance example: a spec, a layout, a batch, attention options, and its arrays.
 
 Hypothesis draws the structure (what shrinks to a readable case); the arrays come from a
-numpy generator seeded by the drawn ``seed``.  Every value is exactly representable in the
-cache dtype, so writing it is a copy whatever rounding a backend uses, and the backend and
-the reference see identical inputs.
+numpy generator seeded by the drawn ``seed``.  For a cache of ``quant`` ``none`` every value
+is exactly representable in the cache dtype, so writing it is a copy whatever rounding a
+backend uses, and the backend and the reference see identical inputs.  A quantized cache
+(``specs/semantics.md`` section 11) gets values that need its rounding (every code range,
+subnormal codes, saturation), and ``per_tensor`` layers get their own static scales.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 from ..dtypes import numpy_dtype
 from ..layout import Layout
 from ..metadata import CommonAttentionMetadata
+from ..quant import quant_format, quantize_per_tensor, quantize_per_token_head
 from ..spec import KVSpec
 
 #: standard deviation of query entries; with unit keys and scale 1/sqrt(D) the logits have
@@ -33,6 +36,64 @@ def input_dtype(cache_dtype: str) -> np.dtype:
     if cache_dtype in ("float32", "float16", "bfloat16"):
         return numpy_dtype(cache_dtype)
     return np.dtype(np.float32)
+
+
+def quant_values(rng: np.random.Generator, shape, spec: KVSpec, scale: float = 1.0
+                 ) -> np.ndarray:
+    """float32 values for a quantized cache whose dequantized values have about unit size:
+    ``per_tensor`` values are ``scale`` times scaled values spread over the codes (about 2%
+    saturating, 5% in float8's subnormal range); ``per_token_head`` rows have magnitudes
+    between 0.3 and 3 and about one row in 16 is all zero (the scale's epsilon)."""
+    qmax = quant_format(spec.dtype).qmax
+    if spec.quant == "per_tensor":
+        y = rng.standard_normal(shape) * (qmax / 4)
+        pick = rng.random(shape)
+        y = np.where(pick < 0.02, y * 10, np.where(pick < 0.07, y * 1e-4, y))
+        return (y * scale).astype(np.float32)
+    rows = rng.uniform(0.3, 3.0, tuple(shape[:-1]) + (1,))
+    rows = np.where(rng.random(rows.shape) < 1 / 16, 0.0, rows)
+    return (rng.standard_normal(shape) * rows).astype(np.float32)
+
+
+def layer_scales(spec: KVSpec, seed: int, layer: int) -> dict:
+    """The static scales of ``layer`` as ``write_kv``/``attention`` keywords: for a
+    ``per_tensor`` spec a float32 ``k_scale`` (and ``v_scale``, not for MLA) about
+    ``4 / QMAX`` (generic values, not powers of two), seeded per layer; else {}."""
+    if spec.quant != "per_tensor":
+        return {}
+    qmax = quant_format(spec.dtype).qmax
+    ks, vs = np.random.default_rng([seed, 0x5CA1E, layer]).uniform(0.5, 2.0, 2) * 4 / qmax
+    out = {"k_scale": float(np.float32(ks))}
+    if not spec.is_mla:
+        out["v_scale"] = float(np.float32(vs))
+    return out
+
+
+def stored(spec: KVSpec, x, kv: int, scales: dict):
+    """What a write stores for rows ``x`` [..., D] of K (``kv`` 0) or V (1): ``(codes,
+    row scales)`` in the cache dtype and float32.  ``per_tensor``: codes under the layer's
+    ``scales`` (from :func:`layer_scales`), no row scales; ``per_token_head``: codes and
+    one scale per row; otherwise the values converted (exact for the kit's values), no row
+    scales.  Non-finite entries (the poison of rows no query sees) become the cache dtype's
+    NaN or infinity as such and their row's scale NaN: no write stores them, the kit plants
+    them in the cache itself."""
+    dt = numpy_dtype(spec.dtype)
+    x = np.asarray(x)
+    if not spec.is_quantized:
+        return x.astype(dt), None
+    bad = ~np.isfinite(x)
+    clean = np.where(bad, 0, x)
+    if spec.quant == "per_tensor":
+        s = scales["k_scale" if kv == 0 else "v_scale"]
+        codes, rows = quantize_per_tensor(clean, s, spec.dtype, spec.rounding), None
+    else:
+        codes, rows = quantize_per_token_head(clean, spec.dtype, spec.rounding)
+    if bad.any():
+        with np.errstate(invalid="ignore"):
+            codes[bad] = x[bad].astype(dt)
+        if rows is not None:
+            rows[bad.any(axis=-1)] = np.nan
+    return codes, rows
 
 
 def exact_values(rng: np.random.Generator, shape, cache_dtype: str) -> np.ndarray:
@@ -83,10 +144,15 @@ class AttentionCase:
     @functools.cached_property
     def _inputs(self) -> Inputs:
         return make_inputs(self.spec, self.layout, self.meta, self.num_q_heads, self.sinks,
-                           self.seed)
+                           self.seed, self.layer)
 
     def inputs(self) -> Inputs:
         return self._inputs
+
+    def scales(self, layer: int | None = None) -> dict:
+        """The static scales of ``layer`` (default the case's) as call keywords ({} unless
+        the spec is ``per_tensor``): see :func:`layer_scales`."""
+        return layer_scales(self.spec, self.seed, self.layer if layer is None else layer)
 
     def __repr__(self) -> str:
         s, m = self.spec, self.meta
@@ -99,6 +165,8 @@ class AttentionCase:
             opts.append(f"head_dim_v={s.head_dim_v}")
         if s.page_align != 1:
             opts.append(f"page_align={s.page_align}")
+        if s.quant != "none":
+            opts.append(f"quant={s.quant} rounding={s.rounding}")
         lay = self.layout.name or (f"order={''.join(self.layout.order)} "
                                    f"planes={''.join(self.layout.planes) or '-'}")
         lines = [
@@ -122,9 +190,18 @@ class AttentionCase:
         return attrs.evolve(self, **changes)
 
 
+def _query_std(spec: KVSpec) -> float:
+    """Query spread: logits of about :data:`QUERY_STD` over the cache's values (int8 caches
+    of ``quant`` ``none`` hold integers up to :data:`INT8_RANGE`)."""
+    if spec.dtype == "int8" and not spec.is_quantized:
+        return QUERY_STD / INT8_RANGE
+    return QUERY_STD
+
+
 def make_inputs(spec: KVSpec, layout: Layout, meta: CommonAttentionMetadata, num_q_heads: int,
-                sinks: bool, seed: int) -> Inputs:
-    """Seeded arrays for a case; see :class:`Inputs`."""
+                sinks: bool, seed: int, layer: int = 0) -> Inputs:
+    """Seeded arrays for a case; see :class:`Inputs` (``layer``: the case's, whose static
+    scales its step's key and value are drawn for)."""
     rng = np.random.default_rng(seed)
     dt = input_dtype(spec.dtype)
     h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
@@ -132,31 +209,47 @@ def make_inputs(spec: KVSpec, layout: Layout, meta: CommonAttentionMetadata, num
     n_l = layout.num_layers
     t = meta.num_tokens
 
-    def vals(shape):
+    def vals(shape, kv=0, at=layer):
+        """Values of ``shape`` for K (``kv`` 0) or V (1) of layer ``at``."""
+        if spec.is_quantized:
+            scale = layer_scales(spec, seed, at).get(("k_scale", "v_scale")[kv], 1.0)
+            return quant_values(rng, shape, spec, scale)
         return exact_values(rng, shape, spec.dtype).astype(dt)
 
+    def pool(width, kv):  # [L, slots, H, width]; quantized: each layer under its scales
+        if not spec.is_quantized:
+            return vals((n_l, slots, h, width))
+        return np.stack([vals((slots, h, width), kv, i) for i in range(n_l)])
+
     # MLA: one latent of width D per token; the value is its first Dv entries.
-    pool_k = vals((n_l, slots, h, d))
-    pool_v = None if spec.is_mla else vals((n_l, slots, h, dv))
+    pool_k = pool(d, 0)
+    pool_v = None if spec.is_mla else pool(dv, 1)
     key = vals((t, h, d))
-    value = None if spec.is_mla else vals((t, h, dv))
-    qstd = QUERY_STD / (INT8_RANGE if spec.dtype == "int8" else 1.0)
+    value = None if spec.is_mla else vals((t, h, dv), 1)
+    qstd = _query_std(spec)
     q = rng.standard_normal((t, num_q_heads, d)) * qstd
     query = q.astype(dt)
     sink = (rng.uniform(-2.0, 2.0, num_q_heads).astype(np.float32) if sinks else None)
     return Inputs(pool_k, pool_v, key, value, query, sink)
 
 
-def step_arrays(case: AttentionCase, salt: int):
-    """Another (key, value, query) for ``case``'s step, e.g. for another layer."""
+def step_arrays(case: AttentionCase, salt: int, layer: int | None = None):
+    """Another (key, value, query) for ``case``'s step, e.g. for another layer (quantized
+    values are drawn for ``layer``'s static scales, default the case's)."""
     i = case.inputs()
+    spec = case.spec
     rng = np.random.default_rng([case.seed, salt])
-    dt = input_dtype(case.spec.dtype)
-    key = exact_values(rng, i.key.shape, case.spec.dtype).astype(dt)
-    value = None if i.value is None else \
-        exact_values(rng, i.value.shape, case.spec.dtype).astype(dt)
-    qstd = QUERY_STD / (INT8_RANGE if case.spec.dtype == "int8" else 1.0)
-    query = (rng.standard_normal(i.query.shape) * qstd).astype(dt)
+    dt = input_dtype(spec.dtype)
+    if spec.is_quantized:
+        sc = case.scales(layer)
+        key = quant_values(rng, i.key.shape, spec, sc.get("k_scale", 1.0))
+        value = None if i.value is None else \
+            quant_values(rng, i.value.shape, spec, sc.get("v_scale", 1.0))
+    else:
+        key = exact_values(rng, i.key.shape, spec.dtype).astype(dt)
+        value = None if i.value is None else \
+            exact_values(rng, i.value.shape, spec.dtype).astype(dt)
+    query = (rng.standard_normal(i.query.shape) * _query_std(spec)).astype(dt)
     return key, value, query
 
 
@@ -173,4 +266,4 @@ def layer_inputs(case: AttentionCase, layer: int):
     if layer == case.layer:
         i = case.inputs()
         return i.key, i.value, i.query
-    return step_arrays(case, 1000 + layer)
+    return step_arrays(case, 1000 + layer, layer)

@@ -23,7 +23,7 @@ from ..errors import KVABIError
 from ..layout import Layout
 from ..metadata import CommonAttentionMetadata
 from ..tensors import convert, to_numpy
-from .cases import AttentionCase, input_dtype
+from .cases import AttentionCase, input_dtype, stored
 from .measure import ConformanceFailure
 
 #: byte the cache is poisoned with before a case runs (finite in every cache dtype)
@@ -63,18 +63,26 @@ def is_reference(backend) -> bool:
 
 
 # -- numpy planes -------------------------------------------------------------------------
+def plane_shape(layout: Layout, i: int) -> tuple[int, ...]:
+    """The shape of plane ``i``: ``layout.plane_shape``, or for a component layout a flat
+    array over that plane's own bytes (component planes may differ in size)."""
+    if layout.is_axis_form:
+        return layout.plane_shape
+    return (-(-layout.plane_size(i) // layout.itemsize),)
+
+
 def full_planes(layout: Layout, fill_byte: int = 0) -> list[np.ndarray]:
-    """numpy planes shaped ``layout.plane_shape`` over buffers of ``plane_nbytes`` (padding
+    """numpy planes shaped :func:`plane_shape` over buffers of the plane's bytes (padding
     included) whose every byte is ``fill_byte``."""
     dt = numpy_dtype(layout.dtype)
     isz = layout.itemsize
-    n = -(-layout.plane_nbytes // isz)
     strides = [s * isz for s in layout.plane_strides]
     out = []
-    for _ in range(layout.num_planes):
+    for i in range(layout.num_planes):
+        n = -(-layout.plane_nbytes // isz) if layout.is_axis_form else plane_shape(layout, i)[0]
         buf = np.full(n * isz, fill_byte, np.uint8).view(UINT[isz])
         # Stride an unsigned view: numpy cannot stride some ml_dtypes arrays directly.
-        out.append(as_strided(buf, layout.plane_shape, strides).view(dt))
+        out.append(as_strided(buf, plane_shape(layout, i), strides).view(dt))
     return out
 
 
@@ -94,8 +102,11 @@ def copy_planes(layout: Layout, planes) -> list[np.ndarray]:
 
 
 def raw_items(layout: Layout, plane: np.ndarray) -> np.ndarray:
-    """The whole byte buffer under a full-buffer plane."""
+    """The whole byte buffer under a full-buffer plane (a component layout's: the flat
+    plane itself)."""
     u = plane.view(UINT[layout.itemsize])
+    if not layout.is_axis_form:
+        return u.reshape(-1)
     return as_strided(u, (-(-layout.plane_nbytes // layout.itemsize),), (layout.itemsize,))
 
 
@@ -111,17 +122,35 @@ def as_cache_dtype(x, dtype: str) -> np.ndarray:
     return a.astype(dt)
 
 
-def fill_pool(layout: Layout, planes, pool_k, pool_v, spec) -> None:
+def fill_pool(layout: Layout, planes, pool_k, pool_v, spec, scales=None) -> None:
     """Write every slot of every layer of numpy ``planes`` from a pool
-    ([L, slots, H, D] arrays)."""
-    dt = numpy_dtype(spec.dtype)
+    ([L, slots, H, D] arrays); ``scales(layer)``: a layer's static scales as call keywords
+    (a quantized cache holds the pool's codes under them, ``specs/semantics.md`` 11)."""
     cache = _handle(layout, planes)
-    shape = (layout.num_blocks, spec.block_size) + pool_k.shape[2:]
     for layer in range(layout.num_layers):
-        cache.kv_view(layer, 0)[...] = pool_k[layer].astype(dt).reshape(shape)
-        if pool_v is not None:
-            vshape = shape[:-1] + (pool_v.shape[-1],)
-            cache.kv_view(layer, 1)[...] = pool_v[layer].astype(dt).reshape(vshape)
+        sc = {} if scales is None else scales(layer)
+        for kv, pool in enumerate((pool_k, pool_v)):
+            if pool is not None:
+                put_rows(cache, spec, layer, kv, slice(None), pool[layer], sc)
+
+
+def put_rows(cache, spec, layer: int, kv: int, slots, rows, scales: dict) -> None:
+    """Store ``rows`` [S, H, D] of K (``kv`` 0) or V at ``slots`` (an index array, or all
+    slots) of ``layer`` of a KVCache as a write would (:func:`~kvabi.testing.cases.stored`:
+    codes, and a per_token_head cache's row scales in its scale component)."""
+    codes, row_scales = stored(spec, rows, kv, scales)
+    view = cache.kv_view(layer, kv)
+    bs = spec.block_size
+    if isinstance(slots, slice):
+        view[...] = codes.reshape(view.shape[:3] + codes.shape[-1:])
+    else:
+        view[slots // bs, slots % bs] = codes
+    if row_scales is not None:
+        sview = cache.component_view(("key_scale", "value_scale")[kv], layer)
+        if isinstance(slots, slice):
+            sview[...] = row_scales.reshape(sview.shape)
+        else:
+            sview[slots // bs, slots % bs, :, 0] = row_scales
 
 
 def fill_meta(layout: Layout, block_size: int) -> CommonAttentionMetadata:
@@ -139,7 +168,7 @@ def oracle_cache(case: AttentionCase, *, via_backend_allocate: bool, pool=None
     planes = full_planes(case.layout, 0 if via_backend_allocate else SENTINEL)
     i = case.inputs()
     pk, pv = (i.pool_k, i.pool_v) if pool is None else pool
-    fill_pool(case.layout, planes, pk, pv, case.spec)
+    fill_pool(case.layout, planes, pk, pv, case.spec, case.scales)
     return planes
 
 
@@ -162,8 +191,8 @@ def backend_cache(backend, case: AttentionCase, pool=None):
     for layer in range(layout.num_layers):
         cache = take_cache(layout, backend.write_kv(
             plan, cache, key=in_framework(backend, pk[layer]),
-            value=in_framework(backend, None if pv is None else pv[layer]), layer=layer),
-            "write_kv")
+            value=in_framework(backend, None if pv is None else pv[layer]), layer=layer,
+            **case.scales(layer)), "write_kv")
     return cache
 
 
@@ -181,9 +210,9 @@ def to_planes(layout: Layout, cache) -> list[np.ndarray]:
     out = full_planes(layout, 0)
     for i, p in enumerate(cache):
         a = np.asarray(to_numpy(p))
-        if tuple(a.shape) != layout.plane_shape:
+        if tuple(a.shape) != plane_shape(layout, i):
             raise ConformanceFailure(f"cache plane {i}: shape {tuple(a.shape)}, the layout "
-                                     f"says {layout.plane_shape}")
+                                     f"says {plane_shape(layout, i)}")
         try:
             out[i][...] = as_cache_dtype(a, layout.dtype)
         except (TypeError, ValueError) as e:
@@ -197,17 +226,21 @@ class StepData:
     """What a step wrote (numpy K/V, slot mapping, layer): lets a cache difference say
     which token's data landed in which slot."""
 
-    def __init__(self, key, value, slot_mapping, layer: int):
+    def __init__(self, key, value, slot_mapping, layer: int, scales=None):
         self.key, self.value = key, value
         self.slot_mapping = np.asarray(slot_mapping, np.int64)
         self.layer = int(layer)
+        self.scales = scales or {}  # the layer's static scales (call keywords)
 
 
-def _token_bits(x, dt, u, width):
-    """[T, H * width] cache-dtype bits of a step's K or V rows."""
+def _token_bits(x, dt, u, width, spec=None, kv=0, scales=None):
+    """[T, H * width] cache-dtype bits of a step's K or V rows (a quantized spec's codes
+    under the layer's ``scales``)."""
     from ..reference import to_cache_dtype
 
-    a = to_cache_dtype(np.asarray(x)[..., :width], dt)
+    a = np.asarray(x)[..., :width]
+    a = stored(spec, a, kv, scales)[0] if spec is not None and spec.is_quantized \
+        else to_cache_dtype(a, dt)
     return np.ascontiguousarray(a).view(u).reshape(len(a), -1)
 
 
@@ -228,11 +261,14 @@ def _attribute(layout, spec, got, want, layer, kv, slot, step, dt, u):
     if step is None:
         return facts
     width = g.shape[-1]
-    for which, arr in (("key", step.key), ("value", step.value)):
+    for kvi, (which, arr) in enumerate((("key", step.key), ("value", step.value))):
         if arr is None:
             continue
         wd = min(width, arr.shape[-1])
-        bits = _token_bits(arr, dt, u, wd)
+        try:
+            bits = _token_bits(arr, dt, u, wd, spec, kvi, step.scales)
+        except KVABIError:  # inputs a quantized write refuses: nothing to attribute
+            continue
         row = np.ascontiguousarray(g[..., :wd]).view(u).reshape(-1)
         hit = np.nonzero((bits == row[None, :]).all(axis=1))[0]
         if len(hit):
@@ -296,6 +332,15 @@ def cache_difference(layout: Layout, spec, got, want, step: StepData | None = No
                 for s in slots[:16 - min(16, len(facts))]:
                     facts.append(_attribute(layout, spec, got, want, layer, kv, int(s),
                                             step, dt, u))
+        for name in (n for n in layout.component_names if n.endswith("_scale")):
+            a = np.ascontiguousarray(cg.component_view(name, layer)).view(np.uint8)
+            b = np.ascontiguousarray(cw.component_view(name, layer)).view(np.uint8)
+            slots = np.nonzero((a != b).reshape(a.shape[0] * a.shape[1], -1).any(axis=1))[0]
+            if len(slots):
+                parts.append(f"layer {layer} {name}: {len(slots)} slot(s) differ, first "
+                             f"{[int(s) for s in slots[:6]]}")
+                if not facts:
+                    facts.append({"layer": layer, "component": name, "slot": int(slots[0])})
     if not parts:
         text = (f"bytes outside the logical elements (padding) differ in planes "
                 f"{bad_planes}")
@@ -303,8 +348,8 @@ def cache_difference(layout: Layout, spec, got, want, step: StepData | None = No
     text = "; ".join(parts)
     # A token's data in a wrong slot says the most: those first.
     facts = sorted(facts, key=lambda f: "holds_token" not in f)[:3]
-    if facts:
-        text += ". " + "; ".join(_describe(f) for f in facts)
+    if facts and "component" not in facts[0]:
+        text += ". " + "; ".join(_describe(f) for f in facts if "component" not in f)
     return text, dict(facts[0]) if facts else {}
 
 
@@ -372,7 +417,7 @@ class Runner:
     def write(self, plan, key, value, layer=None):
         layer = self.case.layer if layer is None else layer
         got = self.backend.write_kv(plan, self.cache, key=self._x(key), value=self._x(value),
-                                    layer=layer)
+                                    layer=layer, **self.case.scales(layer))
         self._cache = take_cache(self.layout, got, "write_kv")
 
     def attend(self, plan, query, layer=None, *, lse=False, sinks=None, out=False):
@@ -388,7 +433,8 @@ class Runner:
             dv = self.spec.head_dim_v
             buf = self._x(np.full((q.shape[0], q.shape[1], dv), np.nan, q.dtype))
         got = self.backend.attention(plan, self.cache, query=self._x(query), layer=layer,
-                                     sinks=self._x(sinks), out=buf, return_lse=lse)
+                                     sinks=self._x(sinks), out=buf, return_lse=lse,
+                                     **self.case.scales(layer))
         if lse:
             if not isinstance(got, tuple) or len(got) != 2:
                 raise ConformanceFailure("attention(return_lse=True) must return (out, lse)")
@@ -455,5 +501,5 @@ def step_inputs(case: AttentionCase, rows=None):
 
 __all__ = ["SENTINEL", "Runner", "StepData", "as_cache_dtype", "backend_cache",
            "cache_difference", "copy_planes", "expect_same_cache", "fill_meta", "fill_pool",
-           "full_planes", "in_framework", "input_dtype", "oracle_cache", "raw_items",
-           "step_inputs", "take_cache", "to_planes"]
+           "full_planes", "in_framework", "input_dtype", "oracle_cache", "plane_shape",
+           "put_rows", "raw_items", "step_inputs", "take_cache", "to_planes"]

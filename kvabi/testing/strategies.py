@@ -17,6 +17,7 @@ from ..errors import KVABIError
 from ..layout import Layout
 from ..metadata import CommonAttentionMetadata
 from ..presets import preset_names
+from ..quant import FORMATS, QUANT_MODES, ROUNDINGS
 from ..spec import KINDS, KVSpec, LayerKV, ModelKV
 
 #: head dims drawn when a backend accepts any
@@ -47,13 +48,15 @@ def block_size_choices(block_sizes=None, multiple: int = 1) -> tuple[int, ...]:
 @st.composite
 def kv_specs(draw, kinds=KINDS, dtypes=DTYPES, head_dims=None, block_sizes=None, *,
              block_size_multiple: int = 1, num_kv_heads=KV_HEADS, page_aligns=(1,),
-             max_window: int = 12, chunk_of_blocks: bool | None = None) -> KVSpec:
+             max_window: int = 12, chunk_of_blocks: bool | None = None,
+             quants=("none",), roundings=("nearest_even",)) -> KVSpec:
     """A :class:`KVSpec` of one of ``kinds`` and ``dtypes``.
 
     ``head_dims``/``block_sizes`` default to small values; ``chunk_of_blocks`` forces
     (True) or forbids (False) chunks that are a multiple of the block size (None: mostly
     multiples, as real models use).  MLA specs get one latent head and ``head_dim_v <=
-    head_dim``.
+    head_dim``.  ``quants``/``roundings``: the quantization granularities and roundings
+    drawn where the dtype and kind allow them (``none`` first: it shrinks there).
     """
     kinds = _ordered(kinds, KINDS)
     dtypes = _ordered(dtypes, DTYPES)
@@ -84,8 +87,26 @@ def kv_specs(draw, kinds=KINDS, dtypes=DTYPES, head_dims=None, block_sizes=None,
         else:
             extra["chunk"] = draw(st.one_of(multiple, anything))
     align = draw(st.sampled_from(_ordered(page_aligns)))
+    extra.update(_draw_quant(draw, kind, dtype, quants, roundings))
     return KVSpec(kind, block_size=bs, num_kv_heads=heads, head_dim=d, dtype=dtype,
                   page_align=align, **extra)
+
+
+def _draw_quant(draw, kind: str, dtype: str, quants, roundings) -> dict:
+    """``quant``/``rounding`` keywords of a spec: a granularity of ``quants`` that ``kind``
+    and ``dtype`` allow, with a rounding of ``roundings`` defined for the dtype (or none)."""
+    if dtype not in FORMATS:
+        return {}
+    fmt = FORMATS[dtype]
+    rounds = [r for r in _ordered(roundings, ROUNDINGS) if r in fmt.roundings]
+    modes = [q for q in _ordered(quants, QUANT_MODES) if q == "none" or
+             (rounds and not (q == "per_token_head" and kind == "mla"))]
+    if not modes:
+        return {}  # quant none: a backend that does not claim it drops it (spec filter)
+    quant = draw(st.sampled_from(modes))
+    if quant == "none":
+        return {}
+    return {"quant": quant, "rounding": draw(st.sampled_from(rounds))}
 
 
 def preset_layouts_for(spec: KVSpec, num_blocks: int, num_layers: int = 1,

@@ -50,16 +50,19 @@ def _handle(x, layout, side) -> KVCache:
         raise KVABIError(f"{side}: {e}") from None
 
 
-def byte_view(plane, layout):
-    """A flat uint8 view (no copy) of the ``layout.plane_nbytes`` bytes a numpy or torch
-    plane addresses, from its first element."""
-    isz = layout.itemsize
-    n = layout.plane_nbytes // isz
+def byte_view(plane, layout, i: int | None = None):
+    """A flat uint8 view (no copy) of the bytes a numpy or torch plane addresses (plane
+    ``i``'s size, or ``layout.plane_nbytes``), from its first element, whatever the
+    plane's own dtype (a component layout's planes may be bytes)."""
+    nbytes = layout.plane_nbytes if i is None else layout.plane_size(i)
     if isinstance(plane, np.ndarray):
-        raw = plane.view(np.dtype(f"u{isz}")) if plane.dtype.itemsize == isz else plane
-        flat = np.lib.stride_tricks.as_strided(raw, (n,), (isz,))
-        return flat.view(np.uint8)
-    return plane.as_strided((n,), (1,), plane.storage_offset()).view(_torch().uint8)
+        isz = plane.dtype.itemsize
+        raw = plane.view(np.dtype(f"u{isz}"))
+        flat = np.lib.stride_tricks.as_strided(raw, (-(-nbytes // isz),), (isz,))
+        return flat.view(np.uint8)[:nbytes]
+    isz = plane.element_size()
+    return plane.as_strided((-(-nbytes // isz),), (1,), plane.storage_offset()).view(
+        _torch().uint8)[:nbytes]
 
 
 def _torch():
@@ -173,7 +176,7 @@ def check_memory(c: KVCache, side: str, *, write: bool) -> None:
 
 def _spans(c: KVCache) -> np.ndarray:
     """[planes, 3] of (device key, first byte address, end address) of each plane's reach."""
-    n = c.layout.plane_nbytes
+    n = np.asarray(c.layout.plane_sizes, np.int64)
     rows = []
     for p in c:
         if isinstance(p, np.ndarray):
@@ -182,7 +185,7 @@ def _spans(c: KVCache) -> np.ndarray:
             dev = p.device
             rows.append((-1 if dev.type == "cpu" else hash(str(dev)) & 0xFFFF, p.data_ptr()))
     out = np.array(rows, np.int64).reshape(-1, 2)
-    return np.concatenate([out, out[:, 1:] + n], axis=1)
+    return np.concatenate([out, out[:, 1:] + n[:, None]], axis=1)
 
 
 def copy_from_staging(planes, regions, pattern, layout, d: KVCache, dst):
@@ -208,14 +211,15 @@ def _run(pattern, regions, s: KVCache | None, d: KVCache, dst, sbytes=None,
         dbytes = [bufs[i].reshape(-1).view(np.uint8) if i in bufs else None
                   for i in range(len(d))]
     else:
-        dbytes = [byte_view(p, dst_layout) for p in d]
+        dbytes = [byte_view(p, dst_layout, i) for i, p in enumerate(d)]
     # torch planes in host memory are copied by numpy over the same bytes (strided copies,
     # no index tensors): as fast as numpy planes
     torch_side = d.framework == "torch" and d[0].device.type != "cpu"
     if d.framework == "torch" and not torch_side:
         dbytes = [b.numpy() for b in dbytes]
     if sbytes is None:
-        sbytes = [_source_bytes(p, src_layout, d[0] if torch_side else None) for p in s]
+        sbytes = [_source_bytes(p, src_layout, d[0] if torch_side else None, i)
+                  for i, p in enumerate(s)]
     if pattern is not None:
         copy_pattern(pattern, src_layout, dst_layout, sbytes, dbytes, torch_side=torch_side)
     else:
@@ -227,16 +231,16 @@ def _run(pattern, regions, s: KVCache | None, d: KVCache, dst, sbytes=None,
     return dst
 
 
-def _source_bytes(plane, layout, device_plane):
+def _source_bytes(plane, layout, device_plane, i=None):
     """Source bytes as a flat uint8 numpy array, or (``device_plane`` given: a torch
     tensor on a device) as a torch tensor on that device."""
     if isinstance(plane, np.ndarray):
-        b = byte_view(plane, layout)
+        b = byte_view(plane, layout, i)
         if device_plane is not None:
             return _torch().from_numpy(b).to(device_plane.device)
         return b
     if framework(plane) == "torch":
-        b = byte_view(plane, layout)
+        b = byte_view(plane, layout, i)
         if device_plane is not None:
             return b.to(device_plane.device)
         return b.numpy() if b.device.type == "cpu" else b.cpu().numpy()

@@ -28,6 +28,7 @@ from ..errors import KVABIError
 from ..frozen import frozen_array
 from ..layout import Layout
 from ..safe_json import loads
+from .kv_scales import parse_kv_scales, scales_to_json
 
 MESSAGE = "kvabi.transfer.handshake"
 MEMORY_TYPES = ("DRAM", "VRAM")
@@ -39,6 +40,9 @@ MAX_PLANES = 4096
 MAX_ADDRESS = 2**62
 #: the first minor version of the handshake message (ABI 1.0 had none)
 FIRST_MINOR = 1
+#: the majors a reader of this version takes (2.0: the layout may hold components; a 1.x
+#: message carries a 1.x descriptor, which the layout reader still takes)
+READS = (1, WIRE_VERSION[0])
 # matched whole (fullmatch): ``$`` would also match before a final "\n"
 _NAME = re.compile(r"[A-Za-z0-9_.:@\-]{1,128}")
 _HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")
@@ -46,7 +50,7 @@ _HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")
 _MODEL = re.compile(r"[A-Za-z0-9_.:@/+=\-]{1,256}")
 _FINGERPRINT = re.compile(r"kv[0-9]+:[0-9a-f]{32}")
 _FIELDS = {"kvabi_abi", "message", "agent", "memory", "layout", "fingerprint", "planes"}
-_OPTIONAL = {"metadata", "model"}
+_OPTIONAL = {"metadata", "model", "kv_scales"}
 _AGENT_FIELDS = ("host", "name", "port")
 _PLANE_FIELDS = ("address", "device", "nbytes")
 
@@ -65,6 +69,8 @@ class Handshake:
     fingerprint: str
     metadata: bytes | None = None
     model: str | None = None
+    #: per layer (k_scale, v_scale) of a per-tensor quantized cache, or None (unscaled)
+    kv_scales: tuple | None = None
 
     @property
     def plane_nbytes(self) -> np.ndarray:
@@ -72,9 +78,12 @@ class Handshake:
 
 
 def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout: Layout,
-                   planes, metadata: bytes | None = None, model: str | None = None) -> str:
+                   planes, metadata: bytes | None = None, model: str | None = None,
+                   kv_scales=None) -> str:
     """The JSON message for planes ``[(address, nbytes, device), ...]`` of ``layout``;
-    ``model``: the model's identity, which a peer of another model refuses."""
+    ``model``: the model's identity, which a peer of another model refuses; ``kv_scales``:
+    per layer ``(k_scale, v_scale)`` of a per-tensor quantized cache
+    (:mod:`kvabi.transfer.kv_scales`)."""
     msg = {
         "kvabi_abi": list(WIRE_VERSION),
         "message": MESSAGE,
@@ -88,6 +97,8 @@ def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout
         msg["metadata"] = base64.b64encode(metadata).decode("ascii")
     if model is not None:
         msg["model"] = check_model(model, "model")
+    if kv_scales is not None:
+        msg["kv_scales"] = scales_to_json(kv_scales)
     text = json.dumps(msg, sort_keys=True)
     parse_handshake(text)  # what we send, we would accept
     return text
@@ -172,11 +183,14 @@ def _planes(p, layout: Layout, closed: bool) -> np.ndarray:
     a = _plane_ints(addr, "planes.address", n, 1, MAX_ADDRESS)
     nb = _plane_ints(p["nbytes"], "planes.nbytes", n, 1, MAX_ADDRESS)
     dev = _plane_ints(p["device"], "planes.device", n, 0, 1 << 16)
-    small = np.flatnonzero(nb < layout.plane_nbytes)
+    # component planes may differ in size: each is checked against its own
+    need = (np.full(n, layout.plane_nbytes, np.int64) if layout.uniform_planes
+            else np.asarray(layout.plane_sizes, np.int64))
+    small = np.flatnonzero(nb < need)
     if small.size:
         i = int(small[0])
         raise KVABIError(f"planes.nbytes: plane {i} has {int(nb[i])} bytes registered, but "
-                         f"the layout addresses {layout.plane_nbytes}")
+                         f"the layout addresses {int(need[i])}")
     far = np.flatnonzero(a > MAX_ADDRESS - nb)  # a + nb > MAX_ADDRESS, without overflow
     if far.size:
         raise KVABIError(f"planes: plane {int(far[0])}'s address + nbytes passes "
@@ -189,18 +203,18 @@ def _planes(p, layout: Layout, closed: bool) -> np.ndarray:
 def parse_handshake(text) -> Handshake:
     """Validate an untrusted handshake message (str or bytes); KVABIError names the field.
 
-    Refuses another ABI major version; a newer minor version's unknown fields are ignored,
-    this version's messages must not carry any.
+    Refuses a major version other than 1 and this one; a newer minor version's unknown
+    fields are ignored, this version's (and every 1.x) messages must not carry any.
     """
     d = loads(text, what="handshake", max_bytes=MAX_HANDSHAKE_BYTES, max_depth=MAX_DEPTH)
     _obj(d, "handshake", ("kvabi_abi",))
     ver = wire_version(d["kvabi_abi"])
-    if ver[0] != WIRE_VERSION[0]:
+    if ver[0] not in READS:
         raise KVABIError(f"kvabi_abi: the peer speaks ABI {ver[0]}.{ver[1]}; this reader "
-                         f"speaks {WIRE_VERSION[0]}.x")
-    if ver[1] < FIRST_MINOR:
+                         f"speaks {' and '.join(f'{m}.x' for m in READS)}")
+    if ver[0] == 1 and ver[1] < FIRST_MINOR:
         raise KVABIError(f"kvabi_abi: the handshake message exists since ABI "
-                         f"{WIRE_VERSION[0]}.{FIRST_MINOR}, the peer says {ver[0]}.{ver[1]}")
+                         f"1.{FIRST_MINOR}, the peer says {ver[0]}.{ver[1]}")
     # A message of our own or an older minor holds only the fields we know, at every level;
     # a newer minor's unknown fields are ignored.
     closed = tuple(ver) <= WIRE_VERSION
@@ -238,6 +252,8 @@ def parse_handshake(text) -> Handshake:
             meta = base64.b64decode(meta.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError):
             raise KVABIError("metadata: not valid base64") from None
+    scales = parse_kv_scales(d["kv_scales"], layout.num_layers) if "kv_scales" in d \
+        else None
     return Handshake(abi=(ver[0], ver[1]), agent_name=name, host=host, port=port,
                      memory=memory, layout=layout, planes=rows, fingerprint=fp,
-                     metadata=meta, model=model)
+                     metadata=meta, model=model, kv_scales=scales)

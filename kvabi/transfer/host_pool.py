@@ -17,6 +17,7 @@ import numpy as np
 from ..cache import KVCache
 from ..coerce import as_int, int_array
 from ..errors import KVABIError
+from ..component import Component
 from ..layout import Layout, check_layout
 from ..spec import KVSpec
 from .execute import execute_pattern
@@ -34,7 +35,10 @@ def cross_layer_twin(layout: Layout, num_blocks: int, num_layers: int | None = N
     """A compact cross-layer layout: ``B`` outermost, then ``layout``'s plane axes, then its
     other axes in its order (one plane, no padding).  A device block of one layer is one
     contiguous range of it in the same byte order, so copies between the two move whole
-    blocks."""
+    blocks.  A component layout's twin: ``B``, then ``L``, then each component's bytes of
+    that (block, layer), dense, in the device's order of its axes."""
+    if not layout.is_axis_form:
+        return _component_twin(layout, num_blocks, num_layers)
     order = ("B",) + tuple(layout.planes) + tuple(a for a in layout.order if a != "B")
     sizes = {a: layout.size(a) for a in order}
     sizes["B"] = num_blocks
@@ -43,6 +47,28 @@ def cross_layer_twin(layout: Layout, num_blocks: int, num_layers: int | None = N
     elif num_layers not in (None, 1):
         raise KVABIError(f"num_layers: the device layout has no layer axis, got {num_layers}")
     return Layout(order=order, sizes=sizes, dtype=layout.dtype, name=CROSS_LAYER)
+
+
+def _component_twin(layout: Layout, num_blocks: int, num_layers: int | None) -> Layout:
+    nl = layout.num_layers if num_layers is None else num_layers
+    sizes = {"L": nl, "B": num_blocks, "N": layout.size("N"), "H": layout.size("H")}
+    parts, at, align = [], 0, 1
+    for c in layout.components:
+        counts = {"N": sizes["N"], "H": sizes["H"], "E": c.units}
+        inner = sorted((a for a in ("N", "H", "E") if a in c.strides),
+                       key=lambda a: -c.strides[a])
+        strides, step = {}, c.unit
+        for a in reversed(inner):
+            strides[a], step = step, step * counts[a]
+        at = -(-at // c.unit) * c.unit
+        parts.append((c, at, strides))
+        at += step
+        align = max(align, c.unit)
+    cell = -(-at // align) * align  # one (block, layer)
+    comps = [Component(name=c.name, dtype=c.dtype, count=c.count, offset=off,
+                       strides={"B": cell * nl, "L": cell, **strides})
+             for c, off, strides in parts]
+    return Layout(sizes=sizes, components=comps, name=CROSS_LAYER)
 
 
 def spec_of(layout: Layout) -> KVSpec:
@@ -89,7 +115,7 @@ class HostPool:
             check_layout(layout)
         if isinstance(source, Layout):
             check_compatible(source, layout)
-        need, have = layout.num_planes * layout.plane_nbytes, host_memory()
+        need, have = layout.total_nbytes, host_memory()
         if need > have:
             field = "num_blocks" if layout.num_blocks == num_blocks else "layout.sizes.B"
             raise KVABIError(f"{field}: {layout.num_blocks} host blocks need {need} bytes, "

@@ -12,8 +12,9 @@ ranks (layouts or validated handshakes, in rank order) and answers:
   (:meth:`Negotiation.cost`: regions and staging bytes per block);
 - a :class:`Refused` error (a :class:`~kvabi.KVABIError`) naming every field that makes the
   data differ: ABI major, model identity, dtype, K/V against an MLA latent, head dim, the
-  model's KV head count, layer count, and a remote group that is inconsistent (ranks
-  swapped or missing, a rank that lies about its heads).
+  model's KV head count, layer count, a layout in the component form (not negotiated
+  yet: see :func:`kvabi.transfer.shards.check_axis_form`), and a remote group that is
+  inconsistent (ranks swapped or missing, a rank that lies about its heads).
 
 Nothing is compared by name: the attention backend that wrote a cache does not enter, only
 where its bytes are.
@@ -103,6 +104,12 @@ def _side(x, field: str):
 
 def _data_problems(local: Layout, remote: Layout, side: str) -> list[tuple[str, str]]:
     out = []
+    for lay, who in ((remote, side), (local, "this cache")):
+        if not lay.is_axis_form:  # kvabi.transfer.shards.check_axis_form
+            out.append(("components", f"{who} is a component layout "
+                                      f"({', '.join(lay.component_names)}); negotiation "
+                                      f"and plans between shardings take the axis form "
+                                      f"only"))
     if local.dtype != remote.dtype:
         out.append(("dtype", f"{side} holds {remote.dtype}, this cache {local.dtype}"))
     if local.has_kv != remote.has_kv:

@@ -224,8 +224,9 @@ class NixlAgent:
         if len(types) != 1:
             raise KVABIError(f"cache: planes mix memory types {sorted(types)}")
         mem = types.pop()
-        n = cache.layout.plane_nbytes
-        rows = np.array([(a, n, d) for a, _, d in mems], np.int64).reshape(-1, 3)
+        sizes = cache.layout.plane_sizes  # a component layout's planes may differ in size
+        rows = np.array([(a, n, d) for (a, _, d), n in zip(mems, sizes)],
+                        np.int64).reshape(-1, 3)
         try:
             descs = self._agent.register_memory(
                 [(int(a), int(n), int(d), "") for a, n, d in rows], mem)
@@ -257,18 +258,20 @@ class NixlAgent:
         return None
 
     def handshake(self, cache: KVCache, *, include_metadata: bool = False,
-                  model: str | None = None) -> str:
+                  model: str | None = None, kv_scales=None) -> str:
         """The JSON handshake message describing registered ``cache`` to a peer (its layout,
         with the shard of the model's heads it holds, and the layout's fingerprint); with
         ``include_metadata`` it also carries this agent's NIXL metadata, so the peer needs
         no round trip to the listen address; ``model``: the model's identity, which a peer
-        serving another model refuses (:func:`~kvabi.transfer.negotiate`)."""
+        serving another model refuses (:func:`~kvabi.transfer.negotiate`); ``kv_scales``:
+        per layer ``(k_scale, v_scale)`` of a per-tensor quantized cache (the puller
+        compares them with its own, :func:`kvabi.transfer.kv_scales.check_same_scales`)."""
         _, _, rows, mem = self._registration(cache)
         include_metadata = as_bool(include_metadata, "include_metadata")
         meta = self._agent.get_agent_metadata() if include_metadata else None
         return make_handshake(agent_name=self.name, host=self.host, port=self.port,
                               memory=mem, layout=cache.layout, planes=rows.tolist(),
-                              metadata=meta, model=model)
+                              metadata=meta, model=model, kv_scales=kv_scales)
 
     # -- peers ---------------------------------------------------------------------------
     def connect(self, message, *, timeout: float = 10.0) -> Peer:

@@ -1,7 +1,8 @@
 """Executing a whole-block plan (:class:`~kvabi.transfer.pattern.BlockPattern`) as strided
 copies: the source and destination of a run of sub-blocks are views of the same logical
-shape ``[sub-blocks, (layers), (kv), tokens, heads, dim]`` over the two planes' bytes, copied
-with one ``np.copyto`` / ``Tensor.copy_`` per run and plane pair.
+shape ``[sub-blocks, (layers), tokens, heads, elements]`` of one component over the two
+planes' bytes, copied with one ``np.copyto`` / ``Tensor.copy_`` per run, component and
+plane pair.
 
 Every view is the union of the plan's regions for its sub-blocks (the template shifted by
 their bases), which ``TransferPlan.check`` has bounded before any byte moves.
@@ -40,74 +41,74 @@ def runs(base_s: np.ndarray, base_t: np.ndarray) -> list[tuple[int, int, int, in
     return out
 
 
-def _box(src: Layout, dst: Layout, layers: np.ndarray, u: int):
-    """Axes copied inside one view (size, source stride, destination stride), and the
-    (source plane, source offset, destination plane, destination offset) of each view of a
-    sub-block: L and KV join the view where neither layout makes them planes."""
-    dims = []
-    in_view = {}
+def _boxes(src: Layout, dst: Layout, layers: np.ndarray, u: int, names=None):
+    """Per component: its element size, the axes copied inside one view (size, source
+    stride, destination stride), outermost first in the source's order, and the (source
+    plane, source offset, destination plane, destination offset) of each view of a
+    sub-block: L joins the view where both components hold it in-plane."""
+    out = []
     contiguous_layers = layers.size > 1 and layers[-1] - layers[0] + 1 == layers.size
-    for a, count in (("L", layers.size), ("KV", 2 if src.has_kv else 1)):
-        ok = (a in src.order and a in dst.order and (a != "L" or contiguous_layers)
-              and count > 1)
-        in_view[a] = ok
-        if ok:
-            dims.append((count, src.stride(a), dst.stride(a)))
-    for a, count in (("N", u), ("H", src.size("H")), ("D", src.size("D"))):
-        dims.append((count, src.stride(a), dst.stride(a)))
-    # outermost first in the source's memory order: numpy walks (and merges) axes in the
-    # order given, so contiguous boxes become one memcpy
-    dims.sort(key=lambda d: -d[1])
-    lays = layers[:1] if in_view["L"] else layers
-    kvs = [0] if in_view["KV"] or not src.has_kv else [0, 1]
-    views = []
-    for lay in lays.tolist():
-        for k in kvs:
+    for name in src.component_names if names is None else names:
+        cs, cd = src.component(name), dst.component(name)
+        in_view = contiguous_layers and "L" in cs.strides and "L" in cd.strides
+        dims = [(layers.size, cs.strides["L"], cd.strides["L"])] if in_view else []
+        for a, count in (("N", u), ("H", src.size("H")), ("E", cs.units)):
+            if a in cs.strides and count > 1:
+                dims.append((count, cs.strides[a], cd.strides[a]))
+        # numpy walks (and merges) axes in the order given: contiguous boxes become a memcpy
+        dims.sort(key=lambda d: -d[1])
+        views = []
+        for lay in (layers[:1] if in_view else layers).tolist():
             off = []
-            for x in (src, dst):
-                o = 0
-                if "L" in x.order:
-                    o += lay * x.stride("L")
-                if "KV" in x.order:
-                    o += k * x.stride("KV")
-                off.append((int(x._plane_of(lay, k)), o))
+            for c in (cs, cd):
+                off.append((c.plane + lay * c.plane_strides.get("L", 0),
+                            c.offset + lay * c.strides.get("L", 0)))
             views.append((off[0][0], off[0][1], off[1][0], off[1][1]))
-    return dims, views
+        out.append((cs.unit, dims, views))
+    return out
 
 
 def copy_pattern(pat, src: Layout, dst: Layout, sbytes, dbytes, *, torch_side: bool) -> None:
     """Copy every sub-block of ``pat`` from the flat byte planes ``sbytes`` to ``dbytes``
     (numpy arrays, or torch tensors when ``torch_side``)."""
-    isz = src.itemsize
-    dims, views = _box(src, dst, pat.layers, pat.u)
-    shape = tuple(d[0] for d in dims)
-    s_str = tuple(d[1] for d in dims)
-    d_str = tuple(d[2] for d in dims)
+    for part in getattr(pat, "parts", (pat,)):
+        _copy_part(part, src, dst, sbytes, dbytes, torch_side)
+
+
+def _copy_part(pat, src, dst, sbytes, dbytes, torch_side):
     todo = runs(pat.src_base, pat.dst_base)
     if torch_side:
         import torch
 
-        dt = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[isz]
         if any(a < 0 or b < 0 for _, n, a, b in todo if n > 1):  # torch: no negative strides
             todo = [(i, 1, 0, 0) for i in range(pat.src_base.size)]
-        se = [b.view(dt) if b is not None else None for b in sbytes]
-        de = [b.view(dt) if b is not None else None for b in dbytes]
+    for isz, dims, views in _boxes(src, dst, pat.layers, pat.u, pat.components):
+        shape = tuple(d[0] for d in dims)
+        s_str = tuple(d[1] for d in dims)
+        d_str = tuple(d[2] for d in dims)
+        if torch_side:
+            dt = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[isz]
+            se = [b.view(dt) if b is not None else None for b in sbytes]
+            de = [b.view(dt) if b is not None else None for b in dbytes]
 
-        def view(flat, off, n, step, strides):
-            return flat.as_strided((n,) + shape, tuple(x // isz for x in (step,) + strides),
-                                   flat.storage_offset() + off // isz)
+            def view(flat, off, n, step, strides):
+                return flat.as_strided((n,) + shape,
+                                       tuple(x // isz for x in (step,) + strides),
+                                       flat.storage_offset() + off // isz)
 
+            for sp, so, dp, do in views:
+                for i, n, a, b in todo:
+                    view(de[dp], do + int(pat.dst_base[i]), n, b, d_str).copy_(
+                        view(se[sp], so + int(pat.src_base[i]), n, a, s_str))
+            continue
+        dt = np.dtype(f"u{isz}")
+        # ndarray over the flat bytes (not as_strided: ~10x less Python per view); numpy
+        # refuses a view reaching outside its buffer
         for sp, so, dp, do in views:
+            sbuf, dbuf = sbytes[sp], dbytes[dp]
             for i, n, a, b in todo:
-                view(de[dp], do + int(pat.dst_base[i]), n, b, d_str).copy_(
-                    view(se[sp], so + int(pat.src_base[i]), n, a, s_str))
-        return
-    dt = np.dtype(f"u{isz}")
-    # ndarray over the flat bytes (not as_strided: ~10x less Python per view); numpy
-    # refuses a view reaching outside its buffer
-    for sp, so, dp, do in views:
-        sbuf, dbuf = sbytes[sp], dbytes[dp]
-        for i, n, a, b in todo:
-            sv = np.ndarray((n,) + shape, dt, sbuf, so + int(pat.src_base[i]), (a,) + s_str)
-            dv = np.ndarray((n,) + shape, dt, dbuf, do + int(pat.dst_base[i]), (b,) + d_str)
-            np.copyto(dv, sv)
+                sv = np.ndarray((n,) + shape, dt, sbuf, so + int(pat.src_base[i]),
+                                (a,) + s_str)
+                dv = np.ndarray((n,) + shape, dt, dbuf, do + int(pat.dst_base[i]),
+                                (b,) + d_str)
+                np.copyto(dv, sv)

@@ -34,10 +34,9 @@ from ..coerce import int_array
 from ..errors import KVABIError
 from ..frozen import frozen_array, is_frozen
 from ..layout import Layout, check_layout
-from .pattern import BlockPattern, base_offsets, plane_sizes
+from .pattern import (BlockPattern, GroupedPattern, base_offsets, component_groups,
+                      plane_sizes)
 
-#: the logical axes one token of one layer holds, besides the token itself
-_ELEMENT_AXES = ("KV", "H", "D")
 
 
 def _own_regions(r) -> np.ndarray:
@@ -170,10 +169,20 @@ def _check_side(plane, off, n, sizes, side):
                          f" lie outside plane {int(plane[i])} of {int(sizes[plane[i]])} bytes")
 
 
+def _granularity(c) -> str:
+    """How finely a component varies, in words: ``per (token, head)``, ``per block``..."""
+    axes = [a for a in ("N", "H") if c.varies(a)]
+    return "per (" + ", ".join(["token" if a == "N" else "head" for a in axes]) + ")" \
+        if len(axes) > 1 else "per token" if axes == ["N"] else \
+        "per head of a block" if axes == ["H"] else "per block"
+
+
 def check_compatible(src: Layout, dst: Layout) -> None:
-    """KVABIError naming the difference unless the layouts hold the same per-token data
-    (KV heads, head dim, dtype, K/V or MLA latent); block size, block count, layer count
-    and the physical arrangement may differ."""
+    """KVABIError naming the difference unless the layouts hold the same per-token data:
+    KV heads, and the same components (key/value or an MLA latent, and the same scales),
+    each of the same dtype, element count and granularity (a scale per (token, head) is
+    not one per (block, head)); block size, block count, layer count and the physical
+    arrangement may differ (not the block size where a component is per block)."""
     check_layout(src, "src_layout")
     check_layout(dst, "dst_layout")
     check_token_data(src, dst)
@@ -195,6 +204,24 @@ def check_token_data(src: Layout, dst: Layout, side: str = "the source", *,
         if src.size(a) != dst.size(a):
             raise KVABIError(f"dst_layout.sizes.{a}: {dst.size(a)} {what}, {side} has "
                              f"{src.size(a)}")
+    names_s, names_d = set(src.component_names), set(dst.component_names)
+    for n in sorted(names_s ^ names_d):
+        has, lacks = ("source", "destination") if n in names_s else ("destination", "source")
+        raise KVABIError(f"dst_layout.components.{n}: the {has} holds {n}, the {lacks} does "
+                         f"not (a plan moves every component; scales are not optional)")
+    for n in src.component_names:
+        cs, cd = src.component(n), dst.component(n)
+        for f in ("dtype", "count"):
+            if getattr(cs, f) != getattr(cd, f):
+                raise KVABIError(f"dst_layout.components.{n}.{f}: {getattr(cd, f)}, the "
+                                 f"source's is {getattr(cs, f)}")
+        if _granularity(cs) != _granularity(cd):
+            raise KVABIError(f"dst_layout.components.{n}: {_granularity(cd)}, the source's "
+                             f"is {_granularity(cs)} (scale granularity differs)")
+        if not cs.varies("N") and src.size("N") != dst.size("N"):
+            raise KVABIError(f"dst_layout.sizes.N: {n} is {_granularity(cs)}; it moves "
+                             f"between equal block sizes only, got {src.size('N')} and "
+                             f"{dst.size('N')}")
 
 
 def _layers(layers, src: Layout, dst: Layout) -> np.ndarray:
@@ -229,34 +256,85 @@ def _runs(s, t, bs_s, bs_t):
     return s[starts], t[starts], lengths
 
 
-def _atom(src: Layout, dst: Layout, lay: np.ndarray, full_blocks: bool):
-    """The axes (innermost first) both layouts hold contiguously in the same order."""
-    taken = []
-    so, do = src.order[::-1], dst.order[::-1]
-    nbytes = src.itemsize
-    for a, b in zip(so, do):
-        if a != b or a == "B" or src.stride(a) != nbytes or dst.stride(a) != nbytes:
+def _inner_first(c, counts):
+    """The in-plane axes of ``c`` with more than one index, innermost first:
+    [(axis, stride)]."""
+    return sorted(((a, s) for a, s in c.strides.items() if counts[a] > 1),
+                  key=lambda x: x[1])
+
+
+def _atom(cs, cd, counts, lay: np.ndarray, full_blocks: bool):
+    """The axes (innermost first) both components hold contiguously in the same order,
+    and the bytes of one atom without its tokens."""
+    taken, nbytes = [], cs.unit
+    for (a, sa), (b, sb) in zip(_inner_first(cs, counts), _inner_first(cd, counts)):
+        if a != b or a == "B" or sa != nbytes or sb != nbytes:
             break
-        if a == "L":
-            if lay[-1] - lay[0] + 1 != len(lay):  # layers not one range: enumerate them
-                break
-            count = len(lay)
-        else:
-            count = src.size(a)
+        if a == "L" and lay[-1] - lay[0] + 1 != len(lay):  # layers not one range
+            break
         taken.append(a)
         if a == "N" and not full_blocks:
             break  # runs of varying length: nothing outside N can join the atom
-        nbytes *= count
-        if src.extent(a) != count or dst.extent(a) != count:
-            break  # padding (or layers not selected) follows: the atom ends here
-    return tuple(taken)
+        nbytes *= counts[a]
+    unit = cs.unit * int(np.prod([counts[a] for a in taken if a != "N"], dtype=np.int64))
+    return tuple(taken), unit
+
+
+def _component_regions(src, dst, cs, cd, lay, runs, full):
+    """(src plane, src offset, dst plane, dst offset, nbytes) of every atom of one
+    component, broadcast over (run, layer, head, element) with numpy."""
+    r_s, r_t, r_n = runs
+    bs_s, bs_t = src.size("N"), dst.size("N")
+    if not cs.varies("N"):  # per-block data: whole blocks only, one record per block
+        if not full or bs_s != bs_t:
+            raise KVABIError(f"src_slots: {cs.name} is per block; only whole blocks move "
+                             f"(between equal block sizes)")
+        r_s, r_t, r_n = r_s, r_t, np.ones_like(r_n)
+    counts = {"L": len(lay), "N": 1 if not cs.varies("N") else (bs_s if full else 2),
+              "H": src.size("H") if cs.varies("H") else 1, "E": cs.units, "B": 2}
+    atom, unit = _atom(cs, cd, counts, lay, full)
+    if cs.varies("N") and "N" not in atom:  # tokens one at a time
+        o = np.argsort(r_s, kind="stable")
+        starts_s = np.repeat(r_s[o], r_n[o]) + _ramp(r_n[o])
+        starts_t = np.repeat(r_t[o], r_n[o]) + _ramp(r_n[o])
+        r_s, r_t, r_n = starts_s, starts_t, np.ones(starts_s.size, np.int64)
+    axes = {"L": lay, "H": np.arange(counts["H"]), "E": np.arange(cs.units)}
+    names = ("L", "H", "E")
+    coords = {}
+    for i, a in enumerate(names):
+        v = axes[a][:1] if (a in atom or (a == "L" and not cs.varies("L"))) else axes[a]
+        shape = [1] * 4
+        shape[i + 1] = v.size
+        coords[a] = v.reshape(shape)
+    run = lambda x: x.reshape(-1, 1, 1, 1)  # noqa: E731
+    shape = (r_n.size,) + tuple(coords[a].shape[i + 1] for i, a in enumerate(names))
+    nb = np.broadcast_to(run(r_n) * unit if "N" in atom else run(r_n) * 0 + unit,
+                         shape).ravel()
+
+    def address(layout, c, slots):
+        bsz = layout.size("N")
+        idx = dict(coords, B=run(slots // bsz), N=run(slots % bsz))
+        off = c.offset + sum((idx[a] * s for a, s in c.strides.items()), np.int64(0))
+        ps = c.plane_strides.get("L", 0)
+        plane = c.plane + coords["L"] * ps
+        return (np.broadcast_to(plane, shape).ravel().astype(np.int64),
+                np.broadcast_to(off, shape).ravel().astype(np.int64))
+
+    sp, so = address(src, cs, r_s)
+    dp, do = address(dst, cd, r_t)
+    return sp, so, dp, do, nb
+
+
+def _ramp(n: np.ndarray) -> np.ndarray:
+    """0..n[i]-1 for each i, concatenated."""
+    return np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
 
 
 def plan_transfer(src_layout: Layout, dst_layout: Layout, src_slots, dst_slots, *,
-                  layers=None) -> TransferPlan:
+                  layers=None, _components=None) -> TransferPlan:
     """The fewest byte regions moving token ``src_slots[i]`` of ``src_layout`` to
     ``dst_slots[i]`` of ``dst_layout`` for every layer of ``layers`` (default: all; they
-    must exist in both).
+    must exist in both), every component (values and scales) bit-exact.
 
     Slots are ``block * block_size + offset`` (equal-length integer arrays; destination
     slots distinct).  Padding bytes are never read into real data nor written.  KVABIError
@@ -276,42 +354,14 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, src_slots, dst_slots, 
     empty = np.zeros((0, 5), np.int64)
     if not s.size or not lay.size:
         return _made(empty, src, dst)
-
     bs_s, bs_t = src.size("N"), dst.size("N")
-    r_s, r_t, r_n = _runs(s, t, bs_s, bs_t)
-    full = bs_s == bs_t and bool(np.all(r_n == bs_s))
-    atom = _atom(src, dst, lay, full)
-    if "N" not in atom:  # tokens one at a time
-        r_s, r_t, r_n = np.sort(s), t[np.argsort(s, kind="stable")], np.ones(s.size, np.int64)
-    unit = src.itemsize * int(np.prod([len(lay) if a == "L" else src.size(a)
-                                       for a in atom if a != "N"], dtype=np.int64))
-
-    # Coordinates of every atom, broadcast over (run, layer, kv, head, dim).
-    kv_n = 2 if src.has_kv else 1
-    axes = {"L": lay, "KV": np.arange(kv_n), "H": np.arange(src.size("H")),
-            "D": np.arange(src.size("D"))}
-    coords = {}
-    for i, a in enumerate(("L",) + _ELEMENT_AXES):
-        v = axes[a][:1] if a in atom else axes[a]
-        shape = [1] * 5
-        shape[i + 1] = v.size
-        coords[a] = v.reshape(shape)
-    run = lambda x: x.reshape(-1, 1, 1, 1, 1)  # noqa: E731
-    shape = (r_n.size,) + tuple(coords[a].shape[i + 1]
-                                for i, a in enumerate(("L",) + _ELEMENT_AXES))
-    nb = np.broadcast_to(run(r_n) * unit, shape).ravel()
-
-    def address(layout, slots):
-        bsz = layout.size("N")
-        idx = dict(coords, B=run(slots // bsz), N=run(slots % bsz))
-        off = sum(idx[a] * layout.stride(a) for a in layout.order)
-        plane = layout._plane_of(idx["L"], idx["KV"] if layout.has_kv else 0)
-        return (np.broadcast_to(plane, shape).ravel().astype(np.int64),
-                np.broadcast_to(off, shape).ravel().astype(np.int64))
-
-    sp, so = address(src, r_s)
-    dp, do = address(dst, r_t)
-    return _made(merge_regions(sp, so, dp, do, nb, src.plane_nbytes), src, dst)
+    runs = _runs(s, t, bs_s, bs_t)
+    full = bs_s == bs_t and bool(np.all(runs[2] == bs_s))
+    names = src.component_names if _components is None else _components
+    parts = [_component_regions(src, dst, src.component(n), dst.component(n), lay, runs, full)
+             for n in names]
+    cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
+    return _made(merge_regions(*cols, src.plane_nbytes), src, dst)
 
 
 def merge_regions(sp, so, dp, do, nb, src_plane_nbytes: int) -> np.ndarray:
@@ -369,38 +419,52 @@ def plan_block_transfer(src_layout: Layout, dst_layout: Layout, src_blocks, dst_
 
 
 def plan_from_template(src: Layout, dst: Layout, src_blocks: np.ndarray,
-                       dst_blocks: np.ndarray, template: np.ndarray,
-                       layers: np.ndarray) -> TransferPlan:
+                       dst_blocks: np.ndarray, template, layers: np.ndarray) -> TransferPlan:
     """:func:`plan_block_transfer` of validated blocks given the ``template`` of
     :func:`block_template` for ``layers`` (callers moving blocks between the same two
     layouts again keep it)."""
     pattern = block_pattern(src, dst, src_blocks, dst_blocks, template, layers)
-    regions = _broadcast(pattern.template, pattern.src_base, pattern.dst_base,
-                         src.plane_nbytes)
+    parts = pattern.parts if isinstance(pattern, GroupedPattern) else (pattern,)
+    got = [_broadcast(p.template, p.src_base, p.dst_base, src.plane_nbytes) for p in parts]
+    regions = got[0] if len(got) == 1 else merge_regions(*np.concatenate(got).T,
+                                                         src.plane_nbytes)
     return _made(regions, src, dst, pattern)
 
 
-def block_template(src: Layout, dst: Layout, layers: np.ndarray) -> np.ndarray:
+def block_template(src: Layout, dst: Layout, layers: np.ndarray) -> tuple:
     """The regions of one sub-block (``gcd`` of the block sizes) of ``layers``, relative to
-    its bases: those of the sub-block at slot 0 of both layouts (bases 0), checked in full.
-    The same for every sub-block (both layouts address bytes affinely), so callers that
-    move blocks between the same two layouts again may keep it."""
+    its bases: those of the sub-block at slot 0 of both layouts (bases 0), checked in full;
+    one ``(component names, regions)`` per group of components that shift alike per
+    sub-block (one group for every axis-form layout).  The same for every sub-block (both
+    layouts address bytes affinely), so callers that move blocks between the same two
+    layouts again may keep it."""
     u = math.gcd(src.size("N"), dst.size("N"))
-    one = plan_transfer(src, dst, np.arange(u), np.arange(u), layers=layers).check()
-    return one.regions
+    out = []
+    for names in component_groups(src, dst, u).values():
+        one = plan_transfer(src, dst, np.arange(u), np.arange(u), layers=layers,
+                            _components=names).check()
+        out.append((names, one.regions))
+    return tuple(out)
 
 
 def block_pattern(src: Layout, dst: Layout, src_blocks: np.ndarray, dst_blocks: np.ndarray,
-                  template: np.ndarray, layers: np.ndarray) -> BlockPattern:
-    """The :class:`BlockPattern` of moving ``src_blocks`` to ``dst_blocks`` (validated int64
-    arrays holding the same number of tokens, destinations distinct) with ``template``
-    from :func:`block_template` for ``layers``."""
+                  template, layers: np.ndarray):
+    """The pattern of moving ``src_blocks`` to ``dst_blocks`` (validated int64 arrays
+    holding the same number of tokens, destinations distinct) with ``template`` from
+    :func:`block_template` for ``layers``: a :class:`BlockPattern`, or a
+    :class:`GroupedPattern` where components shift differently."""
     bs_s, bs_t = src.size("N"), dst.size("N")
     u = math.gcd(bs_s, bs_t)
     ss = (src_blocks[:, None] * bs_s + np.arange(0, bs_s, u)).ravel()  # sub-block starts
     ts = (dst_blocks[:, None] * bs_t + np.arange(0, bs_t, u)).ravel()
-    return BlockPattern(u, ss, ts, layers, template, base_offsets(src, ss),
-                        base_offsets(dst, ts))
+    groups = {names: key for key, names in component_groups(src, dst, u).items()}
+    parts = []
+    for names, t in template:
+        k_s, k_t = groups[names]
+        parts.append(BlockPattern(u, ss, ts, layers, t, base_offsets(src, ss, u, k_s),
+                                  base_offsets(dst, ts, u, k_t),
+                                  None if len(template) == 1 else names))
+    return parts[0] if len(parts) == 1 else GroupedPattern(tuple(parts))
 
 
 def _broadcast(t, base_s, base_t, src_plane_nbytes: int) -> np.ndarray:

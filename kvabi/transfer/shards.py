@@ -16,6 +16,9 @@ exactly as between unsharded caches.
 Everything the math does not allow is refused by field before any plan exists: ranks
 swapped, missing, or holding other heads than their rank's split; a head no source holds;
 another model's head count, dtype, head dim or K/V form; sources of different block sizes.
+Layouts in the component form (keys and values placed apart, scale components, vLLM's CPU
+cache) are refused (:func:`check_axis_form`): head windows are cut on the axis form's one
+``H`` stride, and a component layout's scales would need windows of their own.
 """
 from __future__ import annotations
 
@@ -127,6 +130,16 @@ def assign(sources: Sequence[Shard], dst: Shard) -> tuple[HeadRun, ...]:
     return tuple(runs)
 
 
+def check_axis_form(layout: Layout, field: str) -> None:
+    """KVABIError naming ``field.components`` unless ``layout`` is in the axis form: plans
+    between shardings do not yet cut component layouts (scales included) into heads."""
+    if not layout.is_axis_form:
+        raise KVABIError(f"{field}.components: a component layout "
+                         f"({', '.join(layout.component_names)}); plans between shardings "
+                         f"take the axis form only (scale components and keys placed apart "
+                         f"from values are not cut into heads yet)")
+
+
 def _check(src_layouts, dst_layout: Layout, standard: bool):
     """The checked sources (a tuple) and their shards, and the destination's shard."""
     if isinstance(src_layouts, Layout) or not isinstance(src_layouts, Sequence) or \
@@ -137,6 +150,9 @@ def _check(src_layouts, dst_layout: Layout, standard: bool):
     check_layout(dst_layout, "dst_layout")
     if not srcs:
         raise KVABIError("src_layouts: no source ranks")
+    for i, s in enumerate(srcs):
+        check_axis_form(s, f"src_layouts[{i}]")
+    check_axis_form(dst_layout, "dst_layout")
     shards = check_group([shard_of(s) for s in srcs], "src_layouts", standard=standard)
     dst = shard_of(dst_layout)
     if dst.of != shards[0].of:

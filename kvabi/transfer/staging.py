@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import KVABIError
 from ..layout import Layout
-from .pattern import BlockPattern, base_offsets
+from .pattern import BlockPattern, GroupedPattern, base_offsets, component_strides
 from .plan import TransferPlan, block_template, plan_from_template
 
 #: regions of one source plane less than this many bytes apart are read as one span (the
@@ -55,14 +55,14 @@ class BlockStaging:
 
     layout: Layout
     pull: TransferPlan
-    local: BlockPattern
+    local: "BlockPattern | GroupedPattern"
 
     @property
     def nbytes(self) -> int:
         return self.layout.num_planes * self.layout.plane_nbytes
 
 
-def _template(templates: list, src: Layout, dst: Layout, layers: np.ndarray) -> np.ndarray:
+def _template(templates: list, src: Layout, dst: Layout, layers: np.ndarray) -> tuple:
     """The block template of ``src`` -> ``dst`` for ``layers``, kept in ``templates`` (a
     list, newest first; layouts compare by identity first, then by value)."""
     key = layers.tobytes()
@@ -76,27 +76,55 @@ def _template(templates: list, src: Layout, dst: Layout, layers: np.ndarray) -> 
     return t
 
 
-def stage_blocks(pat: BlockPattern, src: Layout, dst: Layout,
-                 templates: list) -> BlockStaging | None:
-    """The staged pull of the whole-block move ``pat`` from ``src`` to ``dst``; None when
-    the source layout cannot be cut down to the blocks touched (then stage its regions).
-    ``templates``: the caller's list of templates kept (see :func:`_template`)."""
-    bs = src.size("N")
-    blocks, inv = np.unique(pat.src_slots // bs, return_inverse=True)
+def cut_layout(src: Layout, n: int):
+    """``src`` holding ``n`` blocks, in its own byte order, or None where that cannot be
+    stated.  Axis form: its sizes with ``B`` = n.  Component form: each component keeps its
+    strides inside a block; the axes outside ``B`` are nested anew, densely, over ``n``
+    blocks (refused, None, where the result is not a valid layout)."""
     try:
-        lay = attrs.evolve(src, sizes={**src.sizes, "B": int(blocks.size)}, name=None)
+        if src.is_axis_form:
+            return attrs.evolve(src, sizes={**src.sizes, "B": n}, name=None)
+        sizes = {**src.sizes, "B": n}
+        comps = []
+        for c in src.components:
+            outer = sorted((a for a, st in c.strides.items()
+                            if a != "E" and st > c.strides["B"]), key=lambda a: c.strides[a])
+            strides, step = dict(c.strides), c.strides["B"] * n
+            for a in outer:
+                strides[a] = step
+                step *= sizes.get(a, 1)
+            comps.append(attrs.evolve(c, strides=strides))
+        return Layout(sizes=sizes, components=comps)
     except KVABIError:
         return None
-    if lay.num_planes != src.num_planes:
+
+
+def stage_blocks(pat, src: Layout, dst: Layout, templates: list) -> BlockStaging | None:
+    """The staged pull of the whole-block move ``pat`` (a BlockPattern or GroupedPattern)
+    from ``src`` to ``dst``; None when the source layout cannot be cut down to the blocks
+    touched (then stage its regions).  ``templates``: the caller's list of templates kept
+    (see :func:`_template`)."""
+    bs = src.size("N")
+    blocks, inv = np.unique(pat.src_slots // bs, return_inverse=True)
+    lay = cut_layout(src, int(blocks.size))
+    if lay is None or lay.num_planes != src.num_planes:
         return None
     slots = inv.reshape(-1) * bs + pat.src_slots % bs
-    same = all(lay.stride(a) == src.stride(a) for a in lay.order if a != "B")
-    template = pat.template if same else _template(templates, lay, dst, pat.layers)
     pull = plan_from_template(src, lay, blocks, np.arange(blocks.size),
                               _template(templates, src, lay, pat.layers), pat.layers)
-    local = BlockPattern(pat.u, slots, pat.dst_slots, pat.layers, template,
-                         base_offsets(lay, slots), pat.dst_base)
-    return BlockStaging(lay, pull, local)
+    parts = getattr(pat, "parts", (pat,))
+    same = src.is_axis_form and all(lay.stride(a) == src.stride(a) for a in lay.order
+                                    if a != "B")
+    tmpl = {p.components: p.template for p in parts} if same else \
+        {names if len(parts) > 1 else None: t
+         for names, t in _template(templates, lay, dst, pat.layers)}
+    local = []
+    for p in parts:
+        k = component_strides(lay, p.components[0], p.u) if p.components else None
+        local.append(BlockPattern(p.u, slots, p.dst_slots, p.layers, tmpl[p.components],
+                                  base_offsets(lay, slots, p.u, k), p.dst_base,
+                                  p.components))
+    return BlockStaging(lay, pull, local[0] if len(local) == 1 else GroupedPattern(tuple(local)))
 
 
 def worth_staging(regions: np.ndarray) -> bool:

@@ -51,8 +51,9 @@ class WrongSlot(ReferenceBackend):
     def capabilities(self, spec=None):
         return attrs.evolve(super().capabilities(spec), kinds=("full",), dtypes=("float32",))
 
-    def write(self, plan, cache, key, value, layer):
-        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer)
+    def write(self, plan, cache, key, value, layer, **scales):
+        cache = super().write(plan=plan, cache=cache, key=key, value=value, layer=layer,
+                              **scales)
         m, bs = plan.meta, plan.spec.block_size
         real = np.nonzero(m.slot_mapping >= 0)[0]
         if len(real):

@@ -23,7 +23,8 @@ def d_contiguous_presets(spec, first=FIRST, families=None) -> tuple[str, ...]:
             lay = Layout.preset(name, spec, num_blocks=1)
         except KVABIError:  # the preset refuses this spec (packing, page_align, Dv != D)
             continue
-        if lay.stride("D") == lay.itemsize:
+        # the axis form (one order for keys and values: vllm.cpu's differ), D contiguous
+        if lay.is_axis_form and lay.stride("D") == lay.itemsize:
             ok.append(name)
     head = [n for n in first if n in ok]
     return tuple(head + [n for n in ok if n not in head])

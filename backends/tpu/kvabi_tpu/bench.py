@@ -27,8 +27,9 @@ import time
 import numpy as np
 
 import kvabi
-from kvabi import KVABIError
+from kvabi import KVABIError, KVCache
 from kvabi.dtypes import numpy_dtype
+from kvabi.views import allocate_numpy
 
 from .env import on_tpu
 
@@ -196,9 +197,10 @@ def run(argv=None) -> int:
     rng = np.random.default_rng(a.seed)
     dt = numpy_dtype(a.dtype)
     t, h, d = meta.num_tokens, a.kv_heads, a.head_dim
-    pool = layout.allocate_numpy(0)
+    pool = allocate_numpy(layout, 0)
+    handle = KVCache.wrap(layout, pool)
     for kv in (0, 1):
-        view = layout.kv_view(pool, 0, kv)
+        view = handle.kv_view(0, kv)
         view[...] = rng.standard_normal(view.shape).astype(dt)
     arrays = (rng.standard_normal((t, h, d)).astype(dt), rng.standard_normal((t, h, d)).astype(dt),
               rng.standard_normal((t, a.q_heads, d)).astype(dt), pool)

@@ -13,6 +13,7 @@ from tpu_helpers import JAX, PALLAS, make_spec
 import kvabi
 from kvabi.tensors import to_jax, to_numpy
 from kvabi import KVABIError
+from kvabi.views import allocate_numpy
 
 BACKENDS = [PALLAS, JAX]
 ids = lambda b: b.name  # noqa: E731
@@ -89,7 +90,7 @@ def test_plan_of_another_layout_refused_before_any_kernel(backend):
         backend.write_kv(plan, list(backend.allocate(big)), key=k, value=k)
     assert not cache[0].is_deleted()
     with pytest.raises(KVABIError, match="numpy planes"):
-        backend.write_kv(plan, kvabi.KVCache.allocate(big), key=k, value=k)
+        backend.write_kv(plan, kvabi.KVCache.wrap(big, allocate_numpy(big, 0)), key=k, value=k)
     # an equal layout (e.g. from a JSON round trip) is the same layout
     twin = kvabi.Layout.from_json(big.to_json())
     assert twin is not big

@@ -6,7 +6,9 @@ import numpy as np
 from hypothesis import strategies as st
 
 import kvabi
+from kvabi import KVCache
 from kvabi.dtypes import numpy_dtype
+from kvabi.views import allocate_numpy
 
 #: a value no written K/V takes (exact in every dtype tested): marks untouched bytes
 POISON = -7.75
@@ -53,12 +55,12 @@ def values(rng, shape, dtype):
 def filled_cache(layout, spec, rng):
     """A reference (numpy) KVCache: every byte POISON, then every slot of every layer
     written with random K/V."""
-    planes = kvabi.KVCache.wrap(layout, layout.allocate_numpy(POISON))
+    planes = KVCache.wrap(layout, allocate_numpy(layout, POISON))
     slots = layout.num_blocks * spec.block_size
     shape = (layout.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     for layer in range(layout.num_layers):
         for kv in (0, 1):
-            layout.kv_view(planes, layer, kv)[...] = values(
+            planes.kv_view(layer, kv)[...] = values(
                 rng, (slots, spec.num_kv_heads, spec.head_dim), spec.dtype).reshape(shape)
     return planes
 
@@ -119,13 +121,14 @@ def poison_invisible(layout, spec, planes, keep: set[int], rng) -> int:
     """Copies of numpy ``planes`` whose K and V rows of every slot not in ``keep`` (every
     layer) hold NaN, +inf or -inf (drawn per row), and whose padding bytes hold NaN; returns
     (planes, number of poisoned slots)."""
-    out = kvabi.KVCache.wrap(layout, layout.allocate_numpy(np.nan))
+    out = KVCache.wrap(layout, allocate_numpy(layout, np.nan))
     slots = layout.num_blocks * spec.block_size
     bad = np.array(sorted(set(range(slots)) - keep), np.int64)
     kinds = np.array([np.nan, np.inf, -np.inf])
     for layer in range(layout.num_layers):
         for kv in (0, 1):
-            src, dst = layout.kv_view(planes, layer, kv), layout.kv_view(out, layer, kv)
+            src = KVCache.wrap(layout, planes).kv_view(layer, kv)
+            dst = KVCache.wrap(layout, out).kv_view(layer, kv)
             dst[...] = src
             if len(bad):
                 dst[bad // spec.block_size, bad % spec.block_size] = \

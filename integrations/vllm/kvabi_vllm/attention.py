@@ -30,6 +30,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
                                        AttentionMetadataBuilder, AttentionType, MultipleOf)
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWindowSpec
 
+from . import kv_quant as kq
 from . import layouts as vl
 from .metadata import from_vllm, keep_indices
 from .startup import (ENV_BACKEND, ENV_LAYOUT, ConfigError, backend_from_env, backend_of,
@@ -84,7 +85,7 @@ class KvabiAttentionBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = list(_DTYPES)
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", *kq.FP8]
 
     @staticmethod
     def get_name() -> str:
@@ -187,7 +188,8 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
             raise UnsupportedError(f"{backend.name}: one plan serves a KV group, but the "
                                    f"layers of group {layer_names} have windows {windows}")
         window = windows.pop()
-        dtype = _DTYPES.get(kv_cache_spec.dtype)
+        # an fp8 cache is uint8 to vLLM: its model dtype here, its kvabi dtype from cache_dtype
+        dtype = _DTYPES.get(kv_cache_spec.dtype) or _DTYPES.get(vllm_config.model_config.dtype)
         if dtype is None:
             raise UnsupportedError(f"{backend.name}: KV cache dtype {kv_cache_spec.dtype} "
                                    f"is not one kvabi names")
@@ -195,6 +197,7 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
                             block_size=kv_cache_spec.block_size,
                             num_kv_heads=kv_cache_spec.num_kv_heads,
                             head_dim=kv_cache_spec.head_size, dtype=dtype, window=window)
+        spec = kq.quantize_spec(backend, spec, vllm_config.cache_config.cache_dtype)
         one = next(iter(impls.values()))
         for what in ("scale", "logits_soft_cap", "num_heads"):
             vals = {getattr(i, what) for i in impls.values()}
@@ -239,7 +242,7 @@ class KvabiMetadataBuilder(AttentionMetadataBuilder[KvabiMetadata]):
                      layout.name, f" (fingerprint {fingerprint()})" if fingerprint else "",
                      g.choice.vllm_name)
             if g.backend.framework == "numpy":
-                planes = [kvabi.tensors.to_numpy(p) for p in planes]  # bf16: ml_dtypes
+                planes = [kvabi.tensors.to_numpy(p) for p in planes]  # bf16, fp8: ml_dtypes
             g.layout, g.bound_to = layout, ptrs
             g.cache = kvabi.KVCache.wrap(layout, planes)
         return g
@@ -292,9 +295,9 @@ class KvabiAttentionImpl(AttentionImpl):
         name = os.environ.get(ENV_BACKEND, "?")
         if alibi_slopes is not None:
             raise UnsupportedError(f"{name}: ALiBi is not in kvabi's semantics")
-        if kv_cache_dtype != "auto":
-            raise UnsupportedError(f"{name}: kv_cache_dtype {kv_cache_dtype!r} (quantized "
-                                   f"KV caches are not served)")
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in kq.FP8:
+            raise UnsupportedError(f"{name}: kv_cache_dtype {kv_cache_dtype!r} (served: auto, "
+                                   f"{', '.join(kq.FP8)})")
         if attn_type != AttentionType.DECODER:
             raise UnsupportedError(f"{name}: attention type {attn_type} (decoder only)")
         self.num_heads = num_heads
@@ -324,7 +327,8 @@ class KvabiAttentionImpl(AttentionImpl):
         k = key[:n].reshape(n, self.num_kv_heads, self.head_size)
         v = value[:n].reshape(n, self.num_kv_heads, self.head_size)
         out = g.backend.write_kv(md.plan, g.cache, key=k, value=v,
-                                 layer=g.layer_index[layer.layer_name])
+                                 layer=g.layer_index[layer.layer_name],
+                                 **kq.layer_scales(layer, g.spec))
         if out is not g.cache and g.backend.framework == "jax":
             raise UnsupportedError(f"{g.backend.name}: a jax cache cannot live in vLLM's "
                                    f"torch memory")
@@ -343,5 +347,6 @@ class KvabiAttentionImpl(AttentionImpl):
         out = output[:n].view(n, self.num_heads, self.head_size)
         # the layer's sinks tensor, the same every step: checked once (kvabi.Backend)
         g.backend.attention(md.plan, g.cache, query=q, layer=g.layer_index[layer.layer_name],
-                            sinks=self.sinks, out=self._out(g, out))
+                            sinks=self.sinks, out=self._out(g, out),
+                            **kq.layer_scales(layer, g.spec))
         return output

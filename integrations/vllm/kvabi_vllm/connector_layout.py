@@ -10,9 +10,9 @@ elements"; how the kernels split them is the attention backend's business:
 - vLLM's own CPU backend (``CPU_ATTN``) views a block-head as ``[2 * block_size, head_dim]``
   and takes the first half as keys, although the allocation's name says ``[N, 2 * D]``; and
   its cache write (ISA ``vec``, checked here) stores the keys transposed, ``[head_dim,
-  block_size]``, the values ``[block_size, head_dim]``.  No single kvabi Layout holds both
-  (one memory order for K and V): the connector serves such a cache as two *parts*, a K and
-  a V layout without a ``KV`` axis (the V plane starts ``N * D`` elements into the block-head);
+  block_size]``, the values ``[block_size, head_dim]``: one kvabi Layout of two components
+  (the key and the value each with its own strides, as the preset ``vllm.cpu``), served as
+  the one part ``kv``, so that a relayout moves whole block-heads where it can;
 - otherwise the name's meaning, one layout with a ``KV`` axis: each token's key then value
   (``N`` before ``KV``), or a backend's own ``kvabi_kv_interior``.
 
@@ -22,11 +22,12 @@ byte moves.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
 
-from kvabi import KVABIError, KVCache, Layout
+from kvabi import Component, KVABIError, KVCache, Layout
 from kvabi import tensors as tensors_mod
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,10 @@ def interior_of(backend_cls) -> str:
     return KV_PACKED
 
 
-def _outer(tensors):
+def _outer(tensors, dtype: str | None = None):
     """(sizes L/B/H/N/D, byte strides of L/B/H/N, itemsize, dtype name) of a group's
-    views."""
+    views; ``dtype``: the kvabi dtype of their bytes where the views' own says less (vLLM
+    holds fp8 codes as uint8)."""
     if not tensors:
         raise KVABIError("kv_caches: a KV cache group has no layers")
     t0 = tensors[0]
@@ -84,7 +86,11 @@ def _outer(tensors):
     sizes = {"L": len(tensors), "B": nb, "H": nh, "N": bs, "D": c // 2}
     # A group of one layer: its L stride never matters; put it outside everything.
     sl = int(steps[0]) if steps.size else sb * nb + sh * nh
-    return sizes, {"L": sl, "B": sb, "H": sh, "N": sn}, isz, tensors_mod.dtype_name(t0)
+    if dtype is None:
+        dtype = tensors_mod.dtype_name(t0)
+    elif tensors_mod.torch_dtype(dtype).itemsize != isz:
+        raise KVABIError(f"kv_caches: {t0.dtype} views cannot hold {dtype} elements")
+    return sizes, {"L": sl, "B": sb, "H": sh, "N": sn}, isz, dtype
 
 
 def _layout(sizes, strides, dtype, name) -> Layout:
@@ -95,25 +101,30 @@ def _layout(sizes, strides, dtype, name) -> Layout:
                   strides=strides, name=name)
 
 
-def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm"):
+def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm",
+                dtype: str | None = None):
     """The parts of one KV cache group from its layers' vLLM views (in layer order):
     ``[(part, Layout, byte offset of the part's first element from layer 0's first byte)]``
-    with part ``"kv"`` (one layout with a ``KV`` axis) or ``"k"`` and ``"v"``.
+    with part ``"kv"`` (one layout holding keys and values).
 
     KVABIError naming what does not fit: a view that is not 4-D, an interior that is not
-    dense, layers whose first bytes are not evenly spaced, an odd content size."""
+    dense, layers whose first bytes are not evenly spaced, an odd content size.  ``dtype``:
+    the kvabi dtype of the views' bytes (default their own; ``float8_*`` for vLLM's fp8)."""
     if interior not in INTERIORS:
         raise KVABIError(f"interior: must be one of {INTERIORS}, got {interior!r}")
-    sizes, outer, isz, dtype = _outer(tensors)
+    sizes, outer, isz, dtype = _outer(tensors, dtype)
     n, d = sizes["N"], sizes["D"]
     sn = outer.pop("N")
     if interior != KV_PACKED and n > 1 and sn != 2 * d * isz:
         raise KVABIError(f"kv_caches: interior {interior} splits a block-head's {2 * n * d} "
                          f"elements, but its tokens are {sn} bytes apart (not dense)")
-    if interior == KT_V:
-        k = _layout(sizes, {**outer, "D": n * isz, "N": isz}, dtype, f"{name}.k")
-        v = _layout(sizes, {**outer, "N": d * isz, "D": isz}, dtype, f"{name}.v")
-        return [("k", k, 0), ("v", v, n * d * isz)]
+    if interior == KT_V:  # keys [D, N] then values [N, D]: two components, one layout
+        comps = [Component(name="key", dtype=dtype, count=d,
+                           strides={**outer, "N": isz, "E": n * isz}),
+                 Component(name="value", dtype=dtype, count=d, offset=n * d * isz,
+                           strides={**outer, "N": d * isz, "E": isz})]
+        return [("kv", Layout(sizes={a: sizes[a] for a in ("L", "B", "N", "H")},
+                              components=comps, name=name), 0)]
     inner = {KV_SPLIT: {"KV": n * d * isz, "N": d * isz, "D": isz},
              KV_PACKED: {"N": sn, "KV": d * isz, "D": isz}}[interior]
     return [("kv", _layout({**sizes, "KV": 2}, {**outer, **inner}, dtype, name), 0)]
@@ -122,13 +133,13 @@ def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm"):
 IMAGE = "image"
 
 
-def image_part(tensors, *, interior: str, name: str = "vllm"):
+def image_part(tensors, *, interior: str, name: str = "vllm", dtype: str | None = None):
     """``(part, Layout, 0)`` holding each (layer, block, head)'s ``2 * N * D`` elements as
     one opaque run (``N`` = 1, ``D`` = the run), or None where a block-head is not dense
     (token-major names).  Between two caches of the same interior and block size a block
     moves as bytes, in runs as long as the two layouts share (a run of blocks for all layers
     of a cross-layer cache); the part's name carries what must match."""
-    sizes, outer, isz, dtype = _outer(tensors)
+    sizes, outer, isz, dtype = _outer(tensors, dtype)
     n, d = sizes["N"], sizes["D"]
     sn = outer.pop("N")
     if n > 1 and sn != 2 * d * isz:
@@ -146,7 +157,8 @@ def part_cache(tensors, layout: Layout, offset: int) -> KVCache:
     isz = t0.element_size()
     plane = t0.as_strided(layout.plane_shape, layout.plane_strides,
                           t0.storage_offset() + offset // isz)
-    return KVCache.wrap(layout, [plane])
+    dt = tensors_mod.torch_dtype(layout.dtype)
+    return KVCache.wrap(layout, [plane if plane.dtype == dt else plane.view(dt)])
 
 
 def engine_writer(attn_layers, tensors, parts, part: str):
@@ -168,6 +180,10 @@ def engine_writer(attn_layers, tensors, parts, part: str):
 
     def write(layer, slot_mapping, key, value):
         mod = attn_layers[layer]
+        with unit_scales(mod):  # the probe's values land as they are, whatever the scales
+            _write(mod, layer, slot_mapping, key, value)
+
+    def _write(mod, layer, slot_mapping, key, value):
         k = tensor(key) if part != "v" else current("k", layer, slot_mapping)
         if part == "kv":
             v = tensor(value)
@@ -175,9 +191,37 @@ def engine_writer(attn_layers, tensors, parts, part: str):
             v = current("v", layer, slot_mapping)
         else:
             v = tensor(key)  # a part's own elements
-        mod.impl.do_kv_cache_update(mod, k, v, tensors[layer],
+        mod.impl.do_kv_cache_update(mod, _widen(k), _widen(v), tensors[layer],
                                     torch.from_numpy(np.asarray(slot_mapping, np.int64)))
+
+    def _widen(t):  # fp8 codes go in as the model's float32 values (scale 1: exact)
+        return t.float() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
     return write
+
+
+@contextlib.contextmanager
+def unit_scales(layer):
+    """vLLM ``layer``'s per-tensor KV scales set to 1.0 for as long as the block runs (an
+    fp8 write then stores exact codes unchanged), put back after."""
+    names = ("_k_scale_float", "_v_scale_float")
+    old = [getattr(layer, n, None) for n in names]
+    tensors = [getattr(layer, n, None) for n in ("_k_scale", "_v_scale")]
+    saved = [None if t is None else t.clone() for t in tensors]
+    try:
+        for n, v in zip(names, old):
+            if v is not None:
+                setattr(layer, n, 1.0)
+        for t in tensors:
+            if t is not None:
+                t.fill_(1.0)
+        yield
+    finally:
+        for n, v in zip(names, old):
+            if v is not None:
+                setattr(layer, n, v)
+        for t, v in zip(tensors, saved):
+            if t is not None:
+                t.copy_(v)
 
 
 def verify_part(cache: KVCache, write) -> bool:
@@ -199,7 +243,8 @@ def split_kv(cache: KVCache):
     (the V planes start one ``KV`` stride in), so it can exchange K and V with a peer that
     cannot hold both in one layout; None where ``KV`` is folded, packed or a plane axis."""
     lay = cache.layout
-    if "KV" not in lay.order or any("KV" in f for f in lay.folds) or lay.packing:
+    if not lay.is_axis_form or "KV" not in lay.order or any("KV" in f for f in lay.folds) \
+            or lay.packing:
         return None
     order = tuple(a for a in lay.order if a != "KV")
     ext = {a: lay.extent(a) for a in order}
@@ -227,10 +272,14 @@ def kvabi_backend_part(tensors, vllm_config):
     from . import layouts as vl
     from .attention import kvabi_backend
 
+    from .kv_quant import FP8, quantize_spec
+
     backend = kvabi_backend()
-    sizes, _, _, dtype = _outer(tensors)
-    spec = kvabi.KVSpec(kind="full", block_size=sizes["N"], num_kv_heads=sizes["H"],
-                        head_dim=sizes["D"], dtype=dtype)
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    sizes, _, _, dtype = _outer(tensors, FP8.get(cache_dtype))
+    spec = quantize_spec(backend, kvabi.KVSpec(
+        kind="full", block_size=sizes["N"], num_kv_heads=sizes["H"], head_dim=sizes["D"],
+        dtype=dtype), cache_dtype)
     choice = vl.choose(backend, spec, vllm_name=vllm_config.cache_config
                        .get_resolved_kv_cache_layout().name)
     layout, planes = vl.bind(choice, spec, tensors)
@@ -239,7 +288,8 @@ def kvabi_backend_part(tensors, vllm_config):
         raise KVABIError(f"{backend.name}: a {backend.framework} cache cannot live in vLLM's "
                          "torch memory")
     cache = KVCache.wrap(layout, planes)
-    own = KVCache.wrap(layout, [p.numpy() for p in planes]) if fw == "numpy" else cache
+    own = KVCache.wrap(layout, [tensors_mod.to_numpy(p) for p in planes]) if fw == "numpy" \
+        else cache
     bs = spec.block_size
 
     def write(layer, slot_mapping, key, value):

@@ -26,6 +26,7 @@ import numpy as np
 from kvabi import KVABIError, KVCache
 from kvabi.transfer import HostPool, plan_block_transfer, plan_transfer
 from kvabi.transfer.handshake import parse_handshake
+from kvabi.transfer.kv_scales import check_same_scales
 
 from .connector_checksum import layout_fingerprint, planes_digest, token_checksums
 from .connector_config import ConnectorConfig
@@ -40,6 +41,7 @@ from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetad
                              KvabiHandshakeMetadata, PullWork, paired_slots, token_slots)
 from .connector_pulls import Puller
 from .connector_stats import KvabiConnectorStats
+from .kv_quant import FP8
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,7 @@ class KvabiConnectorWorker:
         self.config = config
         self._vllm_config = vllm_config
         self._caches = []
+        self._scales: list = []  # per group: per layer (k_scale, v_scale), or None
         self._agent = None
         self._own_handshakes: list[dict[str, str]] = []
         self._grants: GrantTable | None = None
@@ -149,9 +152,13 @@ class KvabiConnectorWorker:
         cfg = self.config
         ctx = self._vllm_config.compilation_config.static_forward_context
         layout_name = self._vllm_config.cache_config.kv_cache_layout
+        kv_dtype = FP8.get(self._vllm_config.cache_config.cache_dtype)  # fp8: codes
         for gi, group in enumerate(cfg.groups):
             names = [n for n in group.layer_names if n in kv_caches]
             tensors = [kv_caches[n] for n in names]
+            # per-tensor scales are layer state: they travel in the handshake
+            self._scales.append(None if kv_dtype is None else [
+                (ctx[n]._k_scale_float, ctx[n]._v_scale_float) for n in names])
             backend = getattr(ctx.get(names[0]), "attn_backend", None)
             if is_kvabi_backend(backend):  # the plugin's own layout; its backend's write
                 part, cache, write = kvabi_backend_part(tensors, self._vllm_config)
@@ -161,12 +168,12 @@ class KvabiConnectorWorker:
                 interior = interior_of(backend)
                 name = f"vllm.{layout_name}.{interior}.g{gi}"
                 parts = [(part, part_cache(tensors, layout, off)) for part, layout, off in
-                         group_parts(tensors, interior=interior, name=name)]
+                         group_parts(tensors, interior=interior, name=name, dtype=kv_dtype)]
                 if all(n in ctx for n in names):
                     layers = [ctx[n] for n in names]
                     for part, cache in parts:
                         verify_part(cache, engine_writer(layers, tensors, parts, part))
-                image = image_part(tensors, interior=interior, name=name)
+                image = image_part(tensors, interior=interior, name=name, dtype=kv_dtype)
                 if image is not None:  # bytes of verified parts, seen whole
                     parts.append((image[0], part_cache(tensors, image[1], 0)))
             if [n for n, _ in parts if not n.startswith(IMAGE)] == ["kv"]:
@@ -186,7 +193,8 @@ class KvabiConnectorWorker:
                     seed.update(part.encode() + layout_fingerprint(c.layout))
             self._host_seed = seed.digest()
         log.info("KvabiConnector: %d KV cache group(s): %s", len(self._caches), "; ".join(
-            f"{c.layout.name} {c.layout.order} N={c.layout.size('N')}"
+            f"{c.layout.name} {c.layout.order or c.layout.component_names} "
+            f"N={c.layout.size('N')}"
             for parts in self._caches for _, c in parts))
 
     def _start_nixl(self) -> None:
@@ -201,8 +209,8 @@ class KvabiConnectorWorker:
         if not cfg.producer:
             return
         self._own_handshakes = [
-            {part: self._agent.handshake(c, include_metadata=True) for part, c in parts}
-            for parts in self._caches]
+            {part: self._agent.handshake(c, include_metadata=True, kv_scales=sc)
+             for part, c in parts} for parts, sc in zip(self._caches, self._scales)]
         self._claims = [tuple(PartClaim(part, layout_fingerprint(c.layout),
                                         planes_digest(parse_handshake(msgs[part])))
                               for part, c in parts)
@@ -447,6 +455,8 @@ class KvabiConnectorWorker:
         for g, part, _, msg in todo:
             peer = self._peer(msg, job)
             self._check_claim(rec, g, part, peer)
+            check_same_scales(self._scales[g], peer.handshake.kv_scales,
+                              f"kvabi_handshakes[{g}].{part}.kv_scales")
             peers.append(peer)
         bs = self.config.block_size
         for i, ((g, part, cache, _), peer) in enumerate(zip(todo, peers)):

@@ -1,29 +1,39 @@
 """``cpu.vllm``: vLLM's compiled CPU attention kernels (CPU_ATTN) as a kvabi backend.
 
-- ``plan`` (once per step and KV group): ``cpu_attn_get_scheduler_metadata`` (the kernels'
-  work split over threads), plus the step's block entries in kernel order and the slots to
-  write, all vectorized over requests and tokens.
-- ``write_kv``: the step's K/V scattered to their slots of the kvabi layout (a strided
-  torch write; any layout ``Layout`` describes).
-- ``attention``: ``cpu_attention_with_kv_cache`` (causal, sliding window: the kernels take
-  W, the keys a query sees, its own included, kvabi's convention; soft cap; per-head sinks
-  as ``s_aux`` float32; scale; GQA). The kernels' keys are ``[D, N]`` tiles per block and
+- ``prepare`` (once per step and KV group, from ``plan``):
+  ``cpu_attn_get_scheduler_metadata`` (the kernels' work split over threads), plus the
+  step's block entries in kernel order and the slots to write, all vectorized over requests
+  and tokens.
+- ``write`` (``write_kv``): in ``vllm.cpu`` (vLLM's own cache) the kernels' own write
+  ``cpu_attn_reshape_and_cache``; elsewhere the step's K/V scattered to their slots of the
+  kvabi layout (a strided torch write; any layout ``Layout`` describes).
+- ``attend`` (``attention``): ``cpu_attention_with_kv_cache`` (causal, sliding window:
+  the kernels take W, the keys a query sees, its own included, kvabi's convention; soft
+  cap; per-head sinks as ``s_aux`` float32; scale; GQA). The kernels' keys are ``[D, N]`` tiles per block and
   head, their values ``[N, D]`` (see :mod:`kvabi_vllm.cpu_layout`). In the preferred
-  layout ``vllm.cpu_kt`` the keys are read in place and the values of the step's blocks
-  copied token-major into a scratch; in any other layout the step's blocks are copied
-  whole. Value rows no query sees are zeroed in the copy (the kernels would turn NaN there
-  into NaN output); rows some queries see and others do not are checked per call
-  (:mod:`kvabi_vllm.cpu_masking`), so a NaN reaches only the queries that see it.
+  layout ``vllm.cpu`` (vLLM's own cache) both are read in place: no copy per step. In
+  ``vllm.cpu_kt`` the keys are read in place and the values of the step's blocks copied
+  token-major into a scratch; in any other layout the step's blocks are copied whole.
+  Value rows no query sees are zeroed in the copy: the kernels multiply every value row of
+  a block by its probability, and 0 * NaN is NaN; rows some queries see and others do not
+  are checked per call (:mod:`kvabi_vllm.cpu_masking`), so a NaN reaches only the queries
+  that see it.  In place, the output is checked instead: where it is not finite, the step
+  runs again on the copy.
 
-The kernels' own write (``cpu_attn_reshape_and_cache``) is not used for the kvabi cache: its
-tile order (keys transposed, values not) is not expressible as one kvabi ``Layout``. The
-kernels return no log-sum-exp: with ``return_lse=True`` it is computed in torch (float64)
+The kernels return no log-sum-exp: with ``return_lse=True`` it is computed in torch (float64)
 from the same keys (a second pass; engines decoding through vLLM never ask for it).
+
+fp8 caches (``float8_e4m3fn``, ``float8_e5m2``) are ``per_tensor`` quantized with the
+rounding of vLLM's CPU writer, ``toward_zero`` (``specs/semantics.md`` section 11): the
+write stores ``kvabi.quant`` codes under the layer's ``k_scale``/``v_scale``, the kernels
+read the codes with the same scales (``kv_cache_dtype`` ``fp8``/``fp8_e5m2``, ISA ``vec``:
+head dims and block sizes multiples of 32) and compute in the query's dtype.
 
 vLLM is imported on first use (``available``/``plan``), never by ``import kvabi_vllm``.
 """
 from __future__ import annotations
 
+import math
 import platform
 import threading
 
@@ -36,13 +46,18 @@ from kvabi.tensors import ConvertOnce
 
 from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, key_tiles,
                          keys_in_kernel_order, to_kernel_blocks, value_scratch,
-                         value_scratch_numel, values_to_kernel_order)
+                         value_scratch_numel, values_in_kernel_order,
+                         values_to_kernel_order)
 from .cpu_masking import PartialRows, merge_entries, pair_visibility, poisoned_queries
 
 KINDS = ("full", "sliding_window")
 DTYPES = ("float32", "float16", "bfloat16")
-#: keys read in place first; vLLM's own name for the cache it allocates next (copied)
-PREFERRED = ("vllm.cpu_kt", "vllm.LBHNC")
+#: fp8 cache dtypes -> vLLM's ``kv_cache_dtype`` for its kernels (per-tensor scales)
+FP8 = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
+#: fp8 needs the ``vec`` ISA: head dims and block sizes multiples of this
+FP8_MULTIPLE = 32
+#: vLLM's own cache first (read in place), keys in place, vLLM's LBHNC name (copied)
+PREFERRED = ("vllm.cpu", "vllm.cpu_kt", "vllm.LBHNC")
 
 
 def _ops():
@@ -65,8 +80,13 @@ class CpuVllmSteps:
     the entry's request sees. ``hidden`` holds those rows as row indices of the value
     scratch viewed ``[rows, D]`` (see :mod:`kvabi_vllm.cpu_layout`), None when none is;
     ``partial`` the rows some queries see and others do not (:mod:`kvabi_vllm.cpu_masking`).
-    ``write_*``: the tokens written (slot != -1) and their block and offset. ``sched``:
-    the kernels' scheduler metadata for the plan's query heads.  Frozen: nothing here can
+    ``write_*``: the tokens written (slot != -1) and their block and offset.
+    ``inplace``: the values are in kernel order too (``vllm.cpu``): the kernels read the
+    cache itself and ``hidden`` indexes its value rows
+    (:func:`~kvabi_vllm.cpu_layout.value_rows`); ``slot_mapping``: the step's slots (int64,
+    -1 for padding) for the kernels' own write.  ``sched``: the kernels' scheduler
+    metadata for the plan's query heads per compute dtype (the cache dtype; for fp8 codes
+    the query's, float32 scheduled here, others on first use).  Frozen: nothing here can
     be rebound after ``plan`` (the kernels index the cache through ``entries`` and
     ``table``).
     """
@@ -82,10 +102,12 @@ class CpuVllmSteps:
     write_tokens: torch.Tensor
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
+    slot_mapping: torch.Tensor
+    inplace: bool
     partial: PartialRows | None  # value rows some queries see and others do not
     #: the plan's sinks as float32 (the kernels' ``s_aux``), or None
     s_aux: torch.Tensor | None
-    sched: object
+    sched: dict = attrs.field(factory=dict)
 
 
 class CpuVllmBackend(kvabi.Backend):
@@ -135,11 +157,18 @@ class CpuVllmBackend(kvabi.Backend):
                       f"torch {torch.__version__}")
 
     def capabilities(self, spec=None):
+        fp8 = spec is not None and spec.dtype in FP8
+        plain = spec is not None and not fp8
         return kvabi.Capabilities(
-            kinds=KINDS, dtypes=DTYPES, head_dims=HEAD_SIZES, block_size_multiple=BLOCK_MULTIPLE,
+            kinds=KINDS, dtypes=DTYPES + tuple(FP8),
+            head_dims=tuple(d for d in HEAD_SIZES if not fp8 or d % FP8_MULTIPLE == 0),
+            block_size_multiple=FP8_MULTIPLE if fp8 else BLOCK_MULTIPLE,
             softcap=True, sinks=True, layouts=PREFERRED if spec is not None else (),
+            quant=("per_tensor",) if fp8 else ("none",) if plain else ("none", "per_tensor"),
+            roundings=("toward_zero",),
             notes="vLLM CPU_ATTN kernels; in vllm.cpu_kt keys read in place and the values "
-                  "of the step's blocks copied per layer (both, in other layouts)")
+                  "of the step's blocks copied per layer (both, in other layouts); fp8 "
+                  "per-tensor with vLLM's rounding (toward_zero)")
 
     def preferred_layouts(self, spec):
         return PREFERRED
@@ -184,7 +213,7 @@ class CpuVllmBackend(kvabi.Backend):
                 row = (e[:, None] * spec.num_kv_heads + h) * 2 * bs + bs
             return row + n[:, None]
 
-        # rows no query sees: zeroed in every call; rows some queries see: checked per call
+        # rows no query sees: zeroed in every copy; rows some queries see: checked per call
         rows = value_rows(*np.nonzero(~some)).reshape(-1)
         pe, pn = np.nonzero(some & ~every)
         partial = PartialRows(torch.from_numpy(value_rows(pe, pn)), pe, pn, req, col, inv) \
@@ -192,68 +221,99 @@ class CpuVllmBackend(kvabi.Backend):
         slots = meta.slot_mapping
         written = np.nonzero(slots >= 0)[0]
         t = torch.from_numpy
-        isa = choose_isa(spec.head_dim, bs)
-        qsl32 = t(meta.query_start_loc.astype(np.int32))
-        seq32 = t(meta.seq_lens.astype(np.int32))
-        sched = _ops().cpu_attn_get_scheduler_metadata(
-            num_reqs=meta.num_reqs, num_heads=plan.num_q_heads,
-            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, seq_lens=seq32,
-            dtype=kvabi.tensors.torch_dtype(spec.dtype), query_start_loc=qsl32, causal=True,
-            sliding_window_size=spec.window if spec.kind == "sliding_window" else -1,
-            isa=isa, enable_kv_split=False)
-        return CpuVllmSteps(
-            isa, native, int(qsl[-1]), qsl32, seq32, t(entries), t(table),
-            t(rows) if len(rows) else None, t(written), t(slots[written] // bs),
-            t(slots[written] % bs), partial,
-            None if plan.sinks is None else t(plan.sinks.astype(np.float32)), sched)
+        steps = CpuVllmSteps(
+            choose_isa(spec.head_dim, bs), native, int(qsl[-1]),
+            t(meta.query_start_loc.astype(np.int32)), t(meta.seq_lens.astype(np.int32)),
+            t(entries), t(table), t(rows) if len(rows) else None,
+            t(written), t(slots[written] // bs), t(slots[written] % bs),
+            t(slots.astype(np.int64)), native and values_in_kernel_order(layout), partial,
+            None if plan.sinks is None else t(plan.sinks.astype(np.float32)))
+        # fp8 codes: the kernels compute in the query's dtype, float32 most likely
+        _schedule(plan, steps, torch.float32 if spec.is_quantized else
+                  kvabi.tensors.torch_dtype(spec.dtype))
+        return steps
 
     # -- per layer ------------------------------------------------------------------------
-    def write(self, plan, cache, key, value, layer):
-        p = plan.prepared
+    def write(self, plan, cache, key, value, layer, scales=None):
+        spec, p = plan.spec, plan.prepared
         tok, blk, off = p.write_tokens, p.write_blocks, p.write_offsets
-        kview, vview = cache.kv_view(layer, 0), cache.kv_view(layer, 1)
-        kview[blk, off] = key[tok].to(kview.dtype)  # index_put_ writes through the view
-        vview[blk, off] = value[tok].to(vview.dtype)
+        kview, vview = _views(cache, layer, spec)
+        if p.inplace:  # vLLM's own cache: the kernels' own write (fp8: its rounding)
+            if len(tok):  # slot -1 (padding tokens) is skipped by the kernels
+                dt = query_dtype(key)
+                ks, vs = scales or (1.0, 1.0)
+                _ops().cpu_attn_reshape_and_cache(
+                    key.to(dt), value.to(dt), key_tiles(torch, kview),
+                    key_tiles(torch, vview), p.slot_mapping, p.isa, k_scale=ks, v_scale=vs,
+                    kv_cache_dtype=FP8.get(spec.dtype, "auto"))
+            return cache
+        if scales is None:
+            kview[blk, off] = key[tok].to(kview.dtype)  # index_put_ writes through the view
+            vview[blk, off] = value[tok].to(vview.dtype)
+            return cache
+        kq, vq = (_codes(x[tok], s, spec, name) for x, s, name in
+                  ((key, scales[0], "key"), (value, scales[1], "value")))
+        kview[blk, off] = kq  # both quantized before either lands: a refusal changes nothing
+        vview[blk, off] = vq
         return cache
 
-    def attend(self, plan, cache, query, layer, sinks, out, return_lse):
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse, scales=None):
         spec, p, hq = plan.spec, plan.prepared, plan.num_q_heads
+        scales = scales or (1.0, 1.0)
         t_all, n, d = plan.meta.num_tokens, p.num_tokens, spec.head_dim
-        cdt = kvabi.tensors.torch_dtype(spec.dtype)
-        kview, vview = cache.kv_view(layer, 0), cache.kv_view(layer, 1)
+        kview, vview = _views(cache, layer, spec)
+        cdt = kview.dtype  # the scratch's: fp8 codes as bytes
+        # the kernels compute in the cache dtype, or for fp8 codes in the query's
+        wdt = query.dtype if spec.is_quantized else cdt
+        if wdt not in (torch.float32, torch.float16, torch.bfloat16):
+            raise kvabi.KVABIError(f"query: dtype {query.dtype} (fp8 caches are read by "
+                                   f"kernels computing in float32, float16 or bfloat16)")
         e = len(p.entries)
-        if p.native:
-            kc = key_tiles(torch, kview)
-            vc, rows = value_scratch(torch, kc, cdt,
-                                     self._buffer(value_scratch_numel(kc), cdt))
-            if e:
-                values_to_kernel_order(vview, p.entries, vc, rows, p.hidden)
-        else:
-            h, bs = spec.num_kv_heads, spec.block_size
-            scratch, kc, vc = kernel_scratch(torch, e, h, bs, d, cdt,
-                                             self._buffer(e * h * 2 * bs * d, cdt))
-            rows = scratch.view(-1, d)
-            if e:
-                to_kernel_blocks(kview, vview, p.entries, scratch, p.hidden)
-        poisoned = poisoned_queries(plan, p.partial, rows, hq) \
-            if e and p.partial is not None else None
-        direct = out is not None and out.dtype == cdt and out.is_contiguous()
-        result = out if direct else torch.empty((t_all, hq, d), dtype=cdt)
+        direct = out is not None and out.dtype == wdt and out.is_contiguous()
+        result = out if direct else torch.empty((t_all, hq, d), dtype=wdt)
         result[n:].zero_()  # padding tokens: unspecified by the ABI, zero here
-        if n and e:
-            q = query[:n].to(cdt).contiguous()
-            s_aux = p.s_aux if sinks is plan.sinks else self._s_aux(sinks)
+        s_aux = p.s_aux if sinks is plan.sinks else self._s_aux(sinks)
+
+        def run(kc, vc, poisoned=None):
+            if not (n and e):
+                result[:n].zero_()  # no request has a key: nothing to attend
+                return
+            q = query[:n].to(wdt).contiguous()
             _ops().cpu_attention_with_kv_cache(
                 query=q, key_cache=kc, value_cache=vc, output=result[:n],
                 query_start_loc=p.query_start_loc, seq_lens=p.seq_lens,
                 scale=plan.scale, causal=True, alibi_slopes=None,
                 sliding_window=spec.window if spec.kind == "sliding_window" else -1,
                 block_table=p.table, softcap=plan.softcap or 0.0,
-                scheduler_metadata=p.sched, s_aux=s_aux)
+                scheduler_metadata=_schedule(plan, p, wdt), s_aux=s_aux,
+                k_scale=scales[0], v_scale=scales[1],
+                kv_cache_dtype=FP8.get(spec.dtype, "auto"))
             if poisoned is not None:  # what the poison they see gives those queries
                 result[:n][torch.from_numpy(poisoned)] = float("nan")
-        elif n:
-            result[:n].zero_()  # no request has a key: nothing to attend
+
+        kc = key_tiles(torch, kview)
+        again = False
+        if p.inplace:
+            run(kc, key_tiles(torch, vview))
+            # A NaN or inf in a value row no query sees makes its zero probability NaN:
+            # where the output is not finite, the step runs again on a copy of the values
+            # with those rows zeroed (a NaN a query does see stays NaN there).
+            # (one sum: NaN and inf reach it; a finite overflow only costs the copy)
+            again = bool(n and e and p.hidden is not None) and \
+                not math.isfinite(result[:n].sum().item())
+        if p.native and (not p.inplace or again):
+            vc, rows = value_scratch(torch, kc, cdt,
+                                     self._buffer(value_scratch_numel(kc), cdt))
+            if e:
+                values_to_kernel_order(vview, p.entries, vc, rows, p.hidden)
+            run(kc, vc, _poisoned(plan, rows))
+        elif not p.native:
+            h, bs = spec.num_kv_heads, spec.block_size
+            scratch, kc, vc = kernel_scratch(torch, e, h, bs, d, cdt,
+                                             self._buffer(e * h * 2 * bs * d, cdt))
+            if e:
+                to_kernel_blocks(kview, vview, p.entries, scratch, p.hidden)
+            run(kc, vc, _poisoned(plan, scratch.view(-1, d)))
         if not direct:
             result = result.to(query.dtype)  # the base class copies it into ``out``
         if not return_lse:
@@ -262,13 +322,61 @@ class CpuVllmBackend(kvabi.Backend):
             keys = kview  # [B, N, H, D], indexed by the step's block table
         else:  # [E, N, H, D] over the copied entries
             keys = kc.view(e, spec.num_kv_heads, d, spec.block_size).permute(0, 3, 1, 2)
-        return result, _lse(plan, query, keys, sinks)
+        return result, _lse(plan, query, keys, sinks, scales[0])
 
 
-def _lse(plan, query, keys, sink) -> torch.Tensor:
+def _poisoned(plan, rows):
+    """The query heads that see a non-finite partial value row of the copy ``rows`` (those
+    rows zeroed there), or None (:mod:`kvabi_vllm.cpu_masking`)."""
+    p = plan.prepared
+    if not len(p.entries) or p.partial is None:
+        return None
+    return poisoned_queries(plan, p.partial, rows, plan.num_q_heads)
+
+
+def _schedule(plan, steps: CpuVllmSteps, dtype):
+    """The kernels' scheduler metadata for the plan's query heads computing in ``dtype``
+    (once per plan and dtype)."""
+    md = steps.sched.get(dtype)
+    if md is None:
+        spec = plan.spec
+        md = steps.sched[dtype] = _ops().cpu_attn_get_scheduler_metadata(
+            num_reqs=plan.meta.num_reqs, num_heads=plan.num_q_heads,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, seq_lens=steps.seq_lens,
+            dtype=dtype, query_start_loc=steps.query_start_loc, causal=True,
+            sliding_window_size=spec.window if spec.kind == "sliding_window" else -1,
+            isa=steps.isa, enable_kv_split=False)
+    return md
+
+
+def query_dtype(x):
+    """The dtype the kernels' write takes for K/V ``x``: its own (float32, float16,
+    bfloat16), else float32."""
+    return x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else \
+        torch.float32
+
+
+def _views(cache, layer, spec):
+    """The layer's strided [B, N, H, D] key and value views; an fp8 cache's as uint8 (its
+    codes' bytes: the kernels take fp8 caches so, and torch indexes bytes everywhere)."""
+    k, v = cache.kv_view(layer, 0), cache.kv_view(layer, 1)
+    if spec.dtype in FP8:
+        return k.view(torch.uint8), v.view(torch.uint8)
+    return k, v
+
+
+def _codes(x, scale: float, spec, field: str) -> torch.Tensor:
+    """``kvabi.quant``'s codes of rows ``x`` under a static scale, as uint8 bytes."""
+    from kvabi.quant import quantize_per_tensor
+
+    c = quantize_per_tensor(x.float().numpy(), scale, spec.dtype, spec.rounding, field)
+    return torch.from_numpy(c.view(np.uint8))
+
+
+def _lse(plan, query, keys, sink, k_scale: float = 1.0) -> torch.Tensor:
     """Log-sum-exp [T, Hq] float32 of the step (the kernels return none), in torch:
-    ``keys`` [X, N, H, D] indexed by the prepared ``table``; per real token, its request's
-    keys, masked by select."""
+    ``keys`` [X, N, H, D] indexed by the prepared ``table`` (fp8: code bytes, read as codes
+    times ``k_scale``); per real token, its request's keys, masked by select."""
     meta, spec, p, hq = plan.meta, plan.spec, plan.prepared, plan.num_q_heads
     n, bs, h, d = p.num_tokens, spec.block_size, spec.num_kv_heads, spec.head_dim
     full = torch.full((meta.num_tokens, hq), float("-inf"), dtype=torch.float32)
@@ -285,7 +393,11 @@ def _lse(plan, query, keys, sink) -> torch.Tensor:
     vis = torch.from_numpy((j >= lo) & (j <= pos[:, None]) & (j < seq))
     # float64: the lse is compared in absolute terms, and logits of large head dims are
     # large (|logit| ~ 30 leaves float32 accumulation ~1e-5 off)
-    k = keys[p.table.long()[req]].reshape(n, width * bs, h, d).double()
+    k = keys[p.table.long()[req]].reshape(n, width * bs, h, d)
+    if spec.dtype in FP8:
+        k = k.view(kvabi.tensors.torch_dtype(spec.dtype)).double() * k_scale
+    else:
+        k = k.double()
     q = query[:n].double().reshape(n, h, hq // h, d)
     logits = torch.einsum("nhgd,nshd->nhgs", q, k) * plan.scale
     if plan.softcap is not None:

@@ -11,14 +11,17 @@ read put
 - the **values** token-major: element (n, d) at ``n * head_dim + d``.
 
 Keys and values of one block and head therefore use different strides for the same logical
-axes, which one kvabi ``Layout`` (one stride per axis) cannot state: no preset, nor any
-``Layout`` built directly, describes this cache byte for byte. ``tests/test_cpu_layout.py``
-pins the order against the kernel's own write.
+axes: the component preset ``vllm.cpu`` states this cache byte for byte (a key component
+with ``N`` 1 element and ``E`` ``N`` elements apart, a value component ``N * D`` elements
+into the tile with ``N`` ``D`` apart and ``E`` 1). ``tests/test_cpu_layout.py`` pins the
+order against the kernel's own write.
 
-The attention kernel, though, takes keys and values as two tensors and reads only their
-block and head strides (the same for both). So ``cpu.vllm`` reads the keys in place from
-any kvabi layout whose key tiles are already ``[D, N]`` (:func:`keys_in_kernel_order`:
-the preset ``vllm.cpu_kt``, ``[L, B, H, 2, D, N]``), and copies only the values of the
+The attention kernel takes keys and values as two tensors and reads only their block and
+head strides (the same for both). So ``cpu.vllm`` reads both in place from a layout whose
+key tiles are ``[D, N]`` and value tiles ``[N, D]`` (:func:`values_in_kernel_order`:
+``vllm.cpu``, vLLM's own cache), and writes it with the kernels' own write; from a layout
+whose key tiles alone are in kernel order (:func:`keys_in_kernel_order`: ``vllm.cpu_kt``,
+``[L, B, H, 2, D, N]``) it reads the keys in place and copies only the values of the
 step's blocks, token-major, into a scratch with the same strides
 (:func:`values_to_kernel_order`). Any other layout has both copied, per entry of the
 block table (:func:`to_kernel_blocks`).
@@ -40,21 +43,45 @@ def choose_isa(head_dim: int, block_size: int) -> str:
     return "vec" if head_dim % 32 == 0 and block_size % 32 == 0 else "vec16"
 
 
+def _tile(layout, name: str, n_stride: int, e_stride: int):
+    """The (B, H) byte strides of component ``name`` when its (N, E) byte strides are
+    ``(n_stride, e_stride)`` and it varies along B and H only otherwise (one plane per
+    layer or L outermost), else None."""
+    if (layout.is_axis_form and layout.packing not in (None, 1)) or \
+            name not in layout.component_names:
+        return None
+    c = layout.component(name)
+    st = c.strides
+    if st.get("N") != n_stride or st.get("E", c.unit) != e_stride or \
+            set(st) - {"L", "B", "H", "N", "E"} or "B" not in st or "H" not in st:
+        return None
+    return st["B"], st["H"]
+
+
 def keys_in_kernel_order(layout) -> bool:
     """Whether every key tile of ``layout`` is a contiguous ``[D, N]`` (token fastest) and
-    its block and head strides are whole elements: the kernels can read such keys in
+    its block and head strides are whole value rows: the kernels can read such keys in
     place."""
-    isz = layout.itemsize
-    tile = layout.size("D") * isz  # block and head strides in whole value rows (scratch)
-    return (layout.packing in (None, 1) and layout.stride("N") == isz
-            and layout.stride("D") == layout.size("N") * isz
-            and layout.stride("B") % tile == 0 and layout.stride("H") % tile == 0)
+    isz, n, d = layout.itemsize, layout.size("N"), layout.size("D")
+    bh = _tile(layout, "key", isz, n * isz)
+    return bh is not None and all(s % (d * isz) == 0 for s in bh)
+
+
+def values_in_kernel_order(layout) -> bool:
+    """Whether, besides :func:`keys_in_kernel_order`, every value tile is a contiguous
+    ``[N, D]`` at the keys' block and head strides: the kernels read both in place (the
+    layout is vLLM's own CPU cache, ``vllm.cpu``, or one of its orders)."""
+    isz, n, d = layout.itemsize, layout.size("N"), layout.size("D")
+    return keys_in_kernel_order(layout) and \
+        _tile(layout, "value", d * isz, isz) == _tile(layout, "key", isz, n * isz)
 
 
 def key_tiles(torch, kview):
-    """The kernels' ``key_cache`` over a layout where :func:`keys_in_kernel_order`: the
-    layer's key view permuted to ``[B, H, N, D]`` (the kernels use its block and head
-    strides and its data pointer; within a tile they address ``[D, N]`` themselves)."""
+    """The kernels' ``key_cache`` over a layout where :func:`keys_in_kernel_order` (or
+    ``value_cache`` over the values where :func:`values_in_kernel_order`): the layer's
+    ``[B, N, H, D]`` view permuted to ``[B, H, N, D]`` (the kernels use its block and head
+    strides and its data pointer; within a tile they address ``[D, N]`` or ``[N, D]``
+    themselves)."""
     return kview.permute(0, 2, 1, 3)
 
 
@@ -125,5 +152,5 @@ def to_kernel_blocks(kview, vview, blocks, scratch, hidden=None) -> None:
 
 
 __all__ = ["BLOCK_MULTIPLE", "HEAD_SIZES", "KERNEL_ISAS", "choose_isa", "kernel_scratch",
-           "key_tiles", "keys_in_kernel_order", "to_kernel_blocks", "value_scratch",
-           "value_scratch_numel", "values_to_kernel_order"]
+           "key_tiles", "keys_in_kernel_order", "to_kernel_blocks", "value_scratch", "value_scratch_numel", "values_in_kernel_order",
+           "values_to_kernel_order"]

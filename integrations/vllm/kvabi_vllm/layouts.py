@@ -10,7 +10,10 @@ kernels, for one, read an ``LBHNC`` allocation as ``[B, H, 2, N, D]``.
 
 So a kvabi layout *fits* a vLLM name when it keeps vLLM's order for the axes down to the
 block (and for ``H`` where ``H`` splits the block) and permutes only axes inside the dense
-run vLLM gives each block.  :func:`choose` picks, among a kvabi backend's preferred layouts,
+run vLLM gives each block.  The component presets ``vllm.cpu`` (and ``.LHBNC``, ``.BLHNC``,
+``.BHLNC``) are vLLM's CPU cache itself, keys ``[D, N]`` then values ``[N, D]`` per
+block-head: each fits its own name only, and :func:`bind` states it by components over
+vLLM's views.  :func:`choose` picks, among a kvabi backend's preferred layouts,
 the first that fits one of the names; :func:`bind` describes the views vLLM allocated, byte
 for byte, as one kvabi :class:`~kvabi.Layout` whose ``L`` axis selects a layer's plane.
 """
@@ -37,6 +40,9 @@ _INNER = {
     "BHLNC": ("N", "KV", "D"), "LHBNC": ("N", "KV", "D"),
 }
 _SIX = frozenset("vllm." + v for v in VLLM_LAYOUTS)
+#: component presets that are vLLM's CPU allocation under one of its names
+_OWN = {"vllm.cpu": "LBHNC", "vllm.cpu.LHBNC": "LHBNC", "vllm.cpu.BLHNC": "BLHNC",
+        "vllm.cpu.BHLNC": "BHLNC"}
 # Axis order of the 4-D view vLLM binds to a layer: [B, H, N, C].
 _VIEW = ("B", "H", "N", "C")
 
@@ -109,6 +115,14 @@ def choose(backend, spec: kvabi.KVSpec, *, vllm_name: str | None = None) -> Choi
         if tpl is None:
             tried.append(f"{name} (not a kvabi preset for this spec)")
             continue
+        if name in _OWN:  # vLLM's own CPU cache: exactly its name
+            if vllm_name in (None, _OWN[name]):
+                return Choice(_OWN[name], name)
+            tried.append(f"{name} (vLLM's {_OWN[name]} cache)")
+            continue
+        if not tpl.is_axis_form:
+            tried.append(f"{name} (components no vLLM allocation holds)")
+            continue
         for v in ([vllm_name] if vllm_name else _by_affinity(tpl)):
             # One of vLLM's six presets fits only its own name (it *is* that byte order).
             if name in _SIX and name != "vllm." + v:
@@ -132,8 +146,6 @@ def bind(choice: Choice, spec: kvabi.KVSpec, views) -> tuple[kvabi.Layout, list]
     dense strides inside a block; ``L`` is the plane axis.  Each plane is a strided view of
     vLLM's own memory (no copy).  KVABIError unless every view has the shape and strides
     vLLM's name implies for ``spec``."""
-    import torch
-
     if not views:
         raise KVABIError("views: vLLM bound no KV cache to this group's layers")
     tpl = kvabi.Layout.preset(choice.preset, spec, num_blocks=1)
@@ -149,6 +161,52 @@ def bind(choice: Choice, spec: kvabi.KVSpec, views) -> tuple[kvabi.Layout, list]
         if v.stride(3) != 1:
             raise KVABIError(f"views[{i}].stride: C must be contiguous, got {v.stride()}")
     vstride = dict(zip(_VIEW, (s * isz for s in v0.stride())))
+    if choice.preset in _OWN:
+        return _bind_own(choice, spec, views, vstride, isz)
+    return _bind_axes(choice, spec, views, tpl, vstride, isz)
+
+
+def _typed(planes, spec):
+    """vLLM holds fp8 codes as uint8: the same bytes, typed as the spec's dtype."""
+    dt = kvabi.tensors.torch_dtype(spec.dtype)
+    if planes[0].dtype == dt:
+        return planes
+    if planes[0].element_size() != kvabi.tensors.torch_dtype(spec.dtype).itemsize:
+        raise KVABIError(f"views[0].dtype: {planes[0].dtype} cannot hold {spec.dtype} codes")
+    return [p.view(dt) for p in planes]
+
+
+def _bind_own(choice, spec, views, vstride, isz):
+    """vLLM's CPU cache (:data:`_OWN`) by components over its views: per layer a plane
+    from its first byte, keys ``[D, N]`` then values ``[N, D]`` per block-head at vLLM's
+    block and head strides."""
+    import torch
+
+    n, d = spec.block_size, spec.head_dim
+    if vstride["N"] != 2 * d * isz:
+        raise KVABIError(f"views[0].stride: vLLM layout {choice.vllm_name} should make each "
+                         f"block-head one dense [2N, D] tile, but N has byte stride "
+                         f"{vstride['N']} (expected {2 * d * isz})")
+    outer = {"B": vstride["B"], "H": vstride["H"]}
+    one = {"L": 1}  # every layer its own plane (vLLM's view of it)
+    comps = [kvabi.Component(name="key", dtype=spec.dtype, count=d,
+                             strides={**outer, "N": isz, "E": n * isz}, plane_strides=one),
+             kvabi.Component(name="value", dtype=spec.dtype, count=d, offset=n * d * isz,
+                             strides={**outer, "N": d * isz, "E": isz}, plane_strides=one)]
+    nb, h = int(views[0].shape[0]), spec.num_kv_heads
+    span = (nb - 1) * vstride["B"] + (h - 1) * vstride["H"] + 2 * n * d * isz
+    layout = kvabi.Layout(sizes={"L": len(views), "B": nb, "N": n, "H": h}, components=comps,
+                          plane_bytes=span, name=f"{choice.preset}@vllm.{choice.vllm_name}")
+    planes = [torch.as_strided(v, (span // isz,), (1,), v.storage_offset()) for v in views]
+    return layout, _typed(planes, spec)
+
+
+def _bind_axes(choice, spec, views, tpl, vstride, isz):
+    """The axis-form layout of vLLM's views for an axis preset (see :func:`bind`)."""
+    import torch
+
+    v0 = views[0]
+    nb = int(v0.shape[0])
     # vLLM's dense run inside a block must be what the name says: check, don't assume.
     inner = _INNER[choice.vllm_name]
     run = [a if a not in ("KV", "D") else "C" for a in inner]
@@ -178,4 +236,4 @@ def bind(choice: Choice, spec: kvabi.KVSpec, views) -> tuple[kvabi.Layout, list]
                           name=f"{choice.preset}@vllm.{choice.vllm_name}")
     planes = [torch.as_strided(v, layout.plane_shape, layout.plane_strides,
                                v.storage_offset()) for v in views]
-    return layout, planes
+    return layout, _typed(planes, spec)

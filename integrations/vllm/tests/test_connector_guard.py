@@ -63,9 +63,9 @@ ATTACKS = {
     "a-shorterprompt": r"remote_num_tokens: 70 exceeds this request's prompt of 69",
     # lying peers: a plane shifted, keys and values swapped, a tile order misstated, and
     # bytes changed on the way (the negative control's connector corrupts one block)
-    "a-shifted": r"kvabi_handshakes\[0\]\.k: its planes .* are not the ones the producer",
-    "a-swapped": r"kvabi_handshakes\[0\]\.k: its layout is not the one the producer",
-    "a-tileorder": r"kvabi_handshakes\[0\]\.k: its layout is not the one the producer",
+    "a-shifted": r"kvabi_handshakes\[0\]\.kv?: its planes .* are not the ones the producer",
+    "a-swapped": r"kvabi_handshakes\[0\]\.kv?: its layout is not the one the producer",
+    "a-tileorder": r"kvabi_handshakes\[0\]\.kv?: its layout is not the one the producer",
     "corrupt-1": r"kvabi_grant: the KV read for token \d+ of group 0 is not what the "
                  r"producer computed",
     # replays

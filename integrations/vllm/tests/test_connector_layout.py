@@ -1,7 +1,8 @@
 """KvabiConnector's description of vLLM's cache: the kvabi layouts it derives from vLLM's own
 views (built by vLLM's allocator code for each of its six layout names) put every element
 where an independent formula says; CPU_ATTN's real cache write is verified against the K/V
-parts and refutes a single K/V layout; bad views give KVABIError."""
+layout of key and value components and refutes the single order its name says; bad views give
+KVABIError."""
 import numpy as np
 import pytest
 import torch
@@ -58,20 +59,16 @@ def test_parts_place_every_element_where_vllm_views_put_it(name, interior):
             group_parts(views, interior=interior, name=name)
         return
     parts = group_parts(views, interior=interior, name=name)
-    assert [p for p, _, _ in parts] == (["k", "v"] if interior == KT_V else ["kv"])
+    assert [p for p, _, _ in parts] == ["kv"]  # CPU_ATTN too: key and value components
     rng = np.random.default_rng(0)
     L, B, H, N, D = 3, 5, 2, 32, 32
     for layer, block, kv, token, head, dim in zip(*(rng.integers(0, m, 400)
                                                   for m in (L, B, 2, N, H, D))):
         want = element_offset(views, interior, int(layer), int(block), int(kv), int(token),
                               int(head), int(dim))
-        if interior == KT_V:
-            _, lay, off = parts[int(kv)]
-            _, got = lay.byte_offset(layer=layer, block=block, token=token, head=head, dim=dim)
-        else:
-            _, lay, off = parts[0]
-            _, got = lay.byte_offset(layer=layer, block=block, kv=kv, token=token, head=head,
-                                     dim=dim)
+        _, lay, off = parts[0]
+        _, got = lay.byte_offset(layer=layer, block=block, kv=kv, token=token, head=head,
+                                 dim=dim)
         assert got + off == want, (name, interior, layer, block, kv, token, head, dim)
 
 
@@ -98,7 +95,7 @@ class _CpuAttnLayer:
 
 
 @pytest.mark.parametrize("name", ["LBHNC", "BLHNC"])
-def test_cpu_attn_write_matches_the_kv_parts_and_refutes_one_layout(name):
+def test_cpu_attn_write_matches_its_component_layout_and_refutes_the_name(name):
     views = vllm_views(name, layers=2, blocks=4)
     layers = [_CpuAttnLayer()] * 2
     parts = [(p, part_cache(views, lay, off)) for p, lay, off in

@@ -39,8 +39,9 @@ def test_unavailable_with_the_reason_where_vllm_cannot_load():
     assert out.startswith("(False, ") and "not importable" in out, out
 
 
-def _step(bs=16, hd=32, dtype="float32"):
-    spec = kvabi.KVSpec("full", block_size=bs, num_kv_heads=2, head_dim=hd, dtype=dtype)
+def _step(bs=16, hd=32, dtype="float32", **quant):
+    spec = kvabi.KVSpec("full", block_size=bs, num_kv_heads=2, head_dim=hd, dtype=dtype,
+                        **quant)
     layout = kvabi.Layout.preset("vllm.LBHNC", spec, num_blocks=4)
     meta = kvabi.CommonAttentionMetadata.from_lengths([1, 3], [5, 0], [[2, 0], [1, 3]], bs,
                                                       num_blocks=4)
@@ -49,7 +50,10 @@ def _step(bs=16, hd=32, dtype="float32"):
 
 @pytest.mark.parametrize("change,field", [
     (dict(hd=48), "head_dim 48"), (dict(bs=8), "block_size 8"),
-    (dict(dtype="float8_e4m3fn"), "dtype")])
+    (dict(dtype="int8"), "dtype"), (dict(dtype="float8_e4m3fn"), "quant 'none'"),
+    (dict(dtype="float8_e4m3fn", quant="per_tensor", rounding="nearest_even"), "rounding"),
+    (dict(dtype="float8_e5m2", quant="per_tensor", rounding="toward_zero"),
+     "block_size 16 not a multiple of 32")])
 def test_unclaimed_specs_are_refused(change, field):
     spec, layout, meta = _step(**change)
     with pytest.raises(kvabi.UnsupportedError, match=field):

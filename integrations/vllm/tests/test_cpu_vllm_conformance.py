@@ -3,7 +3,8 @@
 ``TestCpuVllm`` runs every check of the kit on what the backend claims. Its block sizes
 are the multiples of 16, of which the kit's small draws hold only 16 (the ``vec16`` ISA);
 ``TestCpuVllmVecBlocks`` runs the checks that reach the kernels again with the backend
-narrowed to block sizes 32, 64 and 128, where vLLM selects the ``vec`` ISA."""
+narrowed to block sizes 32, 64 and 128, where vLLM selects the ``vec`` ISA; fp8 caches
+(per-tensor, vLLM's rounding toward zero) need ``vec`` and are drawn only there."""
 import kvabi
 from kvabi.testing import BackendConformance
 from kvabi.testing.checks import CHECKS
@@ -25,8 +26,9 @@ class _VecBlocks(CpuVllmBackend):
                             head_dims=(32, 64, 128, 256))
 
 
+# fp8 caches (vec only) are written and laid out here too: write_kv and layouts
 _KERNEL_CHECKS = ("attention", "poisoned_rows", "poisoned_per_query", "kv_sharing", "cascade",
-                  "pad")
+                  "pad", "write_kv", "layouts")
 
 
 class TestCpuVllmVecBlocks(BackendConformance):
@@ -43,3 +45,16 @@ def test_vec_blocks_claim_a_subset():
     spec = kvabi.KVSpec("full", block_size=32, num_kv_heads=2, head_dim=64, dtype="float32")
     assert _VecBlocks().capabilities(spec).refusals(spec) == ()
     assert CpuVllmBackend().capabilities(spec).refusals(spec) == ()
+
+
+class TestCpuVllmFp8(BackendConformance):
+    """fp8 caches only (per-tensor scales drawn per layer, rounding toward zero), on the
+    ``vec`` block sizes: every written code byte for byte, attention within tolerance."""
+
+    backend_name = "cpu.vllm"
+    dtypes = ("float8_e4m3fn", "float8_e5m2")
+    skip_checks = tuple(c.name for c in CHECKS
+                        if c.name not in ("write_kv", "attention", "poisoned_rows", "layouts"))
+
+    def make_backend(self):
+        return _VecBlocks()

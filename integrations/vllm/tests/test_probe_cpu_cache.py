@@ -6,8 +6,9 @@ value side by side per token.  Its backend views each block-head as [2 * block_s
 head_dim] and splits K and V on that axis, so the kernel writes all keys of a block-head,
 then all values.  The probe finds more: with the ``vec`` kernels (this machine) the keys of
 a block-head are stored dim-major ([head_dim, block_size]) and the values token-major
-([block_size, head_dim]), which no single layout expresses.  verify_layout refuses the
-declared name on the first element it checks.
+([block_size, head_dim]): two components with their own strides, the preset ``vllm.cpu``,
+which infer_layout finds; verify_layout refuses the declared name on the first element it
+checks.
 """
 import pytest
 
@@ -38,7 +39,7 @@ def vllm_cpu_cache(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_cpu_kernel_is_not_the_declared_lbhnc(dtype):
+def test_cpu_kernel_is_not_the_declared_lbhnc_but_vllm_cpu(dtype):
     kv_cache, write, isa = vllm_cpu_cache(getattr(torch, dtype))
     item = kv_cache.element_size()
     spec = kvabi.KVSpec("full", block_size=BLOCK, num_kv_heads=HEADS, head_dim=HEAD_DIM,
@@ -49,16 +50,34 @@ def test_cpu_kernel_is_not_the_declared_lbhnc(dtype):
             verify_layout(declared, [kv_cache], write)
         return
     # B: 2 heads x 2 x 32 x 32; H: 2 x 32 x 32; keys dim-major (N 1, D 32 elements), values
-    # token-major (N 32, D 1) after the 32 x 32 keys
+    # token-major (N 32, D 1) after the 32 x 32 keys: two components, the preset vllm.cpu
     b, h, e = 2 * HEADS * BLOCK * HEAD_DIM * item, 2 * BLOCK * HEAD_DIM * item, item
-    with pytest.raises(kvabi.KVABIError, match=(
-            rf"keys and values are placed with different strides \(bytes per index step\): "
-            rf"keys \{{'B': {b}, 'N': {e}, 'H': {h}, 'D': {BLOCK * e}\}}, values \{{'B': {b}, "
-            rf"'N': {HEAD_DIM * e}, 'H': {h}, 'D': {e}\}}")):
-        infer_layout(spec, [kv_cache], write, num_blocks=BLOCKS)
+    got = infer_layout(spec, [kv_cache], write, num_blocks=BLOCKS)
+    assert got.name == "vllm.cpu"
+    assert dict(got.component("key").strides) == {"L": BLOCKS * b, "B": b, "N": e, "H": h,
+                                                  "E": BLOCK * e}
+    assert dict(got.component("value").strides) == {"L": BLOCKS * b, "B": b,
+                                                    "N": HEAD_DIM * e, "H": h, "E": e}
     # The first element checked, key dim 1: LBHNC puts it one element on; the kernel one
     # block of tokens on.
     with pytest.raises(kvabi.KVABIError, match=(
             rf"^key of layer 0, block 0, token 0, head 0, dim 1 found {(BLOCK - 1) * e} bytes "
             rf"from where vllm.LBHNC puts it \(plane 0, byte {e}\)")):
         verify_layout(declared, [kv_cache], write)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_vllm_cpu_preset_is_what_the_kernel_writes(dtype):
+    """The preset ``vllm.cpu`` (keys [D, N] then values [N, D] per block-head, stated by
+    components) is verified through the kernel's own write; ``vllm.cpu_kt`` (values
+    transposed too) is refused at the first value it checks."""
+    kv_cache, write, isa = vllm_cpu_cache(getattr(torch, dtype))
+    if isa != "vec":
+        pytest.skip(f"this machine's CPU_ATTN kernels are {isa}, whose tile order is not pinned")
+    spec = kvabi.KVSpec("full", block_size=BLOCK, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                        dtype=dtype)
+    layout = kvabi.Layout.preset("vllm.cpu", spec, BLOCKS)
+    verify_layout(layout, [kv_cache], write, samples=64, seed=1)
+    with pytest.raises(kvabi.KVABIError, match=r"^value of layer 0, block 0, token 0, head 0, "
+                                                 r"dim 1 found .* from where vllm.cpu_kt puts"):
+        verify_layout(kvabi.Layout.preset("vllm.cpu_kt", spec, BLOCKS), [kv_cache], write)

@@ -115,7 +115,9 @@ def test_a_served_configuration_passes_and_names_what_runs(llama, monkeypatch):
     assert cfg.cache_config.block_size == 32
     # the line said in this process (a server's log shows it: test_serving)
     line, = startup._said
-    assert "kvabi backend cpu.vllm" in line and "vllm.cpu_kt" in line and "LBHNC" in line
+    # cpu.vllm's first layout is vLLM's own cache (vllm.cpu), allocated as vLLM's LBHNC
+    assert "kvabi backend cpu.vllm" in line and "kvabi layout vllm.cpu " in line and \
+        "LBHNC" in line
 
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])

@@ -146,7 +146,8 @@ def spec_strategy(backend, options: KitOptions, kinds=None, **kw):
         raise NotApplicable("no claimed head dim left by the options")
     return kv_specs(ks, dts, dims, caps.block_sizes,
                     block_size_multiple=caps.block_size_multiple,
-                    page_aligns=options.page_aligns, **kw).filter(
+                    page_aligns=options.page_aligns, quants=getattr(caps, "quant", ("none",)),
+                    roundings=getattr(caps, "roundings", ("nearest_even",)), **kw).filter(
         lambda s: supported(backend, s, options))
 
 

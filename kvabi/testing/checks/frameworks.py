@@ -45,7 +45,8 @@ def check_foreign_framework(backend, reference, case, options: KitOptions = KitO
     what = f"write_kv into a cache of {other} planes ({backend.name} takes {own})"
     try:
         backend.write_kv(plan, foreign, key=in_framework(backend, k),
-                         value=in_framework(backend, v), layer=case.layer)
+                         value=in_framework(backend, v), layer=case.layer,
+                         **case.scales())
     except KVABIError as e:
         msg = str(e)
         if own not in msg or other not in msg:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from ...dtypes import numpy_dtype
 from ...errors import KVABIError
 from ...layout import Layout
-from ..cases import exact_values, input_dtype
+from ..cases import exact_values, input_dtype, stored
 from ..harness import (UINT, StepData, expect_same_cache, fill_meta, in_framework, raw_items,
                        step_inputs, take_cache, to_planes)
 from ..measure import ConformanceFailure
@@ -40,7 +40,9 @@ def _json_round_trip(layout: Layout) -> Layout:
 
 
 def _expected_elements(layout, spec, pool_k, pool_v, layer):
-    """(plane, item index, expected bits) of every logical element of every layer."""
+    """(plane, item index, expected bits) of every logical element of every layer (a
+    quantized cache: the codes of a write with unit static scales, and a per_token_head
+    cache's scales, byte by byte)."""
     grids = np.meshgrid(np.arange(layout.num_layers), np.arange(layout.num_blocks),
                         np.arange(layout.size("KV")), np.arange(spec.block_size),
                         np.arange(spec.num_kv_heads), np.arange(spec.head_dim), indexing="ij")
@@ -49,12 +51,29 @@ def _expected_elements(layout, spec, pool_k, pool_v, layer):
     dt = numpy_dtype(spec.dtype)
     slot = bb * spec.block_size + nn
     want = np.zeros(len(ll), dt)
-    ks = (ll == layer) & (kk == 0)
-    want[ks] = pool_k[slot[ks], hh[ks], dd[ks]].astype(dt)
-    if pool_v is not None:  # presets hold K and V of equal width
-        vs = (ll == layer) & (kk == 1)
-        want[vs] = pool_v[slot[vs], hh[vs], dd[vs]].astype(dt)
-    return np.asarray(plane), np.asarray(off) // layout.itemsize, want
+    unit = {"k_scale": 1.0, "v_scale": 1.0}
+    planes, items, wants = [np.broadcast_to(plane, off.shape)], [off // layout.itemsize], []
+    for kv, pool in enumerate((pool_k, pool_v)):
+        if pool is None:
+            continue
+        codes, rows = stored(spec, pool, kv, unit)
+        sel = (ll == layer) & (kk == kv)  # presets hold K and V of equal width
+        want[sel] = codes[slot[sel], hh[sel], dd[sel]]
+        if rows is None:
+            continue
+        # per_token_head: the row scales' bytes (quantized dtypes are one byte an item)
+        g = np.meshgrid(np.arange(layout.num_blocks), np.arange(spec.block_size),
+                        np.arange(spec.num_kv_heads), np.arange(4), indexing="ij")
+        b2, n2, h2, byte = (x.ravel() for x in g)
+        p2, o2 = layout.element_offset(("key_scale", "value_scale")[kv], layer=layer,
+                                       block=b2, token=n2, head=h2)
+        planes.append(np.broadcast_to(p2, o2.shape))
+        items.append(o2 + byte)
+        wants.append(np.ascontiguousarray(rows).view(np.uint8).reshape(
+            -1, spec.num_kv_heads, 4)[b2 * spec.block_size + n2, h2, byte])
+    u = UINT[layout.itemsize]
+    bits = np.concatenate([want.view(u)] + [w.astype(u) for w in wants])
+    return np.concatenate(planes), np.concatenate(items), bits
 
 
 def check_layouts(backend, reference, params, options: KitOptions = KitOptions()) -> float:
@@ -92,11 +111,12 @@ def check_layouts(backend, reference, params, options: KitOptions = KitOptions()
             plan, cache, key=in_framework(backend, pool_k),
             value=in_framework(backend, pool_v), layer=params.layer), "write_kv")
         planes = to_planes(back, cache)
-        raw = np.stack([raw_items(back, p) for p in planes])
+        raws = [raw_items(back, p) for p in planes]  # component planes may differ in size
+        width = max(len(r) for r in raws)
+        raw = np.stack([np.pad(r, (0, width - len(r))) for r in raws])
         plane, item, want = _expected_elements(layout, spec, pool_k, pool_v, params.layer)
-        u = UINT[back.itemsize]
         got = raw[plane, item]
-        bad = np.nonzero(got != want.view(u))[0]
+        bad = np.nonzero(got != want)[0]
         if len(bad):
             raise ConformanceFailure(
                 f"layout {name}: {len(bad)} element(s) not at Layout.byte_offset after "
@@ -133,7 +153,8 @@ def check_foreign_layouts(backend, reference, case, options: KitOptions = KitOpt
     r, want, want_lse = reference_step(reference, case)
     k, v, _ = step_inputs(case)
     expect_same_cache("write_kv in a non-preferred layout", case.layout, case.spec, planes,
-                      r.planes(), step=StepData(k, v, case.meta.slot_mapping, case.layer))
+                      r.planes(), step=StepData(k, v, case.meta.slot_mapping, case.layer,
+                                                case.scales()))
     rows = np.arange(case.meta.num_actual_tokens)
     return compare_outputs("attention in a non-preferred layout", case, got, want, rows,
                            options, got_lse=got_lse, want_lse=want_lse)

@@ -12,7 +12,8 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ...dtypes import numpy_dtype
-from ..harness import Runner, StepData, expect_same_cache, raw_items, step_inputs
+from ..harness import (Runner, StepData, expect_same_cache, raw_items, step_inputs,
+                       use_host_planes)
 from .attention import compare_outputs
 from .base import KitOptions, WithExtra, attention_cases, supported
 
@@ -61,13 +62,18 @@ def poisoned_pool(case, seed_salt: int = 0x9015):
     """(pool_k, pool_v, poisoned mask [L, slots]) of ``case``: its clean pool with every
     row no query of the step may see (every row of the other layers) replaced by poison.
 
-    Poisoned values are exact in the cache dtype, so a write of them is a copy."""
+    Poisoned values are exact in the cache dtype, so a write of them is a copy.  A
+    quantized cache the kit builds itself (a dense layout) holds NaN/inf codes there; one
+    the backend must write itself takes only finite input, so its poison is values far
+    beyond the codes' range (saturated codes)."""
     i = case.inputs()
     spec, layout = case.spec, case.layout
     slots = layout.num_blocks * spec.block_size
     dirty = np.ones((layout.num_layers, slots), bool)
     dirty[case.layer] = ~visible_slots(case.meta, spec, slots)
     vals = poison_values(spec.dtype)
+    if spec.is_quantized and not use_host_planes(layout):
+        vals = np.array([1e30, -1e30, 1e30])
     rng = np.random.default_rng([case.seed, seed_salt])
 
     def poison(pool):
@@ -117,7 +123,8 @@ def _poisoned_step(backend, reference, case, options) -> float:
     if not _same_up_to_nan_payload(case.layout, got_planes, want_planes):
         expect_same_cache(f"poisoned_rows ({label}): write_kv over a poisoned cache",
                           case.layout, case.spec, got_planes, want_planes,
-                          step=StepData(k, v, case.meta.slot_mapping, case.layer))
+                          step=StepData(k, v, case.meta.slot_mapping, case.layer,
+                                        case.scales()))
     got, got_lse = b.attend(bplan, q, lse=True)
     n = int(dirty[case.layer].sum())
     rows = np.arange(case.meta.num_actual_tokens)

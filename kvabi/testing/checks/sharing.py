@@ -35,8 +35,8 @@ def check_kv_sharing(backend, reference, params, options: KitOptions = KitOption
     rows = np.arange(meta.num_actual_tokens)
     worst = 0.0
     for i, layer in enumerate(model.layers):
-        k, v, q = step_arrays(case, i)
         li = owners[model.owner(layer.name)]
+        k, v, q = step_arrays(case, i, li)
         what = f"layer {layer.name}" + (f" (shares {layer.shares}, cache layer {li})"
                                         if layer.shares else f" (cache layer {li})")
         if layer.shares is None:

@@ -119,7 +119,8 @@ def check_split_ubatches(backend, reference, params, options: KitOptions = KitOp
     err = compare_outputs(f"split_ubatches(cuts={list(cuts)})", case, got, want, rows,
                           options, got_lse=got_lse, want_lse=want_lse)
     expect_same_cache("micro-batch writes", case.layout, case.spec, b.planes(), r.planes(),
-                      step=StepData(k, v, meta.slot_mapping, case.layer))
+                      step=StepData(k, v, meta.slot_mapping, case.layer,
+                                    case.scales()))
     return err
 
 
@@ -209,7 +210,8 @@ def check_pad(backend, reference, params, options: KitOptions = KitOptions()) ->
                           want, rows, options, got_lse=got_lse[:meta.num_tokens],
                           want_lse=want_lse)
     expect_same_cache("write_kv over padded metadata", case.layout, case.spec, b.planes(),
-                      r.planes(), step=StepData(k, v, meta2.slot_mapping, case.layer))
+                      r.planes(), step=StepData(k, v, meta2.slot_mapping, case.layer,
+                                                case.scales()))
     return err
 
 
@@ -243,7 +245,8 @@ def check_permute(backend, reference, params, options: KitOptions = KitOptions()
     err = compare_outputs(f"permute_requests(perm={list(map(int, perm))})", case, got,
                           want[tp], rows, options, got_lse=got_lse, want_lse=want_lse[tp])
     expect_same_cache("write_kv over permuted requests", case.layout, case.spec, b.planes(),
-                      r.planes(), step=StepData(k, v, meta2.slot_mapping, case.layer))
+                      r.planes(), step=StepData(k, v, meta2.slot_mapping, case.layer,
+                                                case.scales()))
     return err
 
 

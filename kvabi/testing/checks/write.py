@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from ...dtypes import numpy_dtype
+from ...cache import KVCache
 from ...transforms import kv_update_slices
-from ..harness import Runner, StepData, copy_planes, expect_same_cache, step_inputs
+from ..harness import Runner, StepData, copy_planes, expect_same_cache, put_rows, step_inputs
 from ..measure import ConformanceFailure
 from .base import KitOptions, WithExtra, attention_cases
 
@@ -27,7 +27,8 @@ def check_write_kv(backend, reference, case, options: KitOptions = KitOptions())
     written = case.meta.slot_mapping[case.meta.slot_mapping >= 0]
     expect_same_cache(f"write_kv(layer={case.layer})", case.layout, case.spec, b.planes(),
                       r.planes(), written=written,
-                      step=StepData(k, v, case.meta.slot_mapping, case.layer))
+                      step=StepData(k, v, case.meta.slot_mapping, case.layer,
+                                    case.scales()))
     return 0.0
 
 
@@ -35,9 +36,11 @@ def write_strategy(backend, options):
     return attention_cases(backend, options)
 
 
-def apply_update_slices(layout, spec, planes, slices, num_slices, key, value, layer):
+def apply_update_slices(layout, spec, planes, slices, num_slices, key, value, layer,
+                        scales=None):
     """Copy K/V rows into numpy planes as the Pallas update slices say (an independent
-    application: each row copies ``length`` consecutive tokens to consecutive slots)."""
+    application: each row copies ``length`` consecutive tokens to consecutive slots;
+    a quantized spec's rows as codes under the layer's static ``scales``)."""
     start, src, length = (slices[i, :num_slices].astype(np.int64) for i in range(3))
     bs = spec.block_size
     if num_slices and ((start % bs) + length > bs).any():
@@ -50,11 +53,10 @@ def apply_update_slices(layout, spec, planes, slices, num_slices, key, value, la
     within = np.arange(len(owner)) - np.repeat(np.cumsum(length) - length, length)
     dst = start[owner] + within
     tok = src[owner] + within
-    dt = numpy_dtype(spec.dtype)
-    kview = layout.kv_view(planes, layer, 0)
-    kview[dst // bs, dst % bs] = key[tok].astype(dt)
-    if value is not None:
-        layout.kv_view(planes, layer, 1)[dst // bs, dst % bs] = value[tok].astype(dt)
+    handle = KVCache.wrap(layout, planes)
+    for kv, x in enumerate((key, value)):
+        if x is not None:
+            put_rows(handle, spec, layer, kv, dst, x[tok], scales or {})
 
 
 def check_kv_update_slices(backend, reference, params, options: KitOptions = KitOptions()
@@ -70,13 +72,15 @@ def check_kv_update_slices(backend, reference, params, options: KitOptions = Kit
     if slices.shape[1] % per or slices.shape[1] < n:
         raise ConformanceFailure(f"kv_update_slices: {slices.shape[1]} rows is not a multiple "
                                  f"of {per} holding {n} slices")
-    apply_update_slices(case.layout, case.spec, want, slices, n, k, v, case.layer)
+    apply_update_slices(case.layout, case.spec, want, slices, n, k, v, case.layer,
+                        case.scales())
     r.write(r.plan(case.meta), k, v)
     expect_same_cache("kv_update_slices applied vs the slot mapping", case.layout, case.spec,
                       want, r.planes())
     b.write(b.plan(case.meta), k, v)
     expect_same_cache("write_kv vs kv_update_slices applied", case.layout, case.spec,
-                      b.planes(), want, step=StepData(k, v, case.meta.slot_mapping, case.layer))
+                      b.planes(), want, step=StepData(k, v, case.meta.slot_mapping, case.layer,
+                                                      case.scales()))
     return 0.0
 
 

@@ -10,6 +10,30 @@ DESC = {"dtype": "float32", "extents": {}, "folds": [], "kvabi_abi": [1, 1],
         "name": "flashinfer.NHD", "order": ["B", "KV", "N", "H", "D"], "packing": None,
         "plane_bytes": None, "planes": ["L"],
         "sizes": {"B": 3, "D": 8, "H": 2, "KV": 2, "L": 2, "N": 4}, "strides": None}
+# A 2.0 component descriptor: per (layer, block, head, token) a 24-byte record
+# [key int8 x 8 | key_scale float32 | value int8 x 8 | value_scale float32].
+REC = {"L": 576, "B": 192, "H": 96, "N": 24}
+COMP = {"kvabi_abi": [2, 0], "name": "custom", "sizes": {"L": 2, "B": 3, "N": 4, "H": 2},
+        "plane_bytes": None, "components": [
+            {"name": "key", "dtype": "int8", "count": 8, "offset": 0, "plane": 0,
+             "strides": {**REC, "E": 1}},
+            {"name": "key_scale", "dtype": "float32", "count": 1, "offset": 8, "plane": 0,
+             "strides": REC},
+            {"name": "value", "dtype": "int8", "count": 8, "offset": 12, "plane": 0,
+             "strides": {**REC, "E": 1}},
+            {"name": "value_scale", "dtype": "float32", "count": 1, "offset": 20, "plane": 0,
+             "strides": REC}]}
+
+
+def comp(i=None, drop=None, **over):
+    """COMP with component ``i``'s fields (or, i None, the top level's) overridden."""
+    d = json.loads(json.dumps(COMP))
+    if drop is not None:
+        del d["components"][drop]
+    (d if i is None else d["components"][i]).update(over)
+    return json.dumps(d).encode()
+
+
 CONFIG = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8,
           "num_key_value_heads": 2, "hidden_size": 512, "head_dim": 64,
           "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
@@ -65,7 +89,7 @@ descriptors = {
     "empty.json": (b"", "descriptor", "not valid JSON"),
     "truncated.json": (json.dumps(DESC).encode()[:40], "descriptor", "not valid JSON"),
     "top_level_array.json": (b"[1, 2]", "descriptor", "JSON object"),
-    "abi_major_2.json": (doc(DESC, kvabi_abi=[2, 0]), "kvabi_abi", "major"),
+    "abi_major_3.json": (doc(DESC, kvabi_abi=[3, 0]), "kvabi_abi", "major"),
     "abi_bools.json": (doc(DESC, kvabi_abi=[True, 0]), "kvabi_abi", "[major, minor]"),
     "span_reaches_2_63.json": (doc(DESC, **{"sizes.B": 2**61}), "sizes", "int64"),
     "stride_reaches_2_63.json": (doc(DESC, strides={"B": 2**62, "KV": 256, "N": 64, "H": 32,
@@ -118,6 +142,38 @@ descriptors = {
                                                 "ranks": 2}), "shard.rank", "out of range"),
     "shard_heads_string.json": (doc(DESC, shard={"heads": "23", "of": 4, "rank": 1,
                                                  "ranks": 2}), "shard.heads", "list"),
+    # component descriptors (2.0)
+    "components_overlap.json": (comp(2, offset=4), "components.value", "share bytes"),
+    "component_leaves_plane.json": (comp(plane_bytes=1150), "components.value_scale",
+                                    "leaves the plane"),
+    "component_dtype_disagrees.json": (comp(dtype="float16"), "dtype", "disagrees"),
+    "component_misaligned_scale.json": (comp(1, offset=9), "components.key_scale.offset",
+                                        "multiple of the float32 unit"),
+    "component_unknown_name.json": (comp(0, name="keys"), "components[0].name",
+                                    "must be one of"),
+    "component_without_its_pair.json": (comp(None, drop=0), "components.key", "missing"),
+    "component_scale_count.json": (comp(1, count=3, strides={**REC, "E": 4}),
+                                   "components.key_scale.count",
+                                   "must divide"),
+    "component_unknown_field.json": (comp(0, future=1), "components.key.future",
+                                     "unknown component field"),
+    "component_missing_plane.json": (comp(3, plane=2),
+                                     "plane_bytes", "holds no component"),
+    "component_plane_beyond_list.json": (json.dumps({**json.loads(comp(3, plane=5)),
+                                                     "plane_bytes": [2000]}).encode(),
+                                         "components.value_scale.plane", "reaches plane 5"),
+    "component_and_order.json": (json.dumps({**COMP, "order": ["B", "N", "H", "D"]}).encode(),
+                                 "components", "not both"),
+    "component_negative_stride.json": (comp(0, strides={**REC, "N": -24, "E": 1}),
+                                       "components.key.strides.N", ">= 1"),
+    "component_self_overlap.json": (comp(0, strides={**REC, "N": 4, "E": 1}),
+                                    "components.key.strides.N", "overlaps"),
+    "component_span_beyond_int64.json": (comp(sizes={"L": 2, "B": 2**61, "N": 4, "H": 2}),
+                                          "components.key.strides", "int64"),
+    "component_bool_count.json": (comp(0, count=True), "components.key.count", "integer"),
+    "component_sizes_d.json": (comp(sizes={"B": 3, "N": 4, "H": 2, "D": 8}), "sizes.D",
+                               "component layout"),
+    "component_list_not_object.json": (comp(components=[1]), "components[0]", "object"),
 }
 
 MILLION = {"num_hidden_layers": 10**6, "num_attention_heads": 8, "head_dim": 64,

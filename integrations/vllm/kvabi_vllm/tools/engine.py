@@ -79,6 +79,36 @@ def engine(model_dir, *, backend: str | None = None, layout: str | None = None,
         gc.collect()
 
 
+def set_kv_scales(model, pairs) -> int:
+    """Give the vLLM attention layers of ``model`` per-tensor KV scales ``pairs`` (``(k, v)``
+    per layer, cycled), held as a checkpoint's loaded ``k_scale``/``v_scale`` are; returns
+    how many layers.  Run it on an engine's model (``llm.apply_model``), or as the model
+    loads (:func:`scales_at_load`) so that a KV connector sees them."""
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for i, m in enumerate(layers):
+        k, v = (float(x) for x in pairs[i % len(pairs)])
+        m._k_scale.fill_(k)
+        m._v_scale.fill_(v)
+        m._k_scale_float, m._v_scale_float = k, v
+    return len(layers)
+
+
+def scales_at_load(pairs) -> None:
+    """In this process, every CPU engine's model gets :func:`set_kv_scales` ``pairs`` right
+    after its weights load (before its KV cache and connector are made)."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    load = CPUModelRunner.load_model
+
+    def load_model(self, *args, **kwargs):
+        load(self, *args, **kwargs)
+        set_kv_scales(self.model, pairs)
+
+    CPUModelRunner.load_model = load_model
+
+
 def greedy(llm, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
     """Greedy continuations (token ids) of ``prompts`` (token id lists), EOS ignored."""
     from vllm import SamplingParams

@@ -43,12 +43,18 @@ def allow_cpu_attn_layout(name: str) -> None:
 def make_llm(model: str, *, block_size: int, role: str | None, connector: str = "KvabiConnector",
              module: str | None = "kvabi_vllm.connector", extra: dict | None = None,
              layout: str | None = None, prefix_caching: bool = False, blocks: int = 256,
-             dtype: str = "float32"):
-    """An in-process vLLM engine (``dtype``, no tokenizer) with a KV connector in ``role``."""
+             dtype: str = "float32", kv_cache_dtype: str = "auto", kv_scales=None):
+    """An in-process vLLM engine (``dtype``, no tokenizer) with a KV connector in ``role``;
+    ``kv_cache_dtype`` (e.g. ``fp8``) and per-layer ``kv_scales`` ((k, v) pairs, cycled,
+    set as the weights load)."""
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if layout:
         allow_cpu_attn_layout(layout)
+    if kv_scales:
+        from .engine import scales_at_load
+
+        scales_at_load(kv_scales)
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -63,7 +69,8 @@ def make_llm(model: str, *, block_size: int, role: str | None, connector: str = 
         kv = KVTransferConfig(**kw)
     return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, block_size=block_size,
                max_model_len=1024, enforce_eager=True, num_gpu_blocks_override=blocks,
-               enable_prefix_caching=prefix_caching, kv_transfer_config=kv)
+               enable_prefix_caching=prefix_caching, kv_transfer_config=kv,
+               kv_cache_dtype=kv_cache_dtype)
 
 
 #: a decode side on another backend, layout and block size than vLLM's CPU backend: the
@@ -124,7 +131,8 @@ def _record_nixl_transfers() -> list:
 def prefill_main(a) -> int:
     _nixl_side_channel(a)
     llm = make_llm(a.model, block_size=a.block_size, role="kv_producer",
-                   connector=a.connector, module=a.module, layout=a.layout, dtype=a.dtype)
+                   connector=a.connector, module=a.module, layout=a.layout, dtype=a.dtype,
+                   kv_cache_dtype=a.kv_cache_dtype, kv_scales=a.kv_scales)
     prompts = _prompts(a.prompts)
     outs = llm.generate(prompts, [_sampling(1, {"do_remote_decode": True}) for _ in prompts],
                         use_tqdm=False)
@@ -142,7 +150,8 @@ def decode_main(a) -> int:
     _nixl_side_channel(a)
     nixl = _record_nixl_transfers() if a.connector == "NixlConnector" else []
     llm = make_llm(a.model, block_size=a.block_size, role="kv_consumer",
-                   connector=a.connector, module=a.module, layout=a.layout, dtype=a.dtype)
+                   connector=a.connector, module=a.module, layout=a.layout, dtype=a.dtype,
+                   kv_cache_dtype=a.kv_cache_dtype, kv_scales=a.kv_scales)
     prompts = _prompts(a.prompts)
     params = json.loads(Path(a.params).read_text())
 
@@ -206,6 +215,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--out", required=True, help="where to write the results (JSON)")
         p.add_argument("--timeout", type=float, default=600.0,
                        help="seconds before giving up (default 600)")
+        p.add_argument("--kv-cache-dtype", default="auto",
+                       help="vLLM's kv_cache_dtype (auto, fp8, fp8_e5m2)")
+        p.add_argument("--kv-scales", type=json.loads, default=None,
+                       help="per-layer static KV scales as JSON [[k, v], ...] (cycled), set "
+                            "as the weights load")
         if role == "prefill":
             p.add_argument("--stop", required=True,
                            help="keep serving the decode side's reads until this file exists")
@@ -228,8 +242,8 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
              edit_params=None) -> dict:
     """Run a prefill and a decode process; ``prefill``/``decode`` give each side's
     ``block_size``, ``layout``, ``connector``, ``module``, ``dtype``, ``model`` (default:
-    ``model``) and ``env`` (e.g. the kvabi
-    attention backend, ``KVABI_VLLM_BACKEND``); ``edit_params`` (tests) may
+    ``model``), ``kv_cache_dtype``, ``kv_scales`` and ``env`` (e.g. the kvabi attention
+    backend, ``KVABI_VLLM_BACKEND``); ``edit_params`` (tests) may
     rewrite the prefill side's kv_transfer_params on their way.  Returns the decode side's
     results (``pd`` and ``single`` tokens, ``finish`` reasons, ``pulls``)."""
     work = Path(workdir)
@@ -245,6 +259,9 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
              "--dtype", side.get("dtype", "float32"),
              "--connector", side.get("connector", "KvabiConnector"),
              "--module", side.get("module", "kvabi_vllm.connector") or ""]
+        a += ["--kv-cache-dtype", side.get("kv_cache_dtype", "auto")]
+        if side.get("kv_scales"):
+            a += ["--kv-scales", json.dumps(side["kv_scales"])]
         return a + (["--layout", side["layout"]] if side.get("layout") else [])
 
     penv = {**os.environ, **ENV, **(env or {})}

@@ -169,8 +169,18 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
     def shift_plane(m):
         m["planes"]["address"][0] += 64  # the compact planes object: per-plane lists
 
+    def part_of(p):  # vLLM's CPU cache: one part kv of two components (keys [D, N],
+        return "k" if "k" in p["kvabi_handshakes"][0] else "kv"  # values [N, D])
+
+    def comps(m):
+        return {c["name"]: c for c in m["layout"]["components"]}
+
     def tile_order(m):  # the keys stated token-major: the tile order of the values
         lay = m["layout"]
+        if "components" in lay:
+            k, v = comps(m)["key"], comps(m)["value"]
+            k["strides"]["N"], k["strides"]["E"] = v["strides"]["N"], v["strides"]["E"]
+            return
         isz = lay["strides"]["N"]
         lay["strides"].update(N=lay["sizes"]["D"] * isz, D=isz)
         order = lay["order"]
@@ -184,7 +194,13 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
 
     def swap_kv(p):
         hs = p["kvabi_handshakes"][0]
-        hs["k"], hs["v"] = hs["v"], hs["k"]
+        if "k" in hs:
+            hs["k"], hs["v"] = hs["v"], hs["k"]
+        else:  # the key and value components trade places
+            m = json.loads(hs["kv"])
+            c = comps(m)
+            c["key"]["name"], c["value"]["name"] = "value", "key"
+            hs["kv"] = json.dumps(m)
         for k in [k for k in hs if k.startswith("image")]:
             del hs[k]
 
@@ -211,9 +227,9 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
         ("a-forgednonce", "a13", edit("a13", lambda p: p["kvabi_grant"].update(
             slot=victims["v1"]["kvabi_grant"]["slot"], nonce="0" * 32))),
         # lying handshakes: a plane shifted, keys and values swapped, a tile order misstated
-        ("a-shifted", "a14", edit("a14", lambda p: handshake(p, "k", shift_plane))),
+        ("a-shifted", "a14", edit("a14", lambda p: handshake(p, part_of(p), shift_plane))),
         ("a-swapped", "a15", edit("a15", swap_kv)),
-        ("a-tileorder", "a16", edit("a16", lambda p: handshake(p, "k", tile_order))),
+        ("a-tileorder", "a16", edit("a16", lambda p: handshake(p, part_of(p), tile_order))),
         # the decode prompt shorter than the prefilled one
         ("a-shorterprompt", "a17", params["a17"]),
     ]
