@@ -80,7 +80,7 @@ SPECS.append(KVSpec("mla", block_size=2, num_kv_heads=1, head_dim=4, dtype="floa
 @st.composite
 def mutated(draw):
     spec = draw(st.sampled_from(SPECS))
-    # the axis form's fields are mutated here (component layouts: below)
+    # the axis form's fields are mutated here
     name = draw(st.sampled_from([n for n in preset_names(spec) if n != "tpu.combined"
                                  and Layout.preset(n, spec, 1).is_axis_form]))
     lay = Layout.preset(name, spec, draw(st.integers(1, 3)), draw(st.integers(1, 2)))
@@ -144,4 +144,59 @@ def test_fingerprint_differs_exactly_where_a_byte_moves(case):
     except KVABIError:
         assume(False)
     same = placement(lay) == placement(other)
+    assert (lay.fingerprint() == other.fingerprint()) == same
+
+
+# -- component layouts -------------------------------------------------------------------------
+def component_placement(layout):
+    """(plane, byte) of every element of every component, by enumeration, with each
+    component's name and dtype and the global heads held."""
+    out = []
+    for c in layout.components:
+        sizes = [layout.size(a) for a in ("L", "B", "N", "H")] + [c.count]
+        idx = np.indices(sizes).reshape(5, -1)
+        plane, off = layout.element_offset(c.name, layer=idx[0], block=idx[1], token=idx[2],
+                                           head=idx[3], index=idx[4])
+        out.append((c.name, c.dtype, c.count, np.asarray(plane).tobytes(),
+                    np.asarray(off).tobytes()))
+    s = shard_of(layout)
+    return tuple(out), s.heads, s.of
+
+
+COMPONENT_PRESETS = [("vllm.cpu", "bfloat16"), ("vllm.int8_per_token_head", "int8"),
+                     ("flashinfer.HND.fp8_scale_plane", "float8_e4m3fn")]
+
+
+@st.composite
+def mutated_components(draw):
+    name, dtype = draw(st.sampled_from(COMPONENT_PRESETS))
+    quant = "none" if name == "vllm.cpu" else "per_token_head"
+    spec = KVSpec("full", block_size=2, num_kv_heads=2, head_dim=4, dtype=dtype, quant=quant)
+    lay = Layout.preset(name, spec, 2, draw(st.integers(1, 2)))
+    d = json.loads(lay.to_json())
+    c = draw(st.sampled_from(d["components"]))
+    field = draw(st.sampled_from(["offset", "stride", "plane_bytes", "name", "same"]))
+    if field == "offset":
+        c["offset"] += draw(st.sampled_from([0, 4, 64, 4096]))
+    elif field == "stride":
+        a = draw(st.sampled_from(sorted(c["strides"])))
+        c["strides"][a] += draw(st.sampled_from([0, 4, 8]))
+    elif field == "plane_bytes":
+        pb = d["plane_bytes"]
+        d["plane_bytes"] = [p + 64 for p in pb] if isinstance(pb, list) else \
+            (pb or lay.plane_nbytes) + 64
+    elif field == "name":
+        d["name"] = "renamed"
+    return lay, d
+
+
+@settings(max_examples=2 * settings().max_examples, deadline=None)
+@given(case=mutated_components())
+def test_component_fingerprint_differs_exactly_where_a_byte_moves(case):
+    lay, d = case
+    try:
+        other = Layout.from_json(json.dumps(d))
+    except KVABIError:
+        assume(False)
+    same = component_placement(lay) == component_placement(other)
     assert (lay.fingerprint() == other.fingerprint()) == same
