@@ -175,22 +175,25 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
     def comps(m):
         return {c["name"]: c for c in m["layout"]["components"]}
 
+    def restate(m):
+        # the message's own fingerprint restated for its edited descriptor (else the
+        # handshake is refused before the grant is read): only the producer's grant can tell
+        from kvabi import Layout
+
+        m["fingerprint"] = Layout.from_json(json.dumps(m["layout"])).fingerprint()
+
     def tile_order(m):  # the keys stated token-major: the tile order of the values
         lay = m["layout"]
         if "components" in lay:
             k, v = comps(m)["key"], comps(m)["value"]
             k["strides"]["N"], k["strides"]["E"] = v["strides"]["N"], v["strides"]["E"]
-            return
-        isz = lay["strides"]["N"]
-        lay["strides"].update(N=lay["sizes"]["D"] * isz, D=isz)
-        order = lay["order"]
-        i, j = order.index("N"), order.index("D")
-        order[i], order[j] = order[j], order[i]
-        # the message's own fingerprint restated for the new descriptor (else the handshake
-        # is refused before the grant is read): only the producer's grant can tell
-        from kvabi import Layout
-
-        m["fingerprint"] = Layout.from_json(json.dumps(lay)).fingerprint()
+        else:
+            isz = lay["strides"]["N"]
+            lay["strides"].update(N=lay["sizes"]["D"] * isz, D=isz)
+            order = lay["order"]
+            i, j = order.index("N"), order.index("D")
+            order[i], order[j] = order[j], order[i]
+        restate(m)
 
     def swap_kv(p):
         hs = p["kvabi_handshakes"][0]
@@ -200,6 +203,7 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
             m = json.loads(hs["kv"])
             c = comps(m)
             c["key"]["name"], c["value"]["name"] = "value", "key"
+            restate(m)
             hs["kv"] = json.dumps(m)
         for k in [k for k in hs if k.startswith("image")]:
             del hs[k]
