@@ -9,18 +9,15 @@ in its own cache (after any relayout).  A token's checksum covers every logical 
 from __future__ import annotations
 
 import hashlib
-import json
 
 import numpy as np
 import torch
 
 
-
 def layout_fingerprint(layout) -> bytes:
-    """16 bytes identifying a layout descriptor (blake2b of its canonical JSON).  Kept in
-    this one function so a ``Layout.fingerprint()`` of the core can replace it."""
-    text = json.dumps(layout.to_dict(), sort_keys=True, separators=(",", ":"))
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+    """The 16 bytes of the layout's own :meth:`kvabi.Layout.fingerprint` (where every byte
+    lives), the fixed-width field a grant record carries."""
+    return bytes.fromhex(layout.fingerprint().split(":", 1)[1])
 
 
 def planes_digest(handshake) -> bytes:
