@@ -77,3 +77,103 @@ def check_rank(bufs, before, layout, content, layers, slots):
         assert not changed.size, (f"plane {i}: byte {int(changed[0]) - GUARD} changed outside "
                                   f"the moved elements (guards are bytes -{GUARD}..-1 and "
                                   f"past the plane)")
+
+
+# -- component layouts: every component (values and scales) by element_offset ---------------
+def component_cache(layout, rng=None, fill=POISON):
+    """:func:`guarded_cache` for any layout: a component layout's planes (each of its own
+    size) are flat arrays of its dtype over buffers with GUARD bytes either side."""
+    if layout.is_axis_form:
+        return guarded_cache(layout, rng, fill)
+    isz = layout.itemsize
+    bufs, planes = [], []
+    for size in layout.plane_sizes:
+        n = -(-size // isz) * isz
+        buf = (rng.integers(0, 256, n + 2 * GUARD, dtype=np.uint8) if rng is not None
+               else np.full(n + 2 * GUARD, fill, np.uint8))
+        planes.append(buf[GUARD:GUARD + n].view(numpy_dtype(layout.dtype)))
+        bufs.append(buf)
+    return bufs, KVCache.wrap(layout, planes)
+
+
+def component_model(rng, layout, layers, tokens, heads):
+    """The model's KV per component of ``layout`` (any rank's: the record of one token of
+    one head is the same on every rank): name -> random bytes [layer, token, global head,
+    unit, unit bytes] (a unit: one element, or two packed 4-bit ones)."""
+    return {c.name: rng.integers(0, 256, (layers, tokens, heads, c.units, c.unit),
+                                 dtype=np.uint8) for c in layout.components}
+
+
+def _shared(layout, c) -> bool:
+    """One record for all the layout's heads (no H stride, more than one head)."""
+    return not c.varies("H") and layout.size("H") > 1
+
+
+def record_keys(layout, name, sources):
+    """The global head whose model record each local head of ``layout``'s component
+    ``name`` holds: its own, except where the source group (``sources``, one layout per
+    rank; None: ``layout`` is a source) shares one record across a rank's heads: then the
+    record of the first head of the rank holding the head (replicas hold the same heads:
+    the same record)."""
+    heads = shard_of(layout).heads
+    c = layout.component(name)
+    group = [layout] if sources is None else sources
+    out = []
+    for g in (heads if c.varies("H") or layout.size("H") == 1 else heads[:1]):
+        holder = next(s for s in group if g in shard_of(s).heads)
+        sc = holder.component(name)
+        out.append(shard_of(holder).heads[0] if _shared(holder, sc) else g)
+    return np.asarray(out)
+
+
+def _component_places(layout, c, layers, slots):
+    """(plane, first byte + GUARD) of every unit of component ``c`` at layers x slots x
+    local heads x units, shaped [layers, slots, heads, units] (heads: 1 where ``c`` does
+    not vary along H)."""
+    bs = layout.size("N")
+    slots = np.asarray(slots)
+    if not c.varies("N"):
+        raise AssertionError(f"{c.name}: per-block components are not modelled here")
+    nh = layout.size("H") if c.varies("H") else 1
+    per = c.count // c.units
+    lay, sl, h, u = np.ix_(np.asarray(layers), slots, np.arange(nh), np.arange(c.units))
+    p, o = layout.element_offset(c.name, layer=lay, block=sl // bs, token=sl % bs, head=h,
+                                 index=u * per)
+    shape = np.broadcast_shapes(np.shape(p), np.shape(o))
+    return np.broadcast_to(p, shape), np.broadcast_to(o, shape) + GUARD
+
+
+def write_components(bufs, layout, model, layers, slots, sources=None):
+    """Write the model's records for ``layout``'s heads (source rank: ``sources`` None) at
+    ``slots`` (token i at slots[i]) of ``layers``."""
+    lay = np.asarray(layers)
+    for c in layout.components:
+        keys = record_keys(layout, c.name, sources)
+        data = model[c.name][lay][:, :len(slots)][:, :, keys]  # [L, T, h, units, unit]
+        plane, off = _component_places(layout, c, layers, slots)
+        for p in np.unique(plane):
+            m = plane == p
+            bufs[int(p)][off[m][:, None] + np.arange(c.unit)] = data[m]
+
+
+def check_components(bufs, before, layout, model, layers, slots, sources):
+    """Every unit of every component of ``layout``'s heads at ``slots`` x ``layers`` holds
+    the model's record (:func:`record_keys` against the source group ``sources``); every
+    other byte, guards included, is as in ``before``."""
+    lay = np.asarray(layers)
+    touched = [np.zeros(b.size, bool) for b in bufs]
+    for c in layout.components:
+        keys = record_keys(layout, c.name, sources)
+        want = model[c.name][lay][:, :len(slots)][:, :, keys]
+        plane, off = _component_places(layout, c, layers, slots)
+        for p in np.unique(plane):
+            m = plane == p
+            idx = off[m][:, None] + np.arange(c.unit)
+            bad = np.flatnonzero(~np.all(bufs[int(p)][idx] == want[m], axis=-1))
+            assert not bad.size, (f"{c.name}, plane {int(p)}: {bad.size} units differ from "
+                                  f"the model's record of their head")
+            touched[int(p)][idx.ravel()] = True
+    for i, (b, old, t) in enumerate(zip(bufs, before, touched)):
+        changed = np.flatnonzero((b != old) & ~t)
+        assert not changed.size, (f"plane {i}: byte {int(changed[0]) - GUARD} changed outside "
+                                  f"the moved elements")

@@ -135,12 +135,7 @@ DST = rank_layouts("flashinfer.NHD", "full", 4, 1, 8, 4)[0]
     (lambda: _srcs()[0], DST, "src_layouts: must be a list"),
     (lambda: [], DST, "src_layouts: no source ranks"),
     (lambda: ["flashinfer.HND"], DST, r"src_layouts\[0\]: must be a kvabi.Layout"),
-    # component layouts (scales, keys apart from values) are not cut into heads yet
-    (lambda: rank_layouts("vllm.cpu", "full", 4, 2, 8, 6), DST,
-     r"src_layouts\[0\]\.components: a component layout \(key, value\)"),
-    (lambda: _srcs(), rank_layouts("vllm.cpu", "full", 4, 1, 8, 4)[0],
-     r"dst_layout\.components: a component layout"),
-    (lambda: _srcs(), DST.component_form(), r"dst_layout\.components"),
+    # component layouts: see test_transfer_shards_components.py
 ])
 def test_refused_by_field(make_srcs, dst, match):
     with pytest.raises(KVABIError, match=match):

@@ -169,9 +169,13 @@ def _check_side(plane, off, n, sizes, side):
                          f" lie outside plane {int(plane[i])} of {int(sizes[plane[i]])} bytes")
 
 
-def _granularity(c) -> str:
-    """How finely a component varies, in words: ``per (token, head)``, ``per block``..."""
-    axes = [a for a in ("N", "H") if c.varies(a)]
+def granularity(c, num_heads: int) -> str:
+    """How finely component ``c`` of a layout (or head window) of ``num_heads`` heads
+    varies, in words: ``per (token, head)``, ``per token``, ``per block``...  In a layout
+    of one head a component is per head whether or not it states an ``H`` stride: a scale
+    per token of one head is that head's."""
+    per_head = c.varies("H") or num_heads == 1
+    axes = [a for a, v in (("N", c.varies("N")), ("H", per_head)) if v]
     return "per (" + ", ".join(["token" if a == "N" else "head" for a in axes]) + ")" \
         if len(axes) > 1 else "per token" if axes == ["N"] else \
         "per head of a block" if axes == ["H"] else "per block"
@@ -192,7 +196,9 @@ def check_token_data(src: Layout, dst: Layout, side: str = "the source", *,
                      heads: bool = True) -> None:
     """KVABIError naming the difference unless one token of one head holds the same data
     on both sides (dtype, K/V or MLA latent, head dim) and, with ``heads``, the layouts
-    hold as many heads; ``side`` names the source in the message."""
+    hold as many heads; ``side`` names the source in the message.  Without ``heads`` the
+    granularity along ``H`` is left to the caller (plans between shardings compare it per
+    run of heads: :func:`kvabi.transfer.shards.check_runs`)."""
     if src.dtype != dst.dtype:
         raise KVABIError(f"dst_layout.dtype: {dst.dtype} differs from {side}'s {src.dtype} "
                          "(a plan copies bytes; convert dtypes separately)")
@@ -215,11 +221,12 @@ def check_token_data(src: Layout, dst: Layout, side: str = "the source", *,
             if getattr(cs, f) != getattr(cd, f):
                 raise KVABIError(f"dst_layout.components.{n}.{f}: {getattr(cd, f)}, the "
                                  f"source's is {getattr(cs, f)}")
-        if _granularity(cs) != _granularity(cd):
-            raise KVABIError(f"dst_layout.components.{n}: {_granularity(cd)}, the source's "
-                             f"is {_granularity(cs)} (scale granularity differs)")
+        gs, gd = granularity(cs, src.size("H")), granularity(cd, dst.size("H"))
+        if gs != gd and (heads or cs.varies("N") != cd.varies("N")):
+            raise KVABIError(f"dst_layout.components.{n}: {gd}, the source's is {gs} "
+                             f"(scale granularity differs)")
         if not cs.varies("N") and src.size("N") != dst.size("N"):
-            raise KVABIError(f"dst_layout.sizes.N: {n} is {_granularity(cs)}; it moves "
+            raise KVABIError(f"dst_layout.sizes.N: {n} is {gs}; it moves "
                              f"between equal block sizes only, got {src.size('N')} and "
                              f"{dst.size('N')}")
 

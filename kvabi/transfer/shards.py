@@ -13,12 +13,17 @@ first head; affine addressing makes a window's plan the full layouts' plan shift
 first head's byte offset), so layouts, block sizes and slots may differ on the two sides
 exactly as between unsharded caches.
 
+Component layouts (keys placed apart from values, scale components, vLLM's CPU cache) are
+cut the same way, each component by its own ``H`` stride, so scales travel with their heads.
+A component that does not vary along ``H`` while its layout holds several heads (one record
+shared by all heads of a rank) is copied whole from the one source the destination reads;
+it cannot be assembled from several sources (:func:`check_runs`).
+
 Everything the math does not allow is refused by field before any plan exists: ranks
 swapped, missing, or holding other heads than their rank's split; a head no source holds;
-another model's head count, dtype, head dim or K/V form; sources of different block sizes.
-Layouts in the component form (keys and values placed apart, scale components, vLLM's CPU
-cache) are refused (:func:`check_axis_form`): head windows are cut on the axis form's one
-``H`` stride, and a component layout's scales would need windows of their own.
+another model's head count, dtype, head dim or K/V form; another quantization (components,
+their dtypes, counts and granularity); a shared component whose destination reads several
+sources; sources of different block sizes.
 """
 from __future__ import annotations
 
@@ -31,8 +36,8 @@ from ..errors import KVABIError
 from ..layout import Layout, check_layout
 from ..shard import Shard, check_group, shard_of
 from .execute import execute
-from .plan import (TransferPlan, _made, check_token_data, merge_regions, plan_block_transfer,
-                   plan_transfer)
+from .plan import (TransferPlan, _made, check_token_data, granularity, merge_regions,
+                   plan_block_transfer, plan_transfer)
 
 
 @attrs.frozen
@@ -78,11 +83,23 @@ class ShardPlan:
 
 def head_window(layout: Layout, first: int, count: int) -> tuple[Layout, int]:
     """(``layout`` cut to local heads ``first .. first + count - 1``, byte shift): a layout
-    with the same strides and ``sizes.H = count``, whose element (.., h, ..) lies at its
-    own offset plus the shift in ``layout``'s planes.  Folds and packing (which move no
-    byte) are dropped; the window's planes end where ``layout``'s do."""
+    of ``count`` heads whose element (.., h, ..) lies at its own (plane, offset) plus the
+    shift in ``layout``'s planes.
+
+    Axis form: the same strides and ``sizes.H = count``, the shift ``first * stride(H)``
+    (folds and packing, which move no byte, are dropped; the window's planes end where
+    ``layout``'s do).  Component form: every component that varies along ``H`` starts
+    ``first`` heads further on (its own ``H`` stride: keys, values and their scales each
+    by theirs), the others are unchanged, the planes are ``layout``'s; the shift is 0."""
     if first == 0 and count == layout.size("H"):
         return layout, 0
+    if not layout.is_axis_form:
+        comps = [attrs.evolve(c, offset=c.offset + first * c.strides["H"])
+                 if "H" in c.strides else c for c in layout.components]
+        win = Layout(sizes={**layout.sizes, "H": count}, components=comps,
+                     plane_bytes=layout.plane_nbytes if layout.uniform_planes else
+                     layout.plane_sizes)
+        return win, 0
     shift = first * layout.stride("H")
     ext = {a: v for a, v in (layout.extents or {}).items() if a != "H"}
     win = Layout(order=layout.order, sizes={**layout.sizes, "H": count}, dtype=layout.dtype,
@@ -130,14 +147,40 @@ def assign(sources: Sequence[Shard], dst: Shard) -> tuple[HeadRun, ...]:
     return tuple(runs)
 
 
-def check_axis_form(layout: Layout, field: str) -> None:
-    """KVABIError naming ``field.components`` unless ``layout`` is in the axis form: plans
-    between shardings do not yet cut component layouts (scales included) into heads."""
-    if not layout.is_axis_form:
-        raise KVABIError(f"{field}.components: a component layout "
-                         f"({', '.join(layout.component_names)}); plans between shardings "
-                         f"take the axis form only (scale components and keys placed apart "
-                         f"from values are not cut into heads yet)")
+def shared_components(layout: Layout) -> tuple[str, ...]:
+    """The components of ``layout`` that hold one record for all its heads: those that do
+    not vary along ``H`` in a layout of more than one head (none where it holds one)."""
+    if layout.size("H") == 1:
+        return ()
+    return tuple(c.name for c in layout.components if not c.varies("H"))
+
+
+def check_runs(src_layouts, dst_layout: Layout, runs) -> None:
+    """KVABIError naming ``dst_layout.components.<name>`` unless every run of heads can
+    be planned on head windows: each component has one granularity on both windows (a
+    scale per (token, head) on one side is not a scale shared by several heads on the
+    other; in a window of one head both are that head's), and a component shared by the
+    destination's heads (:func:`shared_components`) comes from one run of one source
+    (each source's record covers its own heads: records of other heads are not split or
+    merged into one)."""
+    shared = shared_components(dst_layout)
+    if shared and len(runs) > 1:
+        srcs = sorted({r.source for r in runs})
+        raise KVABIError(f"dst_layout.components.{shared[0]}: one record for all "
+                         f"{dst_layout.size('H')} heads of the destination (it does not "
+                         f"vary along H), whose heads are read from source ranks {srcs} "
+                         f"in {len(runs)} runs; a record shared by heads is copied from "
+                         f"one source holding all of them, never assembled from several")
+    for r in runs:
+        src = src_layouts[r.source]
+        for cd in dst_layout.components:
+            cs = src.component(cd.name)
+            gs, gd = granularity(cs, r.count), granularity(cd, r.count)  # the windows
+            if gs != gd:
+                raise KVABIError(f"dst_layout.components.{cd.name}: {gd} on the "
+                                 f"destination's heads {r.dst_first}.."
+                                 f"{r.dst_first + r.count - 1}, {gs} on those of "
+                                 f"src_layouts[{r.source}] (scale granularity differs)")
 
 
 def _check(src_layouts, dst_layout: Layout, standard: bool):
@@ -150,9 +193,6 @@ def _check(src_layouts, dst_layout: Layout, standard: bool):
     check_layout(dst_layout, "dst_layout")
     if not srcs:
         raise KVABIError("src_layouts: no source ranks")
-    for i, s in enumerate(srcs):
-        check_axis_form(s, f"src_layouts[{i}]")
-    check_axis_form(dst_layout, "dst_layout")
     shards = check_group([shard_of(s) for s in srcs], "src_layouts", standard=standard)
     dst = shard_of(dst_layout)
     if dst.of != shards[0].of:
@@ -174,6 +214,7 @@ def _check(src_layouts, dst_layout: Layout, standard: bool):
 
 def _plan(srcs, dst_layout, runs, make) -> tuple:
     """Per source read: the runs' plans on head windows, shifted and merged."""
+    check_runs(srcs, dst_layout, runs)
     parts = []
     for i in sorted({r.source for r in runs}):
         src = srcs[i]
