@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvabi import KVCache
+from kvabi import Component, KVCache, Layout
 from kvabi.dtypes import numpy_dtype
-from kvabi.shard import shard_of
+from kvabi.shard import Shard, shard_of
 from transfer_oracle import POISON, element_bytes
 
 GUARD = 64
@@ -177,3 +177,28 @@ def check_components(bufs, before, layout, model, layers, slots, sources):
         changed = np.flatnonzero((b != old) & ~t)
         assert not changed.size, (f"plane {i}: byte {int(changed[0]) - GUARD} changed outside "
                                   f"the moved elements")
+
+
+# -- a layout with components shared by a rank's heads ----------------------------------------
+def shared_scale_layout(heads_local, shard, num_blocks=4, bs=4, layers=2, dim=8):
+    """int8 keys and values per (token, head), each with one float32 scale per token for
+    all the rank's heads (no H stride): [B, N, H, K | V] then [B, N, k_scale, v_scale]."""
+    rec = 2 * dim
+    data = {"B": bs * (heads_local * rec + 8), "N": heads_local * rec + 8, "H": rec}
+    sc = {"B": data["B"], "N": data["N"]}
+    comps = [Component(name="key", dtype="int8", count=dim, strides={**data, "E": 1},
+                       plane_strides={"L": 1}),
+             Component(name="value", dtype="int8", count=dim, offset=dim,
+                       strides={**data, "E": 1}, plane_strides={"L": 1}),
+             Component(name="key_scale", dtype="float32", count=1,
+                       offset=heads_local * rec, strides=sc, plane_strides={"L": 1}),
+             Component(name="value_scale", dtype="float32", count=1,
+                       offset=heads_local * rec + 4, strides=sc, plane_strides={"L": 1})]
+    return Layout(sizes={"L": layers, "B": num_blocks, "N": bs, "H": heads_local},
+                  components=comps, shard=shard)
+
+
+def shared_scale_group(tp, heads=4):
+    """One :func:`shared_scale_layout` per rank of a TP ``tp`` engine of ``heads`` heads."""
+    return [shared_scale_layout(len(Shard.tp(r, tp, heads).heads), Shard.tp(r, tp, heads))
+            for r in range(tp)]

@@ -20,7 +20,8 @@ from kvabi.shard import Shard
 from kvabi.transfer.host_pool import cross_layer_twin
 from kvabi.transfer.shards import (execute_shards, plan_shard_block_transfer,
                                    plan_shard_transfer, plan_tp_transfer)
-from shard_oracle import check_components, component_cache, component_model, write_components
+from shard_oracle import (check_components, component_cache, component_model, shared_scale_group,
+                          shared_scale_layout, write_components)
 
 LAYERS = 2
 DIM = 8
@@ -133,37 +134,14 @@ def test_scales_travel_with_their_heads():
 
 
 # -- components shared by a rank's heads -------------------------------------------------
-def _shared_scale(heads_local, shard, num_blocks=4, bs=4):
-    """int8 keys and values per (token, head), each with one float32 scale per token for
-    all the rank's heads (no H stride): [B, N, H, K | V] then [B, N, k_scale, v_scale]."""
-    rec = 2 * DIM
-    data = {"B": bs * (heads_local * rec + 8), "N": heads_local * rec + 8, "H": rec}
-    sc = {"B": data["B"], "N": data["N"]}
-    comps = [Component(name="key", dtype="int8", count=DIM, strides={**data, "E": 1},
-                       plane_strides={"L": 1}),
-             Component(name="value", dtype="int8", count=DIM, offset=DIM,
-                       strides={**data, "E": 1}, plane_strides={"L": 1}),
-             Component(name="key_scale", dtype="float32", count=1,
-                       offset=heads_local * rec, strides=sc, plane_strides={"L": 1}),
-             Component(name="value_scale", dtype="float32", count=1,
-                       offset=heads_local * rec + 4, strides=sc, plane_strides={"L": 1})]
-    return Layout(sizes={"L": LAYERS, "B": num_blocks, "N": bs, "H": heads_local},
-                  components=comps, shard=shard)
-
-
-def _shared_group(tp, heads=4):
-    return [_shared_scale(len(Shard.tp(r, tp, heads).heads), Shard.tp(r, tp, heads))
-            for r in range(tp)]
-
-
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (2, 8)])
 def test_shared_record_is_copied_from_the_one_source(p_tp, d_tp):
     # splitting heads: each destination rank's one record is the source rank's record
     # (the scale of all that rank's heads); one head per rank is per head
     rng = np.random.default_rng(p_tp * 10 + d_tp)
     heads = 4
-    srcs = _shared_group(p_tp, heads)
-    dsts = [_shared_scale(len(Shard.tp(r, d_tp, heads).heads), Shard.tp(r, d_tp, heads))
+    srcs = shared_scale_group(p_tp, heads)
+    dsts = [shared_scale_layout(len(Shard.tp(r, d_tp, heads).heads), Shard.tp(r, d_tp, heads))
             for r in range(d_tp)]
     model = component_model(rng, srcs[0], LAYERS, 8, heads)
     caches = []
@@ -183,17 +161,17 @@ def test_shared_record_from_several_sources_is_refused():
     # TP 2 -> 1: the destination's one scale per token would be two ranks' scales
     with pytest.raises(KVABIError, match=r"dst_layout\.components\.key_scale: one record "
                                          r"for all 4 heads .* source ranks \[0, 1\]"):
-        plan_shard_transfer(_shared_group(2), _shared_group(1)[0], [0], [0])
+        plan_shard_transfer(shared_scale_group(2), shared_scale_group(1)[0], [0], [0])
     # per (token, head) scales cannot become one scale shared by heads (nor the reverse)
     per_head = rank_layouts("vllm.int8_per_token_head", "gqa", 1, 4, 4)
     with pytest.raises(KVABIError, match=r"dst_layout\.components\.key_scale: per token "
                                          r"on the destination's heads 0\.\.1, per \(token, "
                                          r"head\)"):
-        plan_shard_transfer(per_head, _shared_group(2)[0], [0], [0])
+        plan_shard_transfer(per_head, shared_scale_group(2)[0], [0], [0])
     with pytest.raises(KVABIError, match=r"dst_layout\.components\.key_scale: per \(token, "
                                          r"head\) on the destination's heads 0\.\.1, per "
                                          r"token"):
-        plan_shard_transfer(_shared_group(1),
+        plan_shard_transfer(shared_scale_group(1),
                             rank_layouts("vllm.int8_per_token_head", "gqa", 2, 4, 4)[0],
                             [0], [0])
 

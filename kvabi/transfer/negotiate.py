@@ -8,13 +8,15 @@ ranks (layouts or validated handshakes, in rank order) and answers:
   (only the block count, names, folds or padding outside blocks may differ): a direct plan,
   one region per block and plane chunk;
 - ``"relayout"``: the bytes are the same data placed otherwise (another axis order, block
-  size, plane split, head split across ranks): a plan with relayout, and its cost
-  (:meth:`Negotiation.cost`: regions and staging bytes per block);
+  size, plane split, head split across ranks, keys and values or scales placed apart):
+  a plan with relayout, and its cost (:meth:`Negotiation.cost`: regions and staging
+  bytes per block);
 - a :class:`Refused` error (a :class:`~kvabi.KVABIError`) naming every field that makes the
   data differ: ABI major, model identity, dtype, K/V against an MLA latent, head dim, the
-  model's KV head count, layer count, a layout in the component form (not negotiated
-  yet: see :func:`kvabi.transfer.shards.check_axis_form`), and a remote group that is
-  inconsistent (ranks swapped or missing, a rank that lies about its heads).
+  model's KV head count, layer count, the quantization component by component (a scale
+  on one side only, a scale's dtype, count or granularity: ``components.key_scale``,
+  ``components.key_scale.dtype``, ...), and a remote group that is inconsistent (ranks
+  swapped or missing, a rank that lies about its heads).
 
 Nothing is compared by name: the attention backend that wrote a cache does not enter, only
 where its bytes are.
@@ -27,12 +29,14 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from ..component import DATA, NAMES
 from ..errors import KVABIError
 from ..layout import Layout
 from ..shard import shard_of
 from ..version import WIRE_VERSION
 from .handshake import Handshake
-from .shards import HeadRun, _check, assign, plan_shard_transfer
+from .plan import granularity
+from .shards import HeadRun, _check, assign, plan_shard_transfer, run_problems
 from .staging import STAGE_BELOW
 
 KINDS = ("same", "relayout")
@@ -104,12 +108,6 @@ def _side(x, field: str):
 
 def _data_problems(local: Layout, remote: Layout, side: str) -> list[tuple[str, str]]:
     out = []
-    for lay, who in ((remote, side), (local, "this cache")):
-        if not lay.is_axis_form:  # kvabi.transfer.shards.check_axis_form
-            out.append(("components", f"{who} is a component layout "
-                                      f"({', '.join(lay.component_names)}); negotiation "
-                                      f"and plans between shardings take the axis form "
-                                      f"only"))
     if local.dtype != remote.dtype:
         out.append(("dtype", f"{side} holds {remote.dtype}, this cache {local.dtype}"))
     if local.has_kv != remote.has_kv:
@@ -124,21 +122,91 @@ def _data_problems(local: Layout, remote: Layout, side: str) -> list[tuple[str, 
     if local.num_layers != remote.num_layers:
         out.append(("sizes.L", f"{side} holds {remote.num_layers} layers, this cache "
                                f"{local.num_layers}"))
+    if local.has_kv == remote.has_kv:  # else sizes.KV says it
+        out += _quant_problems(local, remote, side, "sizes.D" in {f for f, _ in out})
+    return out
+
+
+def _what(c, layout: Layout) -> str:
+    return f"{c.count} x {c.dtype} {granularity(c, layout.size('H'))}"
+
+
+def _quant_problems(local: Layout, remote: Layout, side: str,
+                    dim_differs: bool) -> list[tuple[str, str]]:
+    """The quantization compared component by component: ``components.<name>`` (held on
+    one side only, or another granularity along tokens), ``components.<name>.dtype`` and
+    ``.count``.  A component's dtype is left to ``dtype`` where it is the layout's dtype on
+    both sides; the counts of data (keys, values, latent, rope) to ``sizes.D`` where that
+    differs.  The
+    granularity along heads depends on which heads each rank reads: compared per run
+    (:func:`~kvabi.transfer.shards.run_problems`)."""
+    out = []
+    mine, theirs = set(local.component_names), set(remote.component_names)
+    for n in NAMES:
+        if n in mine and n in theirs:
+            cl, cr = local.component(n), remote.component(n)
+            if cl.dtype != cr.dtype and not (cl.dtype == local.dtype and
+                                             cr.dtype == remote.dtype):
+                out.append((f"components.{n}.dtype", f"{side}'s {n} is {cr.dtype}, this "
+                                                     f"cache's {cl.dtype}"))
+            if cl.count != cr.count and not (dim_differs and n in DATA):
+                out.append((f"components.{n}.count", f"{side} holds {cr.count} {n} "
+                                                     f"elements per token and head, this "
+                                                     f"cache {cl.count}"))
+            if cl.varies("N") != cr.varies("N"):
+                out.append((f"components.{n}", f"{side}'s {n} is {_what(cr, remote)}, "
+                                               f"this cache's {_what(cl, local)}"))
+        elif n in theirs or n in mine:
+            has, lay, other = (side, remote, "this cache") if n in theirs else \
+                ("this cache", local, side)
+            out.append((f"components.{n}", f"{has} holds {n} ({_what(lay.component(n), lay)})"
+                                           f", {other} does not"))
     return out
 
 
 def _same_blocks(a: Layout, b: Layout) -> bool:
     """Every block's bytes placed alike: the same axes in the same order and plane split,
-    the same sizes but the block count, the same strides inside a block, the same heads."""
-    if (a.dtype, a.planes, a.order) != (b.dtype, b.planes, b.order):
+    the same sizes but the block count, the same strides inside a block, the same heads
+    (component form: :func:`_same_components`)."""
+    sa, sb = shard_of(a), shard_of(b)
+    if (sa.heads, sa.of) != (sb.heads, sb.of):
         return False
     if any(a.size(x) != b.size(x) for x in ("L", "KV", "N", "H", "D")):
         return False
-    inner = a.order[a.order.index("B") + 1:]
-    if any(a.stride(x) != b.stride(x) or a.extent(x) != b.extent(x) for x in inner):
+    if not (a.is_axis_form and b.is_axis_form):
+        return _same_components(a, b) == "same"
+    if (a.dtype, a.planes, a.order) != (b.dtype, b.planes, b.order):
         return False
-    sa, sb = shard_of(a), shard_of(b)
-    return (sa.heads, sa.of) == (sb.heads, sb.of)
+    inner = a.order[a.order.index("B") + 1:]
+    return not any(a.stride(x) != b.stride(x) or a.extent(x) != b.extent(x) for x in inner)
+
+
+def _placement(c, counts) -> tuple:
+    """A component's in-plane axes with more than one index, outermost first (by
+    stride)."""
+    return tuple(sorted((x for x, s in c.strides.items() if counts[x] > 1),
+                        key=lambda x: -c.strides[x]))
+
+
+def _same_components(a: Layout, b: Layout) -> str:
+    """How the components of two layouts holding the same data are placed per block:
+    ``"same"`` (every component in the same plane, at the same offset, its axes in the
+    same order, the same strides inside a block: only the strides of axes outside ``B``,
+    which grow with the block count, may differ), ``"order"`` (a component's axes or
+    planes in another order) or ``"strides"``."""
+    out = "same"
+    for n in a.component_names:
+        ca, cb = a.component(n), b.component(n)
+        counts = {"L": a.num_layers, "B": 2, "N": max(a.size("N"), b.size("N")),
+                  "H": max(a.size("H"), b.size("H")), "E": ca.units}
+        if _placement(ca, counts) != _placement(cb, counts) or \
+                (ca.plane_strides != cb.plane_strides and a.num_layers > 1):
+            return "order"
+        inner = [x for x in _placement(ca, counts) if ca.strides[x] <= ca.strides["B"]]
+        if ca.plane != cb.plane or ca.offset != cb.offset or \
+                any(ca.strides[x] != cb.strides[x] for x in inner):
+            out = "strides"
+    return out
 
 
 def _differences(local: Layout, remote: tuple) -> tuple[str, ...]:
@@ -148,7 +216,11 @@ def _differences(local: Layout, remote: tuple) -> tuple[str, ...]:
         out.append("shard")
     if r.size("N") != local.size("N"):
         out.append("sizes.N")
-    if (r.order, r.planes) != (local.order, local.planes):
+    if not (r.is_axis_form and local.is_axis_form):
+        how = _same_components(r, local)
+        if how == "order" or (how == "strides" and not out):
+            out.append(how)
+    elif (r.order, r.planes) != (local.order, local.planes):
         out.append("order")
     elif not _same_blocks(r, local) and "shard" not in out and "sizes.N" not in out:
         out.append("strides")
@@ -159,7 +231,7 @@ def _cost(local: Layout, remote: tuple, same: bool) -> tuple[int, int]:
     """(regions, staged bytes) of moving one local block: planned on one and two layers
     (regions grow affinely with the layers: addressing is affine in the layer index) over
     the tokens of whole blocks on both sides, per local block."""
-    if same:
+    if same and local.is_axis_form:
         outer = local.order[:local.order.index("B")]
         return local.num_planes * math.prod(local.size(a) for a in outer), 0
     bs_l, bs_r = local.size("N"), remote[0].size("N")
@@ -177,7 +249,7 @@ def _cost(local: Layout, remote: tuple, same: bool) -> tuple[int, int]:
     regions = r1 + (n - 1) * (r2 - r1)
     nbytes = b1 + (n - 1) * (b2 - b1)
     per = tokens / bs_l  # local blocks the plan fills
-    return int(math.ceil(regions / per)), int(nbytes / per)
+    return int(math.ceil(regions / per)), 0 if same else int(nbytes / per)
 
 
 def negotiate(local, remote, *, standard: bool = True) -> Negotiation:
@@ -216,6 +288,9 @@ def negotiate(local, remote, *, standard: bool = True) -> Negotiation:
     layouts = tuple(lay for lay, _, _ in sides)
     srcs, shards, dst = _check(layouts, mine, standard)
     runs = assign(shards, dst)
+    bad = run_problems(srcs, mine, runs)
+    if bad:
+        raise Refused([(f"components.{n}", why) for n, why in bad])
     same = len(srcs) == 1 and _same_blocks(srcs[0], mine)
     return Negotiation(kind="same" if same else "relayout", local=mine, remote=srcs,
                        runs=runs, differences=() if same else _differences(mine, srcs))

@@ -155,6 +155,30 @@ def shared_components(layout: Layout) -> tuple[str, ...]:
     return tuple(c.name for c in layout.components if not c.varies("H"))
 
 
+def run_problems(src_layouts, dst_layout: Layout, runs) -> list[tuple[str, str]]:
+    """``(component name, why)`` for each component the runs of heads cannot move (see
+    :func:`check_runs`); empty when every run can be planned on head windows."""
+    out = []
+    shared = shared_components(dst_layout)
+    if shared and len(runs) > 1:
+        srcs = sorted({r.source for r in runs})
+        out += [(n, f"one record for all {dst_layout.size('H')} heads of the destination "
+                    f"(it does not vary along H), whose heads are read from source ranks "
+                    f"{srcs} in {len(runs)} runs; a record shared by heads is copied from "
+                    f"one source holding all of them, never assembled from several")
+                for n in shared]
+    for r in runs:
+        src = src_layouts[r.source]
+        for cd in dst_layout.components:
+            cs = src.component(cd.name)
+            gs, gd = granularity(cs, r.count), granularity(cd, r.count)  # the windows
+            if gs != gd and cd.name not in {n for n, _ in out}:
+                out.append((cd.name, f"{gd} on the destination's heads {r.dst_first}.."
+                                     f"{r.dst_first + r.count - 1}, {gs} on those of "
+                                     f"src_layouts[{r.source}] (scale granularity differs)"))
+    return out
+
+
 def check_runs(src_layouts, dst_layout: Layout, runs) -> None:
     """KVABIError naming ``dst_layout.components.<name>`` unless every run of heads can
     be planned on head windows: each component has one granularity on both windows (a
@@ -163,24 +187,9 @@ def check_runs(src_layouts, dst_layout: Layout, runs) -> None:
     destination's heads (:func:`shared_components`) comes from one run of one source
     (each source's record covers its own heads: records of other heads are not split or
     merged into one)."""
-    shared = shared_components(dst_layout)
-    if shared and len(runs) > 1:
-        srcs = sorted({r.source for r in runs})
-        raise KVABIError(f"dst_layout.components.{shared[0]}: one record for all "
-                         f"{dst_layout.size('H')} heads of the destination (it does not "
-                         f"vary along H), whose heads are read from source ranks {srcs} "
-                         f"in {len(runs)} runs; a record shared by heads is copied from "
-                         f"one source holding all of them, never assembled from several")
-    for r in runs:
-        src = src_layouts[r.source]
-        for cd in dst_layout.components:
-            cs = src.component(cd.name)
-            gs, gd = granularity(cs, r.count), granularity(cd, r.count)  # the windows
-            if gs != gd:
-                raise KVABIError(f"dst_layout.components.{cd.name}: {gd} on the "
-                                 f"destination's heads {r.dst_first}.."
-                                 f"{r.dst_first + r.count - 1}, {gs} on those of "
-                                 f"src_layouts[{r.source}] (scale granularity differs)")
+    bad = run_problems(src_layouts, dst_layout, runs)
+    if bad:
+        raise KVABIError(f"dst_layout.components.{bad[0][0]}: {bad[0][1]}")
 
 
 def _check(src_layouts, dst_layout: Layout, standard: bool):
