@@ -191,6 +191,47 @@ def test_bytes_changed_after_their_sums(groups, decode_agents):
               checksums=groups[2].sums("corrupt"))
 
 
+def _scaled(message, kv_scales):
+    """The handshake as the rank would send it for a per-tensor quantized cache."""
+    h = parse_handshake(message)
+    return make_handshake(agent_name=h.agent_name, host=h.host, port=h.port,
+                          memory=h.memory, layout=h.layout,
+                          planes=[tuple(p) for p in h.planes.tolist()], kv_scales=kv_scales)
+
+
+SCALES = [(0.25, 0.5), (0.125, 0.75)]  # per layer (k_scale, v_scale)
+
+
+def test_kv_scales_compared_per_rank_before_any_byte_moves(groups, decode_agents):
+    msgs = groups[2].messages("gqa")
+    agent = decode_agents[1]
+    lay, dst_slots = _dst("gqa", 0, 1)
+    src_slots = slots(CASES["gqa"][3], 8, 0)
+    # every rank under this cache's scales: pulled, bytes as the model's
+    peers = [agent.connect(_scaled(m, SCALES), timeout=30) for m in msgs]
+    bufs, dst = guarded_cache(lay)
+    before = [b.copy() for b in bufs]
+    agent.pull_shards(peers, dst, src_slots, dst_slots, timeout=PULL_TIMEOUT,
+                      kv_scales=SCALES)
+    check_rank(bufs, before, lay, content("gqa"), range(LAYERS), dst_slots)
+    other = [SCALES[0], (0.125, 1.5)]
+    cases = [  # (the ranks' scales, this cache's, the refusal)
+        ([SCALES, other], SCALES, r"^peers\[1\]\.kv_scales\[1\]\.v_scale: the peer's codes "
+                                  r"are under 1\.5, this cache reads them with 0\.75"),
+        ([SCALES, SCALES], None, r"^peers\[0\]\.kv_scales: one side stores codes under "
+                                 r"static scales and this cache has none"),
+        ([None, None], SCALES, r"^peers\[0\]\.kv_scales: .* the peer's cache has none"),
+    ]
+    for theirs, ours, match in cases:
+        peers = [agent.connect(_scaled(m, sc), timeout=30) for m, sc in zip(msgs, theirs)]
+        bufs, dst = guarded_cache(lay)
+        before = [b.copy() for b in bufs]
+        with pytest.raises(KVABIError, match=match):
+            agent.pull_shards(peers, dst, src_slots, dst_slots, timeout=PULL_TIMEOUT,
+                              kv_scales=ours)
+        assert all(np.array_equal(b, o) for b, o in zip(bufs, before))  # nothing moved
+
+
 def test_a_peer_killed_before_and_during_a_pull(groups, decode_agents):
     """Last in this module: it kills prefill TP 1's process.  Killed while READs are in
     flight, the pull either completed before the kill (its checksums match) or raises,

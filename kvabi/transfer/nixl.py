@@ -37,6 +37,7 @@ from .nixl_progress import create_agent
 from .pattern import plane_sizes
 from ..shard import shard_of
 from .checksum import check_checksums, kv_checksums
+from .kv_scales import check_same_scales
 from .plan import TransferPlan, plan_transfer
 from .shards import ShardPlan, plan_shard_transfer
 from .staging import ALIGN, stage, stage_blocks, worth_staging
@@ -390,7 +391,7 @@ class NixlAgent:
 
     def pull_shards(self, peers, dst: KVCache, src_slots, dst_slots, *, layers=None,
                     timeout: float = 30.0, notify: bytes = b"kvabi.pull", staged=None,
-                    checksums=None, standard: bool = True) -> KVCache:
+                    checksums=None, standard: bool = True, kv_scales=None) -> KVCache:
         """READ this rank's heads of tokens ``src_slots`` from the ranks of a
         tensor-parallel peer (``peers``: the connected :class:`Peer` of each of its ranks,
         in rank order) into ``dst_slots`` of ``dst`` (whose layout states this rank's
@@ -400,7 +401,11 @@ class NixlAgent:
         ``checksums``: per peer rank the :class:`~kvabi.transfer.checksum.KVChecksums` it
         computed over ``src_slots`` (``layers``); the received tokens are summed through
         ``dst``'s layout and compared for the heads read from each rank, and a mismatch
-        raises KVABIError naming the head and tokens (the slots must then not be used)."""
+        raises KVABIError naming the head and tokens (the slots must then not be used).
+
+        ``kv_scales``: per layer ``(k_scale, v_scale)`` this cache's codes are read with
+        (a per-tensor quantized cache; None: unscaled), compared with every rank's
+        handshake ``kv_scales`` before any byte moves (:meth:`pull_shard_plan`)."""
         self._peer_list(peers)
         if not isinstance(dst, KVCache):
             raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
@@ -411,7 +416,7 @@ class NixlAgent:
             raise KVABIError(f"checksums: one per peer rank ({len(peers)}), got "
                              f"{type(checksums).__name__}")
         dst = self.pull_shard_plan(peers, plan, dst, timeout=timeout, notify=notify,
-                                   staged=staged)
+                                   staged=staged, kv_scales=kv_scales)
         if checksums is not None:
             got = kv_checksums(dst, dst_slots, layers=layers,
                                chunk=getattr(checksums[0], "chunk", 16))
@@ -423,7 +428,7 @@ class NixlAgent:
 
     def pull_shard_plan(self, peers, plan: ShardPlan, dst: KVCache, *,
                         timeout: float = 30.0, notify: bytes = b"kvabi.pull",
-                        staged=None, guard=None) -> KVCache:
+                        staged=None, guard=None, kv_scales=None) -> KVCache:
         """Run a :class:`~kvabi.transfer.shards.ShardPlan`: one READ per peer rank read
         (each checked and laid out as by :meth:`pull_plan`), all posted before any is
         waited for, all within ``timeout``; each rank read gets ``notify`` with its READ,
@@ -433,10 +438,19 @@ class NixlAgent:
         ``dst`` once every byte has arrived (a new handle for jax); KVABIError if any READ
         fails or times out (the destination slots then hold undefined data).  ``staged``,
         ``guard``: see :meth:`pull_plan` (the guard is held while each rank's bytes are
-        copied into ``dst``)."""
+        copied into ``dst``).
+
+        ``kv_scales``: per layer ``(k_scale, v_scale)`` this cache's codes are read with (a
+        per-tensor quantized cache; None: unscaled).  Before any READ is posted, every
+        rank's handshake ``kv_scales`` must be exactly these (the same codes under other
+        scales are other values); KVABIError naming the rank, layer and scale otherwise
+        (``peers[1].kv_scales[3].v_scale: ...``), or where one side is scaled and the
+        other is not (:func:`~kvabi.transfer.kv_scales.check_same_scales`)."""
         timeout = as_float(timeout, "timeout", positive=True)
         notify = _message(notify, "notify")
         self._peer_list(peers)
+        for i, p in enumerate(peers):  # every rank: replicas not read must agree too
+            check_same_scales(kv_scales, p.handshake.kv_scales, f"peers[{i}].kv_scales")
         if not isinstance(plan, ShardPlan):
             raise KVABIError(f"plan: must be a ShardPlan, got {type(plan).__name__}")
         if len(plan.src_layouts) != len(peers) or any(
