@@ -102,3 +102,39 @@ def _filled(layout):
     return KVCache.wrap(layout, [np.lib.stride_tricks.as_strided(
         p.view(f"u{isz}"), layout.plane_shape, [s * isz for s in layout.plane_strides])
         .view(numpy_dtype(layout.dtype)) for p in planes])
+
+
+def test_staging_chosen_only_where_it_saves_descriptors():
+    """A pull between shardings is staged where staging joins its regions into a few spans
+    (each prefill rank of TP 2 holds its heads of a block contiguously), direct where
+    every region stays a span of its own (a decode rank of TP 2 reading half the heads of
+    each block of a TP 1 prefill: gaps of the other heads between the regions)."""
+    from kvabi.shard import Shard
+    from kvabi.transfer.shards import plan_shard_transfer
+    from kvabi.transfer.staging import staging_pays, worth_staging
+
+    spec = attrs.evolve(SPEC, block_size=16, num_kv_heads=8, head_dim=128, head_dim_v=128)
+
+    def ranks(tp, blocks):
+        return [attrs.evolve(Layout.preset("flashinfer.HND", attrs.evolve(
+            spec, num_kv_heads=8 // tp), blocks, 4), shard=Shard.tp(r, tp, 8))
+            for r in range(tp)]
+
+    slots = np.arange(64 * 16)
+
+    def choice(plan):
+        out = []
+        for _, part in plan.parts:
+            st = stage(part.regions)
+            assert worth_staging(part.regions)  # 16 KiB regions: small enough to consider
+            out.append(staging_pays(len(part), len(st.spans), int(st.spans[:, 2].sum())))
+        return out
+
+    assert choice(plan_shard_transfer(ranks(2, 64), ranks(1, 64)[0], slots, slots)) == \
+        [True, True]
+    assert choice(plan_shard_transfer(ranks(1, 64), ranks(2, 64)[0], slots, slots)) == [False]
+    # a relayout of many small regions read as a few spans: staged
+    a = Layout.preset("flashinfer.HND", spec, 64, 4)
+    plan = plan_transfer(a, Layout.preset("flashinfer.NHD", spec, 64, 4), slots, slots)
+    st = stage(plan.regions)
+    assert staging_pays(len(plan), len(st.spans), int(st.spans[:, 2].sum()))

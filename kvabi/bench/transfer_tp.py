@@ -9,6 +9,17 @@ its reference is ``TP 1 -> 1`` of the same layouts (one source holding all heads
 same bytes.  ``TP 1 -> 2``: decode rank 0 reads its half of the heads from the one prefill
 rank; its reference is ``TP 2 -> 2`` (rank 0 of each side), the same bytes.  Each pair is
 timed alternately (best of ``repeat``), so that both see the same machine load.
+
+What bounds the heterogeneous figures on one host (UCX over loopback: each descriptor is
+one zero-copy ``cma`` get, copied inside the post): a layout whose rank's heads of a block
+are one small piece (``flashinfer.HND``: 16 KiB per block, K/V and layer) either posts one
+descriptor per piece (a fixed cost of a few microseconds each, about a 64 KiB copy) or
+READs large spans staged and relayouts them locally, which moves every byte through memory
+a second time; the same-TP reference READs a few 4 MiB regions.  Layouts whose rank's heads
+of a block are large pieces (``vllm.BHLNC``: all layers of a block) pull at the
+reference's speed.  A pull is staged only where staging saves descriptors
+(:func:`~kvabi.transfer.staging.staging_pays`), direct otherwise (a rank reading half the
+heads of each block of a larger source shard).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from .checksum import check_checksums, kv_checksums
 from .kv_scales import check_same_scales
 from .plan import TransferPlan, plan_transfer
 from .shards import ShardPlan, plan_shard_transfer
-from .staging import ALIGN, stage, stage_blocks, worth_staging
+from .staging import ALIGN, stage, stage_blocks, staging_pays, worth_staging
 
 log = logging.getLogger(__name__)
 
@@ -486,8 +486,8 @@ class NixlAgent:
         if plan.dst_layout != dst.layout:
             raise KVABIError("plan.dst_layout: is not the destination cache's layout")
         reg = self._find(dst)
-        if staged is None:
-            staged = reg is None or dst.framework == "jax" or worth_staging(plan.regions)
+        if staged is None:  # decided below from the plan, unless dst cannot take a READ
+            staged = True if reg is None or dst.framework == "jax" else None
         elif as_bool(staged, "staged") is False and (reg is None or dst.framework == "jax"):
             raise KVABIError("staged: an unstaged pull READs into dst, which must be a "
                              "registered numpy or torch cache")
@@ -499,23 +499,34 @@ class NixlAgent:
         if not len(plan):
             return _Read(peer, np.zeros((0, 3), np.int64), np.zeros((0, 3), np.int64), 0,
                          None)
-        if staged and plan.pattern is not None:
-            read = self._prepare_blocks(peer, plan, dst)
-            if read is not None:
+        if staged is None and not worth_staging(r):
+            staged = False  # large regions: direct (staging cannot save descriptors)
+        if staged is not False:
+            read = self._prepare_staged(peer, plan, dst)
+            if staged or staging_pays(len(plan), len(read.remote),
+                                      int(read.remote[:, 1].sum())):
                 return read
-        if staged:
-            st = stage(r)
-            sp = st.spans
-            local = np.stack([st.at, sp[:, 2], np.zeros(len(st.at), np.int64)], axis=1)
-            remote = np.stack([h.planes[sp[:, 0], 0] + sp[:, 1], sp[:, 2],
-                               h.planes[sp[:, 0], 2]], axis=1)
-            return _Read(peer, local, remote, st.nbytes, lambda buf, d: copy_from_staging(
-                [buf], st.local, None, None, d, d))
         _, _, rows, mem = reg
         local = np.stack([rows[r[:, 2], 0] + r[:, 3], r[:, 4], rows[r[:, 2], 2]], axis=1)
         remote = np.stack([h.planes[r[:, 0], 0] + r[:, 1], r[:, 4], h.planes[r[:, 0], 2]],
                           axis=1)
         return _Read(peer, local, remote, None, None, mem)
+
+    def _prepare_staged(self, peer: Peer, plan: TransferPlan, dst: KVCache) -> "_Read":
+        """The staged READ of a checked, non-empty ``plan``: the source blocks it touches
+        (whole-block plans, :meth:`_prepare_blocks`), else its spans."""
+        if plan.pattern is not None:
+            read = self._prepare_blocks(peer, plan, dst)
+            if read is not None:
+                return read
+        h = peer.handshake
+        st = stage(plan.regions)
+        sp = st.spans
+        local = np.stack([st.at, sp[:, 2], np.zeros(len(st.at), np.int64)], axis=1)
+        remote = np.stack([h.planes[sp[:, 0], 0] + sp[:, 1], sp[:, 2],
+                           h.planes[sp[:, 0], 2]], axis=1)
+        return _Read(peer, local, remote, st.nbytes, lambda buf, d: copy_from_staging(
+            [buf], st.local, None, None, d, d))
 
     def _prepare_blocks(self, peer: Peer, plan: TransferPlan, dst: KVCache):
         """A staged READ of a whole-block plan (:func:`~kvabi.transfer.staging.stage_blocks`):

@@ -128,9 +128,21 @@ def stage_blocks(pat, src: Layout, dst: Layout, templates: list) -> BlockStaging
 
 
 def worth_staging(regions: np.ndarray) -> bool:
-    """Whether the default is a staged pull: many regions of a few KiB or less each."""
+    """Whether a staged pull may pay: many regions of a few KiB or less each (a plan
+    whose regions average :data:`STAGE_BELOW` bytes or more is pulled direct)."""
     n = len(regions)
     return n > 1 and int(regions[:, 4].sum()) < STAGE_BELOW * n
+
+
+def staging_pays(regions: int, descriptors: int, read_bytes: int) -> bool:
+    """Whether a staged pull of a plan of ``regions`` regions, READ as ``descriptors``
+    descriptors of ``read_bytes`` bytes in all, costs less than its direct pull.  A
+    descriptor costs about as much as moving :data:`STAGE_BELOW` bytes, and the staged
+    pull moves its bytes once more (the local relayout): it pays when the descriptors it
+    saves cost more than the bytes it reads.  Not where every region is a span of its own
+    (a head slice of every block of a larger source shard: the same descriptors and a
+    relayout more)."""
+    return (regions - descriptors) * STAGE_BELOW > read_bytes
 
 
 def stage(regions: np.ndarray) -> Staging:
