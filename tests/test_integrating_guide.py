@@ -57,6 +57,15 @@ def test_guide_runs(monkeypatch):
     check_tp_section(ns)
 
 
+def _element_bytes(cache, name, layer, slots, head, c):
+    """The bytes of every element of component ``name`` at ``slots`` of ``head``."""
+    p, o = cache.layout.element_offset(name, layer=layer, block=slots[:, None] // 16,
+                                       token=slots[:, None] % 16, head=head,
+                                       index=np.arange(c.count))
+    flat = kvabi.tensors.to_numpy(cache[int(np.unique(p)[0])]).view(np.uint8)
+    return flat[np.asarray(o)[..., None] + np.arange(c.unit)]
+
+
 def check_tp_section(ns):
     """Each decode rank's cache holds, at its slots, the prefill engine's KV of the global
     heads its shard names (read back through kv_view of both sides, from the shard
@@ -73,6 +82,19 @@ def check_tp_section(ns):
                     want = src[p_slots // 16, p_slots % 16, g % 4]
                     assert np.array_equal(got[:, h], want)
     assert ns["n"].kind == "relayout" and ns["n"].sources == (1,)
+    # component layouts: vLLM's CPU caches of TP 2 to FlashInfer at TP 1 is a relayout from
+    # both ranks; every decode rank's scales (and codes) are the prefill's of its global
+    # heads, read through element_offset on both sides
+    assert ns["n_cpu"].kind == "relayout" and ns["n_cpu"].sources == (0, 1)
+    q_cache, q_out = ns["q_cache"], ns["q_out"]
+    for r, cache in enumerate(q_out):
+        for name in ("key", "key_scale", "value", "value_scale"):
+            c = cache.layout.component(name)
+            for layer in range(32):
+                for h in range(2):
+                    got = _element_bytes(cache, name, layer, d_slots, h, c)
+                    want = _element_bytes(q_cache, name, layer, p_slots, 2 * r + h, c)
+                    assert np.array_equal(got, want), (r, name, layer, h)
 
 
 def test_readme_links_the_guide_and_placeholders_are_marked():

@@ -90,7 +90,8 @@ class Negotiation:
 
     @property
     def staged(self) -> bool:
-        """Whether a pull goes staged by default (regions average under 64 KiB)."""
+        """Whether a pull may go staged by default (regions average under 64 KiB; it does
+        where staging saves descriptors: :func:`~kvabi.transfer.staging.staging_pays`)."""
         c = self.cost()
         return self.kind != "same" and c.regions > 0 and \
             c.staging_bytes < STAGE_BELOW * c.regions
