@@ -21,7 +21,8 @@ import numpy as np
 
 from kvabi import KVSpec, Layout
 from kvabi.shard import Shard
-from shard_oracle import guarded_cache, model_kv, write_rank
+from shard_oracle import (component_cache, component_model, model_kv, write_components,
+                          write_rank)
 
 LAYERS = 2
 TOKENS = 21
@@ -31,15 +32,21 @@ CASES = {
     "replicated": ("full", 2, "vllm.BLHNC", 8),
     "mla": ("mla", 1, "vllm.LBNHC", 4),
     "corrupt": ("full", 4, "flashinfer.NHD", 4),
+    # a component layout: int8 codes with a float32 scale per (token, head)
+    "int8": ("full", 4, "vllm.int8_per_token_head", 4),
 }
 NUM_BLOCKS = 8
 TIMEOUT = 120.0
 
 
 def content(case):
-    """The model's KV of ``case`` (``corrupt`` holds ``gqa``'s)."""
-    kind, heads, _, _ = CASES[case]
+    """The model's KV of ``case`` (``corrupt`` holds ``gqa``'s; ``int8``: a record per
+    component, :func:`shard_oracle.component_model`)."""
+    kind, heads, preset, _ = CASES[case]
     rng = np.random.default_rng(0 if case == "corrupt" else list(CASES).index(case))
+    if case == "int8":
+        return component_model(rng, layout(preset, kind, heads, 0, 1, 4, NUM_BLOCKS), LAYERS,
+                               TOKENS, heads)
     return model_kv(rng, LAYERS, TOKENS, kind != "mla", heads, 8, 2)
 
 
@@ -66,9 +73,12 @@ def serve(d, rank, tp):
     out, keep = {}, []
     for case, (kind, heads, preset, bs) in CASES.items():
         lay = layout(preset, kind, heads, rank, tp, bs, NUM_BLOCKS)
-        bufs, cache = guarded_cache(lay, np.random.default_rng(rank))
+        bufs, cache = component_cache(lay, np.random.default_rng(rank))
         s = slots(bs, NUM_BLOCKS, 0)
-        write_rank(bufs, lay, content(case), range(LAYERS), s)
+        if case == "int8":
+            write_components(bufs, lay, content(case), range(LAYERS), s)
+        else:
+            write_rank(bufs, lay, content(case), range(LAYERS), s)
         sums = kv_checksums(cache, s, chunk=8)
         if case == "corrupt":
             bufs[0][bufs[0].size // 2] ^= 0xFF

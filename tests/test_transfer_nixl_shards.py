@@ -26,7 +26,7 @@ from kvabi.shard import Shard
 from kvabi.transfer import nixl as kv_nixl
 from kvabi.transfer.checksum import KVChecksums
 from kvabi.transfer.handshake import make_handshake, parse_handshake
-from shard_oracle import check_rank, guarded_cache
+from shard_oracle import check_components, check_rank, component_cache, guarded_cache
 from shard_peer import CASES, LAYERS, TOKENS, content, layout, slots
 
 ok, why = kv_nixl.available()
@@ -37,7 +37,8 @@ HERE = pathlib.Path(__file__).parent
 PULL_TIMEOUT = 10.0
 #: decode side: case -> (preset, block size)
 DECODE = {"gqa": ("flashinfer.HND", 8), "replicated": ("kvbm.fully_contiguous", 4),
-          "mla": ("vllm.BLHNC", 8), "corrupt": ("flashinfer.HND", 8)}
+          "mla": ("vllm.BLHNC", 8), "corrupt": ("flashinfer.HND", 8),
+          "int8": ("vllm.int8_per_token_head", 8)}
 DECODE_BLOCKS = 6
 
 
@@ -125,6 +126,26 @@ def test_decode_ranks_pull_their_heads(groups, decode_agents, case, prefill_tp, 
                                 notify=note, checksums=group.sums(case))
         assert out is dst
         check_rank(bufs, before, lay, content(case), range(LAYERS), dst_slots)
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_component_layouts_pull_with_their_scales(groups, decode_agents, prefill_tp,
+                                                  decode_tp):
+    """int8 codes and their float32 scales per (token, head), another block size on each
+    side: every unit of every component is the model's record of its global head, and the
+    checksums (over every component) agree."""
+    group = groups[prefill_tp]
+    src_slots = slots(CASES["int8"][3], 8, 0)
+    srcs = [parse_handshake(m).layout for m in group.messages("int8")]
+    for rank in range(decode_tp):
+        agent = decode_agents[rank % 2]
+        peers = [agent.connect(m, timeout=30) for m in group.messages("int8")]
+        lay, dst_slots = _dst("int8", rank, decode_tp)
+        bufs, dst = component_cache(lay)
+        before = [b.copy() for b in bufs]
+        agent.pull_shards(peers, dst, src_slots, dst_slots, timeout=PULL_TIMEOUT,
+                          checksums=group.sums("int8"))
+        check_components(bufs, before, lay, content("int8"), range(LAYERS), dst_slots, srcs)
 
 
 def test_every_prefill_rank_is_notified(groups, decode_agents):

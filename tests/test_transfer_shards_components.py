@@ -237,3 +237,46 @@ def test_random_shardings(case, tokens, seed):
     kind, pair, tp, bs = case
     tokens = min(tokens, 7 * bs[0], 6 * bs[1])
     run_case(kind, pair, tp, bs, tokens=tokens, whole_blocks=False, seed=seed)
+
+
+# -- checksums over every component (scales included) ---------------------------------------
+@pytest.mark.parametrize("kind,pair", [
+    ("gqa", ("vllm.cpu", "flashinfer.HND")),             # keys placed apart: same sums
+    ("gqa", ("vllm.int8_per_token_head", "xl:vllm.int8_per_token_head")),
+    ("gqa", ("flashinfer.HND.fp8_scale_plane", "vllm.fp8_per_token_head")),
+    ("gqa", ("vllm.int4_per_token_head", "xl:vllm.int4_per_token_head")),  # packed codes
+    ("mla", ("deepseek.fp8_ds_mla", "xl:deepseek.fp8_ds_mla")),
+])
+def test_checksums_over_components_agree_and_see_one_scale_byte(kind, pair):
+    from kvabi.transfer.checksum import check_checksums, kv_checksums
+    from shard_oracle import GUARD
+
+    rng = np.random.default_rng(5)
+    heads = 1 if kind == "mla" else KINDS[kind]
+    tp = (2, 1) if kind == "gqa" else (2, 2)
+    srcs = rank_layouts(pair[0], kind, tp[0], 4, 7)
+    dst = rank_layouts(pair[1], kind, tp[1], 8, 6)[0]
+    model = component_model(rng, srcs[0], LAYERS, 13, heads)
+    s_slots, d_slots = table(rng, 13, 4, 7)[0], table(rng, 13, 8, 6)[0]
+    sums = []
+    for s in srcs:
+        bufs, cache = component_cache(s, rng)
+        write_components(bufs, s, model, range(LAYERS), s_slots)
+        sums.append(kv_checksums(cache, s_slots, chunk=4))
+    bufs, cache = component_cache(dst, rng)
+    write_components(bufs, dst, model, range(LAYERS), d_slots, srcs)
+    got = kv_checksums(cache, d_slots, chunk=4)
+    for r, s in enumerate(sums):  # each rank's heads: the same sums through either layout
+        check_checksums(got, s, s.heads, f"rank {r}")
+    # one byte of the last component (a scale where there is one), token 9, layer 1
+    c = dst.components[-1]
+    h = dst.size("H") - 1 if c.varies("H") else 0
+    p, o = dst.element_offset(c.name, layer=1, block=d_slots[9] // 8, token=d_slots[9] % 8,
+                              head=h)
+    bufs[p][o + GUARD] ^= 1
+    g = dst.shard.heads[h]
+    rank = next(r for r, s in enumerate(srcs) if g in s.shard.heads)
+    bad = kv_checksums(cache, d_slots, chunk=4)
+    with pytest.raises(KVABIError, match=rf"checksum: global head {g}, tokens 8..11 differ "
+                                         rf"from rank's \(1 of 4 chunks\)"):
+        check_checksums(bad, sums[rank], (g,), "rank")

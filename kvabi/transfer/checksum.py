@@ -24,7 +24,9 @@ from ..errors import KVABIError
 from ..frozen import frozen_array
 from ..safe_json import loads
 from ..shard import shard_of
+from ..component import NAMES
 from ..tensors import to_numpy
+from .execute import byte_view
 
 #: tokens per checksum chunk by default (one per chunk and global head)
 CHUNK = 16
@@ -43,10 +45,41 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def _weights(layer: int, kv: int, chunk: int, words: int) -> np.ndarray:
-    """Odd weights [chunk, words] of (layer, kv, token in chunk, word)."""
-    base = (layer * 2 + kv) * chunk * words
+    """Odd weights [chunk, words] of (layer, kv, token in chunk, word); ``kv`` 0 and 1 are
+    the keys (an MLA latent) and values, ``kv`` >= 2 a component of its own (a scale, the
+    rope part), whose counters start at ``kv << 56``."""
+    base = (layer * 2 + kv) * chunk * words if kv < 2 else \
+        (kv << 56) + layer * chunk * words
     ctr = np.arange(base, base + chunk * words, dtype=np.uint64).reshape(chunk, words)
     return _mix(ctr) | np.uint64(1)
+
+
+def _index(name: str) -> int:
+    """The ``kv`` of a component in the sum: keys and a latent 0, values 1, every other
+    component 2 + its place in the vocabulary."""
+    if name in ("key", "latent"):
+        return 0
+    if name == "value":
+        return 1
+    return 2 + NAMES.index(name)
+
+
+def _component_rows(cache: KVCache, c, layer: int, blocks, offs) -> np.ndarray:
+    """The bytes of component ``c`` at (``layer``, token i at ``blocks[i]``,
+    ``offs[i]``) for every local head: [T, H, record bytes] (a component without an H
+    stride: its one record under every head)."""
+    lay = cache.layout
+    heads = lay.size("H")
+    h = np.arange(heads if c.varies("H") else 1)
+    per = c.count // c.units
+    plane, off = lay.element_offset(c.name, layer=layer, block=blocks[:, None, None],
+                                    token=offs[:, None, None], head=h[None, :, None],
+                                    index=np.arange(c.units)[None, None, :] * per)
+    p = int(np.ravel(plane)[0])  # one plane per (component, layer)
+    flat = byte_view(to_numpy(cache[p]), lay, p)
+    off = np.broadcast_to(off, (blocks.size, h.size, c.units))
+    rows = flat[off[..., None] + np.arange(c.unit)].reshape(blocks.size, h.size, -1)
+    return np.broadcast_to(rows, (blocks.size, heads, rows.shape[-1]))
 
 
 @attrs.frozen(eq=False)
@@ -108,16 +141,30 @@ def kv_checksums(cache: KVCache, slots, *, layers=None, chunk: int = CHUNK) -> K
     words = row // np.dtype(wtype).itemsize
     acc = np.zeros((n, heads), np.uint64)
     blocks, offs = slots // bs, slots % bs
+
+    def add(x, layer, kv):  # x: [T, H, row bytes]
+        row = x.shape[-1]
+        wtype = np.uint32 if row % 4 == 0 else np.uint8
+        words = row // np.dtype(wtype).itemsize
+        b = np.zeros((n * chunk, heads, row), np.uint8)
+        b[:t] = x
+        w = b.view(wtype).reshape(n, chunk, heads, words).astype(np.uint64)
+        with np.errstate(over="ignore"):
+            acc[...] += np.einsum("cthw,tw->ch", w, _weights(layer, kv, chunk, words),
+                                  dtype=np.uint64)
+
+    fast = lay.is_axis_form and not any(c.units != c.count for c in lay.components)
     for layer in layers:
-        for kv in range(2 if lay.has_kv else 1):
-            v = to_numpy(cache.kv_view(layer, kv))  # [B, N, H, D], no copy
-            x = np.ascontiguousarray(v[blocks, offs])  # [T, H, D]
-            b = np.zeros((n * chunk, heads, row), np.uint8)
-            b[:t] = x.view(np.uint8).reshape(t, heads, row)
-            w = b.view(wtype).reshape(n, chunk, heads, words).astype(np.uint64)
-            with np.errstate(over="ignore"):
-                acc += np.einsum("cthw,tw->ch", w, _weights(layer, kv, chunk, words),
-                                 dtype=np.uint64)
+        if fast:  # the views of the axis form: no gather of offsets
+            row = lay.size("D") * lay.itemsize
+            for kv in range(2 if lay.has_kv else 1):
+                v = to_numpy(cache.kv_view(layer, kv))  # [B, N, H, D], no copy
+                x = np.ascontiguousarray(v[blocks, offs])  # [T, H, D]
+                add(x.view(np.uint8).reshape(t, heads, row), layer, kv)
+            continue
+        for c in lay.components:
+            if c.varies("N"):  # per-block records are not summed per token
+                add(_component_rows(cache, c, layer, blocks, offs), layer, _index(c.name))
     return KVChecksums(shard_of(lay).heads, layers, t, chunk, frozen_array(acc))
 
 
