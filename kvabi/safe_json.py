@@ -39,7 +39,11 @@ _KEEP = _STEP != 0
 _KEEP[[_QUOTE, _BACKSLASH]] = True
 
 
-def nesting_depth(text: str) -> int:
+def _utf8(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
+
+
+def nesting_depth(text: str, raw: np.ndarray | None = None) -> int:
     """Deepest nesting of arrays and objects in ``text`` (vectorized, linear time, no
     recursion).  Brackets inside strings do not count: a quote opens or closes a string
     unless an odd run of backslashes precedes it.
@@ -47,23 +51,26 @@ def nesting_depth(text: str) -> int:
     For a malformed document the count up to the first syntax error matches the parser's,
     which is all the depth guard needs: the parser stops there.
     """
-    a = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
+    a = _utf8(text) if raw is None else raw
     pos = np.flatnonzero(_KEEP[a])  # brackets, quotes and backslashes only
     if not pos.size:
         return 0
     v = a[pos]
-    k = np.arange(v.size)
     bs = v == _BACKSLASH
-    adjacent = np.zeros(v.size, bool)
-    adjacent[1:] = np.diff(pos) == 1
-    # Runs of backslashes adjacent in the text; the length of the run just before a quote.
-    prev_bs = np.zeros(v.size, bool)
-    prev_bs[1:] = bs[:-1]
-    run_start = np.maximum.accumulate(np.where(bs & ~(prev_bs & adjacent), k, 0))
-    run_before = np.zeros(v.size, np.int64)
-    follows = prev_bs & adjacent
-    run_before[follows] = k[follows] - run_start[k[follows] - 1]
-    quote = (v == _QUOTE) & (run_before % 2 == 0)
+    if bs.any():  # escapes: a quote counts unless an odd run of backslashes precedes it
+        k = np.arange(v.size)
+        adjacent = np.zeros(v.size, bool)
+        adjacent[1:] = np.diff(pos) == 1
+        # Runs of backslashes adjacent in the text; the length of the run before a quote.
+        prev_bs = np.zeros(v.size, bool)
+        prev_bs[1:] = bs[:-1]
+        run_start = np.maximum.accumulate(np.where(bs & ~(prev_bs & adjacent), k, 0))
+        run_before = np.zeros(v.size, np.int64)
+        follows = prev_bs & adjacent
+        run_before[follows] = k[follows] - run_start[k[follows] - 1]
+        quote = (v == _QUOTE) & (run_before % 2 == 0)
+    else:
+        quote = v == _QUOTE
     in_string = (np.cumsum(quote) - quote) % 2 == 1  # odd count of quotes strictly before
     step = np.where(in_string, 0, _STEP[v]).astype(np.int64)
     return int(np.cumsum(step).max(initial=0))
@@ -121,7 +128,8 @@ def loads(data, *, what: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_D
         raise KVABIError(f"{what}: must be JSON text (str or bytes), got {type(data).__name__}")
     if text.startswith("\ufeff"):
         raise KVABIError(f"{what}: starts with a byte-order mark; JSON text must not")
-    depth = nesting_depth(text)
+    raw = _utf8(text)
+    depth = nesting_depth(text, raw)
     if depth > max_depth:
         raise KVABIError(f"{what}: nested {depth} deep, more than the limit of {max_depth}")
 
@@ -158,8 +166,13 @@ def loads(data, *, what: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_D
     def constant(s: str):
         return refuse(f"{s} is not a JSON value")
 
+    # Integers go through the checking hook only when some run of digits could be one
+    # beyond the bound (or too long to convert cheaply): with every run shorter than the
+    # bound's digits, each integer is within it, and the C parser converts them.
+    fast = max_int is not None and longest_digit_run(raw) < limit_digits - 1
+    hook = int if fast else integer
     try:
-        out = json.loads(text, object_pairs_hook=pairs, parse_int=integer, parse_float=real,
+        out = json.loads(text, object_pairs_hook=pairs, parse_int=hook, parse_float=real,
                          parse_constant=constant)
     except KVABIError:
         raise
@@ -175,6 +188,15 @@ def loads(data, *, what: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_D
         if bad is not None:
             raise KVABIError(f"{bad[0] or what}: {bad[1]}")
     return out
+
+
+def longest_digit_run(raw: np.ndarray) -> int:
+    """The most consecutive ASCII digits in UTF-8 bytes ``raw`` (vectorized)."""
+    digit = np.empty(raw.size + 2, np.int8)
+    digit[0] = digit[-1] = 0
+    np.less(raw - np.uint8(48), 10, out=digit[1:-1], casting="unsafe")
+    edges = np.flatnonzero(np.diff(digit))  # run starts and ends, alternating
+    return int((edges[1::2] - edges[::2]).max(initial=0))
 
 
 def _short(s: str, limit: int = 40) -> str:

@@ -87,3 +87,28 @@ def test_agrees_with_json_loads_on_valid_documents(value, indent, ascii_):
 def test_no_recursion_error_even_when_the_depth_limit_is_lifted():
     with pytest.raises(KVABIError, match="^doc: nested too deep for the parser"):
         loads("[" * 200_000 + "]" * 200_000, what="doc", max_depth=10**9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="0123456789-e.\"[], a\\", max_size=60))
+def test_longest_digit_run_against_a_regex(text):
+    import re
+
+    import numpy as np
+
+    from kvabi.safe_json import longest_digit_run
+    want = max((len(m) for m in re.findall("[0-9]+", text)), default=0)
+    assert longest_digit_run(np.frombuffer(text.encode(), np.uint8)) == want
+
+
+@pytest.mark.parametrize("doc,max_int,ok", [
+    ("[999, -999]", 999, True), ("[1000]", 999, False), ("[-1000]", 999, False),
+    ('["12345678901234567890", 5]', 999, True),  # a long digit run in a string: checked path
+    ("[9223372036854775808]", None, True), ("[9223372036854775808]", 2**63 - 1, False),
+    ("[" + "9" * 18 + "]", 2**63 - 1, True)])
+def test_integer_bounds_with_and_without_long_digit_runs(doc, max_int, ok):
+    if ok:
+        assert loads(doc, what="d", max_int=max_int) == json.loads(doc)
+    else:
+        with pytest.raises(KVABIError, match="^d: integer .* is beyond"):
+            loads(doc, what="d", max_int=max_int)
