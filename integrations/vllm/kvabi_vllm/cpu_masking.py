@@ -47,10 +47,15 @@ def merge_entries(some, every, inv: np.ndarray, num_entries: int):
     """Per distinct entry (pairs ``inv`` maps onto): seen by some query of any request
     reading it; seen by every query of every request reading it."""
     bs = some.shape[1]
-    n_some = np.zeros((num_entries, bs), np.int64)
-    n_every = np.zeros((num_entries, bs), np.int64)
-    np.add.at(n_some, inv, some)
-    np.add.at(n_every, inv, every)
+    if len(inv) == num_entries:  # no entry read twice: a permutation (np.add.at is slow)
+        s, e = np.empty_like(some), np.empty_like(every)
+        s[inv], e[inv] = some, every
+        return s, e
+    # counts per (entry, row) in one flat bincount each
+    cell = (inv[:, None] * bs + np.arange(bs)).reshape(-1)
+    size = num_entries * bs
+    n_some = np.bincount(cell, weights=some.reshape(-1), minlength=size).reshape(-1, bs)
+    n_every = np.bincount(cell, weights=every.reshape(-1), minlength=size).reshape(-1, bs)
     readers = np.bincount(inv, minlength=num_entries)[:, None]
     return n_some > 0, n_every == readers
 

@@ -65,3 +65,22 @@ def test_a_poisoned_row_reaches_exactly_the_queries_that_see_it(layout_name):
     ok = ~nan
     np.testing.assert_allclose(got[:meta.num_actual_tokens][ok],
                                want[:meta.num_actual_tokens][ok], rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_merge_entries_is_any_and_all_over_the_pairs_of_an_entry(shared):
+    """Per distinct block: the rows some reader sees (any), and those every reader sees
+    (all), against a loop over the entries; with and without blocks read twice."""
+    from kvabi_vllm.cpu_masking import merge_entries
+
+    rng = np.random.default_rng(int(shared))
+    for _ in range(200):
+        n, bs = int(rng.integers(1, 30)), int(rng.integers(1, 9))
+        ne = int(rng.integers(1, n + 1)) if shared else n
+        inv = np.concatenate([np.arange(ne), rng.integers(0, ne, n - ne)])
+        rng.shuffle(inv)
+        some, every = rng.random((n, bs)) < 0.5, rng.random((n, bs)) < 0.5
+        s, e = merge_entries(some, every, inv, ne)
+        for k in range(ne):
+            assert (s[k] == some[inv == k].any(0)).all()
+            assert (e[k] == every[inv == k].all(0)).all()
