@@ -48,6 +48,7 @@ from .connector_meta import KvabiHandshakeMetadata
 from .connector_scheduler import KvabiConnectorScheduler
 from .connector_stats import KvabiConnectorStats, KvabiPromMetrics
 from .connector_worker import KvabiConnectorWorker
+from .startup import log_with_vllm
 
 
 class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
@@ -58,6 +59,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        log_with_vllm()  # an in-process engine configured vLLM's logging after the plugin
         config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
         self.connector_scheduler = self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:

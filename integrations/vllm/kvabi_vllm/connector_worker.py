@@ -494,10 +494,17 @@ class KvabiConnectorWorker:
                                     [p.name for p in peers],
                                     [p.handshake.model for p in peers])).encode(),
                               digest_size=16).digest()
-        with self._negotiate_lock:
+        with self._negotiate_lock:  # once per producer group, whatever the pull threads
             if key in self._negotiated:
                 self._negotiated.move_to_end(key)
                 return self._negotiated[key]
+            got = self._negotiate_once(g, part, cache, peers, sharded)
+            self._negotiated[key] = got
+            while len(self._negotiated) > NEGOTIATIONS:
+                self._negotiated.popitem(last=False)
+        return got
+
+    def _negotiate_once(self, g: int, part: str, cache, peers, sharded: bool):
         field = f"kvabi_handshakes[{g}].{part}"
         mine = self._local_handshake(g, part, cache)
         try:
@@ -505,23 +512,18 @@ class KvabiConnectorWorker:
         except Refused as e:
             if e.fields != ("components",) or sharded:
                 raise KVABIError(f"{field}: {e}") from None
-            got = None  # one component layout each, whole: plan_transfer checks the pair
             log.info("KvabiConnector: group %d part %s reads %s whole from one producer "
                      "rank (component layouts, planned pair by pair)", g, part,
                      peers[0].layout.name or "custom")
+            return None  # one component layout each, whole: plan_transfer checks the pair
         except KVABIError as e:  # the producer group itself: ranks swapped, heads lied
             raise KVABIError(f"{field}: {e}") from None
-        else:
-            cost = got.cost()
-            log.info("KvabiConnector: group %d part %s (rank %d of %d) reads producer ranks "
-                     "%s of %d: %s%s, %d regions and %d staging bytes per block", g, part,
-                     self._tp[0], self._tp[1], list(got.sources), len(peers), got.kind,
-                     f" ({', '.join(got.differences)})" if got.differences else "",
-                     cost.regions, cost.staging_bytes)
-        with self._negotiate_lock:
-            self._negotiated[key] = got
-            while len(self._negotiated) > NEGOTIATIONS:
-                self._negotiated.popitem(last=False)
+        cost = got.cost()
+        log.info("KvabiConnector: group %d part %s (rank %d of %d) reads producer ranks %s "
+                 "of %d: %s%s, %d regions and %d staging bytes per block", g, part,
+                 self._tp[0], self._tp[1], list(got.sources), len(peers), got.kind,
+                 f" ({', '.join(got.differences)})" if got.differences else "",
+                 cost.regions, cost.staging_bytes)
         return got
 
     def _tell_done(self, job) -> None:
