@@ -19,8 +19,10 @@ that hold them (``kvabi.transfer.plan_shard_transfer``, one READ per producer ra
 after negotiating once per producer group (``kvabi.transfer.negotiate``: ranks swapped, a
 rank lying about its heads, another model, dtype or head dim are refused by field before
 any byte moves).  Its final notification names the slot, the nonce, its rank and its TP
-size, and reaches every producer rank; a pull that fails after reaching the producer's
-grant tables still tells every rank it reached, so that none holds blocks for it.
+size, and reaches every producer rank; a pull that fails after a producer rank's
+record bound the grant to this request still tells every rank whose record did, so that
+none holds blocks for it (a pull refused before, e.g. with another request's parameters,
+frees nothing).
 """
 from __future__ import annotations
 
@@ -527,10 +529,11 @@ class KvabiConnectorWorker:
         return got
 
     def _tell_done(self, job) -> None:
-        """A pull that failed tells every producer rank whose grant table it reached that
-        this rank is done (a small READ of the grant's slot carrying the notification), so
-        that none holds the request's blocks for it; a rank that does not answer is left
-        to its hold_timeout_s."""
+        """A pull that failed after binding tells every producer rank whose record bound
+        the grant to this request that this rank is done (a READ of the grant's slot
+        carrying the notification), so that none holds the request's blocks for it; a rank
+        that does not answer, or whose record did not bind, is left to its
+        hold_timeout_s."""
         r = job.work.remote
         note = notify_message(r.slot, r.nonce, self._tp[0], self._tp[1])
         for i, peer in job.tables:
@@ -564,9 +567,19 @@ class KvabiConnectorWorker:
                              f"cache groups, got {len(r.handshakes)}")
         multi = r.ranks > 1
         rank_of = (lambda i: f"[{i}]") if multi else (lambda i: "")
-        # every producer rank's grant table first: from here on a failure still tells them
+        who = (lambda i: f" (producer rank {i})") if multi else (lambda i: "")
+        # every producer rank's record binds the grant to this request (its nonce, live,
+        # for this prompt and these blocks); from then on a failure still tells that rank,
+        # and nothing earlier does (another request's parameters must free nothing)
+        recs = {}
         for i, msg in enumerate(r.grants):
-            job.tables.append((i, self._peer(msg, job)))
+            peer = self._peer(msg, job)
+            recs[i] = rec = self._read_grant(peer, r, job, who(i))
+            self._check_record(rec, r, who(i))
+            if i == 0:  # a second pull of this grant on this engine stops here
+                self._use(r.nonce, p.req_id)
+            job.tables.append((i, peer))
+        grant_s = time.perf_counter() - t0
         todo = []  # (group, part, own cache, producer ranks' peers, sharded)
         for g, parts in enumerate(self._caches):
             sharded = self._sharded(r, g)
@@ -575,20 +588,12 @@ class KvabiConnectorWorker:
                 x.is_axis_form for x in lays[name])) if sharded else None
             for part, cache, msgs in matching_parts(parts, r.handshakes[g], g, usable):
                 todo.append((g, part, cache, [self._peer(m, job) for m in msgs], sharded))
-        # negotiated before any byte moves: which producer ranks hold this rank's heads
+        # negotiated before any KV moves: which producer ranks hold this rank's heads
         runs, reads = {}, []
         for g, part, cache, peers, sharded in todo:
             got = self._negotiate(g, part, cache, peers, sharded)
             runs.setdefault(g, got.runs if got is not None else None)
             reads.append(got.sources if got is not None else (0,))
-        sources = sorted({i for rs in reads for i in rs})
-        recs = {}
-        for i in sources:
-            recs[i] = rec = self._read_grant(job.tables[i][1], r, job, f" (producer rank {i})"
-                                             if multi else "")
-            self._check_record(rec, r, f" (producer rank {i})" if multi else "")
-        self._use(r.nonce, p.req_id)
-        grant_s = time.perf_counter() - t0
         for (g, part, _, peers, _), read in zip(todo, reads):
             for i in read:
                 self._check_claim(recs[i], g, part, peers[i], rank_of(i))
@@ -654,8 +659,8 @@ class KvabiConnectorWorker:
                 if bad.size:
                     pos = p.start + int(keep[bad[0]])
                     raise KVABIError(f"kvabi_grant: the KV read for token {pos} of group {g} "
-                                     f"(global head {h}) is not what the producer computed "
-                                     f"(checksum differs; {bad.size} tokens differ)")
+                                     f"is not what the producer computed (global head {h}: "
+                                     f"checksum differs; {bad.size} tokens differ)")
 
     @staticmethod
     def _their_heads(remote, g: int, rank: int) -> tuple:

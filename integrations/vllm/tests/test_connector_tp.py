@@ -97,7 +97,7 @@ def test_tp2_to_tp1_and_tp1_to_tp2(tmp_path):
     # the negative control: bytes changed on arrival are caught by a producer rank's sums
     assert b["finish"][CORRUPT] == "error", b["finish"]
     assert f"load of request {len(pb) + CORRUPT}-" in blog and \
-        "(global head 0) is not what the producer computed (checksum differs" in blog
+        "is not what the producer computed (global head 0: checksum differs" in blog
     # swapped ranks, a rank lying about its heads, another model: refused by field
     assert b["finish"][CORRUPT + 1:] == ["error"] * 3, b["finish"]
     assert "src_layouts[0].shard.rank: says rank 1 at position 0" in blog
