@@ -14,9 +14,9 @@ slot of the table, a small memory it registers with NIXL and serves like a cache
 
 Under tensor parallelism the scheduler issues one slot and nonce per request, and each
 rank's worker writes its own record (its layouts, planes and heads) at that slot of its own
-table.  The decode side reads the record of every producer rank it reads from before any
-KV and compares it with the parameters and the handshakes it was given and with its own
-prompt, and after the READs compares the checksums of the global heads it holds with the
+table.  The decode side reads the record of every producer rank before any KV and
+compares it with the parameters, with the handshakes of the ranks it reads from and with
+its own prompt, and after the READs compares the checksums of the global heads it holds with the
 bytes that arrived; its notification names the slot, the nonce, and which of how many
 decode ranks it is.  A producer rank frees a request's blocks once every decode rank has
 notified it with the live grant's slot and nonce (or the grant expired:
