@@ -23,8 +23,11 @@ from kvabi_vllm.tools.checkpoints import distinct_tokens, prompts, write_checkpo
 from kvabi_vllm.tools.pd import KVABI_DECODE
 from kvabi_vllm.tools.pd_tp import run_tp_pair
 
-#: a decode rank's pull (connect, grant records, READs, checks) gives up after this long
+#: A's decode ranks' pulls (connect, grant records, READs, checks) give up after this long
 PULL_TIMEOUT = 5.0
+#: B's: longer, so that B's honest pulls outlast A's engine stepping through its own
+#: never-answering pull (on a loaded machine B's reads of A's memory were seen to wait for it)
+B_PULL_TIMEOUT = 30.0
 HONEST = 3
 #: A's prefill that B's connector corrupts on arrival (after the honest ones)
 CORRUPT = HONEST
@@ -74,7 +77,7 @@ def test_tp2_to_tp1_and_tp1_to_tp2(tmp_path):
     corrupt = {"KVABI_TEST_CORRUPT_FROM": str(len(pb) + CORRUPT)}
     sides = {"A": {"tp": 2, "block_size": 32, "prompts": pa,
                    "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}},
-             "B": {**KVABI_DECODE, "tp": 1, "prompts": pb,
+             "B": {**KVABI_DECODE, "tp": 1, "prompts": pb, "pull_timeout": B_PULL_TIMEOUT,
                    "module": "kvabi_vllm.tools.corrupting_connector",
                    "env": {**KVABI_DECODE["env"], **corrupt}}}
     t0 = time.monotonic()

@@ -104,7 +104,8 @@ def main(argv=None) -> int:
 def run_tp_pair(model, workdir, sides: dict, *, max_tokens: int = 12, timeout: float = 600,
                 pull_timeout: float = 30.0, edit_params=None, expect_free=()) -> dict:
     """Run two engines ``sides = {name: {"tp", "block_size", "layout", "module", "env",
-    "prompts"}}``
+    "prompts", "pull_timeout"}}`` (``pull_timeout``: that engine's, default
+    ``pull_timeout``)
     serving each other; ``edit_params(name, params)`` (tests) may rewrite what engine
     ``name`` produced before its peer reads it.  Returns per name its ``out`` (``pd`` and
     ``single`` tokens of the peer's prompts, ``finish`` reasons, ``generate_s``, ``held``)
@@ -123,7 +124,8 @@ def run_tp_pair(model, workdir, sides: dict, *, max_tokens: int = 12, timeout: f
                     "--model", str(model), "--mine", str(work / f"{name}.prompts.json"),
                     "--tp", str(side.get("tp", 1)),
                     "--block-size", str(side.get("block_size", 32)),
-                    "--max-tokens", str(max_tokens), "--pull-timeout", str(pull_timeout),
+                    "--max-tokens", str(max_tokens),
+                    "--pull-timeout", str(side.get("pull_timeout", pull_timeout)),
                     "--timeout", str(timeout)]
             if side.get("layout"):
                 args += ["--layout", side["layout"]]
