@@ -22,6 +22,12 @@ vLLM's CPU backend, whose keys are stored transposed, serves ``k`` and ``v``; ev
 with one ``kv`` layout also serves its ``k`` and ``v`` halves, and a cache with dense
 block-heads an ``image`` (a block's bytes as one run) for peers of the very same format.
 The decode side reads the image if both serve the same, else ``kv``, else ``k`` and ``v``.
+- ``kv_role="kv_both"``: both of the above (two engines serving each other's prefills).
+- Tensor parallelism (:mod:`.connector_worker`): each worker's layouts state its shard of
+  the model's KV heads; a producer of TP size M sends a list of M handshakes per part and
+  M grant tables, each rank writing its own record of the one grant; each decode rank
+  negotiates once per producer group and pulls its heads from the producer ranks holding
+  them; a producer rank frees once every decode rank has said it is done.
 - ``kv_connector_extra_config={"host_blocks": N}`` (any role): a host tier on
   ``kvabi.transfer.HostPool`` (cross-layer blocks): full blocks of a finished request are
   saved, and a later request whose prompt starts with them loads them instead of computing.
@@ -48,6 +54,7 @@ from .connector_meta import KvabiHandshakeMetadata
 from .connector_scheduler import KvabiConnectorScheduler
 from .connector_stats import KvabiConnectorStats, KvabiPromMetrics
 from .connector_worker import KvabiConnectorWorker
+from .startup import log_with_vllm
 
 
 class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
@@ -58,6 +65,7 @@ class KvabiConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        log_with_vllm()  # an in-process engine configured vLLM's logging after the plugin
         config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
         self.connector_scheduler = self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -12,9 +12,17 @@
 | ``max_pulls`` | 64 | decode side: pulls queued or running at once (more are refused) |
 | ``pull_threads`` | 4 | decode side: pulls running at once (a frozen peer holds one) |
 | ``max_peers`` | 16 | decode side: prefill engines kept connected (least recently used dropped) |
+| ``model_id`` | a digest of the model's configuration | the model's identity in this engine's handshakes (a decode engine refuses another) |
+
+``kv_role``: ``kv_producer`` serves its prompts' KV to decode engines, ``kv_consumer``
+reads prompts' KV from prefill engines, ``kv_both`` does both (two engines, of any
+tensor-parallel sizes, serving each other's prefills); any role keeps a host tier when
+``host_blocks`` is set.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 
 import attrs
@@ -26,7 +34,7 @@ from kvabi.coerce import as_float, as_int
 #: kv_connector_extra_config keys and their defaults
 DEFAULTS = {"host_blocks": 0, "nixl_host": "127.0.0.1", "pull_timeout_s": 30.0,
             "hold_timeout_s": 120.0, "max_held": 256, "max_pulls": 64, "pull_threads": 4,
-            "max_peers": 16}
+            "max_peers": 16, "model_id": None}
 
 
 def window_blocks(spec, block_size: int) -> int | None:
@@ -41,7 +49,12 @@ def _extra(extra: dict) -> dict:
     out = dict(DEFAULTS)
     for key, value in extra.items():
         name = f"kv_connector_extra_config.{key}"
-        if key == "nixl_host":
+        if key == "model_id":
+            if value is not None:
+                from kvabi.transfer.handshake import check_model
+
+                out[key] = check_model(value, name)
+        elif key == "nixl_host":
             if not isinstance(value, str) or not value:
                 raise KVABIError(f"{name}: must be a host name or address, got {value!r}")
             out[key] = value
@@ -74,6 +87,9 @@ class ConnectorConfig:
     max_pulls: int = 64
     pull_threads: int = 4
     max_peers: int = 16
+    model_id: str | None = None     # what this engine's handshakes say the model is
+    tp_size: int = 1                # tensor-parallel ranks (workers) of this engine
+    num_kv_heads: int = 0           # the model's KV heads (all ranks together)
 
     @classmethod
     def from_vllm(cls, vllm_config, kv_cache_config) -> "ConnectorConfig":
@@ -89,11 +105,43 @@ class ConnectorConfig:
         model = "|".join(str(x) for x in (getattr(mc, "model", ""), getattr(mc, "revision", ""),
                                            getattr(mc, "dtype", ""),
                                            vllm_config.cache_config.cache_dtype))
-        # P/D needs one side each; kv_both engines use the host tier only
-        return cls(producer=cfg.kv_role == "kv_producer", consumer=cfg.kv_role == "kv_consumer",
+        if extra["model_id"] is None:
+            extra["model_id"] = model_identity(vllm_config)
+        tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        return cls(producer=cfg.kv_role in ("kv_producer", "kv_both"),
+                   consumer=cfg.kv_role in ("kv_consumer", "kv_both"),
                    engine=cfg.engine_id or uuid.uuid4().hex[:8], block_size=block_size,
                    groups=groups, need_back=need, windows=windows, model=model,
-                   max_model_len=int(getattr(mc, "max_model_len", 0) or 0), **extra)
+                   max_model_len=int(getattr(mc, "max_model_len", 0) or 0), tp_size=tp,
+                   num_kv_heads=total_kv_heads(vllm_config), **extra)
 
 
-__all__ = ["ConnectorConfig", "DEFAULTS", "window_blocks"]
+#: configuration keys that say where a checkpoint sits, not what the model is
+_NOT_IDENTITY = ("_name_or_path", "transformers_version")
+
+
+def model_identity(vllm_config) -> str | None:
+    """The model's identity this engine's handshakes carry (a decode engine's negotiation
+    refuses a producer serving another model): a digest of the model's Hugging Face
+    configuration, the same for one checkpoint under any path, on any host, at any
+    tensor-parallel size; None where the configuration cannot be read."""
+    hf = getattr(vllm_config.model_config, "hf_config", None)
+    try:
+        cfg = hf.to_dict()
+    except AttributeError:
+        return None
+    for k in _NOT_IDENTITY:
+        cfg.pop(k, None)
+    text = json.dumps(cfg, sort_keys=True, default=str)
+    return "config:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def total_kv_heads(vllm_config) -> int:
+    """The model's KV heads, all tensor-parallel ranks together (0 where unknown)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
+__all__ = ["ConnectorConfig", "DEFAULTS", "model_identity", "total_kv_heads", "window_blocks"]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 
-#: (what the refusal names, the fix); the first match wins
+#: (what the refusal names, the fix or None: a fault of the peer); the first match wins
 FIXES = (
+    (re.compile(r"shard\.(rank|ranks|heads)\b"), None),  # ranks swapped, a rank that lies
     (re.compile(r"dtype"),
      "start the prefill and the decode engine with the same --dtype (and --kv-cache-dtype)"),
     (re.compile(r"KV cache groups"),

@@ -10,21 +10,24 @@ slot of the table, a small memory it registers with NIXL and serves like a cache
 - what the KV is: the number of tokens, a digest of those tokens (the prompt), the block
   ids per KV cache group, and per group and part the fingerprint of the part's layout and
   a digest of its registered planes;
-- a checksum per token and group of the KV itself (:mod:`.connector_checksum`).
+- a checksum per token, KV head and group of the KV itself (:mod:`.connector_checksum`).
 
-The decode side reads the record before any KV and compares it with the parameters and
-the handshakes it was given and with its own prompt, and after the READs compares the
-checksums with the bytes that arrived; its notification names the slot and the nonce.
-The producer frees a request's blocks only for a notification naming a live grant's slot
-and nonce, once; a grant no decode engine reads expires (``hold_timeout_s``).  Another
-request's ids, a replayed grant and a forged notification are all refused: they do not
-know a live nonce, or name another request's tokens.
+Under tensor parallelism the scheduler issues one slot and nonce per request, and each
+rank's worker writes its own record (its layouts, planes and heads) at that slot of its own
+table.  The decode side reads the record of every producer rank before any KV and
+compares it with the parameters, with the handshakes of the ranks it reads from and with
+its own prompt, and after the READs compares the checksums of the global heads it holds with the
+bytes that arrived; its notification names the slot, the nonce, and which of how many
+decode ranks it is.  A producer rank frees a request's blocks once every decode rank has
+notified it with the live grant's slot and nonce (or the grant expired:
+``hold_timeout_s``).  Another request's ids, a replayed grant and a forged notification
+are all refused: they do not know a live nonce, or name another request's tokens.
 
 Record layout (little-endian): ``magic (8) | state (1) | pad (7) | nonce (16) | digest
 (16, blake2b of the body) | body length (8) | body``; body: ``num_tokens u64 | tokens
-digest (16) | groups u32 | pad u32 | per group (blocks u32, parts u32) | block ids i64 |
-per part (name 32, layout fingerprint 16, planes digest 16) | per group num_tokens x u32
-checksums``.
+digest (16) | groups u32 | pad u32 | per group (blocks u32, parts u32, heads u32, pad u32)
+| block ids i64 | per part (name 32, layout fingerprint 16, planes digest 16) | per group
+num_tokens x heads u32 checksums``.
 """
 from __future__ import annotations
 
@@ -42,22 +45,26 @@ from kvabi import KVABIError, KVCache, Layout
 
 from .connector_meta import NOTIFY_PREFIX
 
-MAGIC = b"KVABIG01"
+MAGIC = b"KVABIG02"
 HEADER = 64
 LIVE, RELEASED, EXPIRED = 1, 2, 3
 STATES = {LIVE: "live", RELEASED: "already read", EXPIRED: "expired"}
 PART_BYTES = 64
 NAME_BYTES = 32
-#: most KV cache groups and parts per group a record may state
-MAX_GROUPS, MAX_PARTS = 64, 8
+#: most KV cache groups, parts per group and KV heads per rank a record may state
+MAX_GROUPS, MAX_PARTS, MAX_HEADS = 64, 8, 1024
+#: most tensor-parallel ranks on either side of a pull
+MAX_RANKS = 64
+GROUP_BYTES = 16
 TABLE_NAME = "kvabi.grants"
 
 
-def record_bytes(num_groups: int, max_tokens: int, block_size: int) -> int:
+def record_bytes(num_groups: int, max_tokens: int, block_size: int, heads: int = 1) -> int:
     """Bytes of one table slot: a record for ``max_tokens`` tokens (blocks of
-    ``block_size``) in ``num_groups`` groups, rounded up to 64."""
+    ``block_size``) of ``heads`` KV heads in ``num_groups`` groups, rounded up to 64."""
     blocks = -(-max_tokens // block_size) + 1
-    n = HEADER + 32 + num_groups * (8 + 8 * blocks + MAX_PARTS * PART_BYTES + 4 * max_tokens)
+    n = HEADER + 32 + num_groups * (GROUP_BYTES + 8 * blocks + MAX_PARTS * PART_BYTES +
+                                    4 * max_tokens * heads)
     return -(-n // 64) * 64
 
 
@@ -87,14 +94,15 @@ class GrantRecord:
     tokens: bytes                      # digest of the tokens whose KV the blocks hold
     blocks: tuple                      # per group: int64 block ids
     parts: tuple                       # per group: tuple of PartClaim
-    checksums: tuple                   # per group: uint32 [num_tokens]
+    checksums: tuple                   # per group: uint32 [num_tokens, heads]
 
 
 def encode(record: GrantRecord) -> bytes:
     """The bytes of ``record`` (header included)."""
     g = len(record.blocks)
     body = [struct.pack("<Q16sII", record.num_tokens, record.tokens, g, 0)]
-    body += [struct.pack("<II", len(b), len(p)) for b, p in zip(record.blocks, record.parts)]
+    body += [struct.pack("<III4x", len(b), len(p), np.shape(c)[1])
+             for b, p, c in zip(record.blocks, record.parts, record.checksums)]
     body += [np.ascontiguousarray(b, "<i8").tobytes() for b in record.blocks]
     for parts in record.parts:
         for p in parts:
@@ -135,18 +143,21 @@ def decode(buf) -> GrantRecord:
         if g > MAX_GROUPS or num_tokens > 2**24:
             raise ValueError(f"{g} groups, {num_tokens} tokens")
         at = 32
-        counts = [struct.unpack_from("<II", data, at + 8 * i) for i in range(g)]
-        at += 8 * g
-        if any(p > MAX_PARTS for _, p in counts):
+        counts = [struct.unpack_from("<III4x", data, at + GROUP_BYTES * i) for i in range(g)]
+        at += GROUP_BYTES * g
+        if any(p > MAX_PARTS for _, p, _ in counts):
             raise ValueError("too many parts")
-        nb = sum(b for b, _ in counts)
-        need = at + 8 * nb + PART_BYTES * sum(p for _, p in counts) + 4 * g * num_tokens
+        if any(not 1 <= h <= MAX_HEADS for _, _, h in counts):
+            raise ValueError(f"heads outside 1..{MAX_HEADS}")
+        nb = sum(b for b, _, _ in counts)
+        need = at + 8 * nb + PART_BYTES * sum(p for _, p, _ in counts) + \
+            4 * num_tokens * sum(h for _, _, h in counts)
         if need != len(data):
             raise ValueError(f"the counts need {need} body bytes, the body has {len(data)}")
         ids = np.frombuffer(data, "<i8", nb, at).astype(np.int64)
         at += 8 * nb
         blocks, parts, k = [], [], 0
-        for b, p in counts:
+        for b, p, _ in counts:
             blocks.append(ids[k:k + b])
             k += b
             row = []
@@ -155,33 +166,50 @@ def decode(buf) -> GrantRecord:
                 row.append(PartClaim(name, data[at + 32:at + 48], data[at + 48:at + 64]))
                 at += PART_BYTES
             parts.append(tuple(row))
-        sums = np.frombuffer(data, "<u4", g * num_tokens, at).astype(np.uint32)
+        sums = []
+        for _, _, h in counts:
+            sums.append(np.frombuffer(data, "<u4", num_tokens * h, at).astype(np.uint32)
+                        .reshape(num_tokens, h))
+            at += 4 * num_tokens * h
     except (ValueError, UnicodeDecodeError, struct.error) as e:
         raise KVABIError(f"kvabi_grant: malformed record ({e})") from None
     return GrantRecord(state, nonce, int(num_tokens), tokens, tuple(blocks), tuple(parts),
-                       tuple(sums.reshape(g, num_tokens)))
+                       tuple(sums))
 
 
-def notify_message(slot: int, nonce: bytes) -> bytes:
-    """The notification that tells a producer its grant ``slot`` was read."""
-    return f"{NOTIFY_PREFIX}{slot}:{nonce.hex()}".encode()
+def notify_message(slot: int, nonce: bytes, rank: int = 0, size: int = 1) -> bytes:
+    """The notification that tells a producer rank that decode rank ``rank`` of ``size`` is
+    done with grant ``slot`` (it read the KV, or gave up)."""
+    return f"{NOTIFY_PREFIX}{slot}:{nonce.hex()}:{rank}/{size}".encode()
 
 
-def parse_notification(msg: bytes) -> tuple[int, bytes] | None:
-    """(slot, nonce) of a notification, or None when it is not one (any bytes: from a peer)."""
+def parse_notification(msg: bytes) -> tuple[int, bytes, int, int] | None:
+    """(slot, nonce, decode rank, decode TP size) of a notification, or None when it is not
+    one (any bytes: from a peer; the size at most :data:`MAX_RANKS`)."""
     try:
         text = msg.decode("ascii")
     except UnicodeDecodeError:
         return None
     if not text.startswith(NOTIFY_PREFIX):
         return None
-    slot, _, nonce = text[len(NOTIFY_PREFIX):].partition(":")
-    if not slot.isdigit() or len(slot) > 9 or len(nonce) != 32:
+    fields = text[len(NOTIFY_PREFIX):].split(":")
+    if len(fields) != 3:
+        return None
+    slot, nonce, ranks = fields
+    rank, _, size = ranks.partition("/")
+    if not all(x.isdigit() and len(x) <= 9 for x in (slot, rank, size)) or len(nonce) != 32:
+        return None
+    rank, size = int(rank), int(size)
+    if not 0 <= rank < size <= MAX_RANKS:
         return None
     try:
-        return int(slot), bytes.fromhex(nonce)
+        return int(slot), bytes.fromhex(nonce), rank, size
     except ValueError:
         return None
+
+
+#: :meth:`GrantTable.release`: the notification counted, other decode ranks still read
+PENDING = "pending"
 
 
 class GrantBook:
@@ -217,6 +245,8 @@ class GrantTable:
         self._rows = self.cache[0].reshape(slots, slot_bytes).view(np.uint8)
         #: slot -> (request id, nonce, deadline)
         self.live: dict[int, tuple[str, bytes, float]] = {}
+        #: slot -> (decode TP size, the decode ranks that are done) of live grants
+        self._done: dict[int, tuple[int, set]] = {}
 
     def write(self, slot: int, record: GrantRecord, req_id: str, deadline: float) -> None:
         data = encode(record)
@@ -228,17 +258,28 @@ class GrantTable:
         row[HEADER:len(data)] = np.frombuffer(data[HEADER:], np.uint8)
         row[:HEADER] = np.frombuffer(data[:HEADER], np.uint8)
         self.live[slot] = (req_id, record.nonce, deadline)
+        self._done.pop(slot, None)
 
     def _close(self, slot: int, state: int) -> str:
         req_id, _, _ = self.live.pop(slot)
+        self._done.pop(slot, None)
         self._rows[slot, 8] = state  # the nonce stays: a replay learns it was read
         return req_id
 
-    def release(self, slot: int, nonce: bytes) -> str | None:
-        """The request whose live grant ``slot`` holds ``nonce`` (then released), or None."""
+    def release(self, slot: int, nonce: bytes, rank: int = 0, size: int = 1) -> str | None:
+        """Decode rank ``rank`` of ``size`` is done with the live grant ``slot`` holding
+        ``nonce``: the request (then released) once every one of the ``size`` ranks is,
+        :data:`PENDING` before that; None for no live grant of this slot and nonce, or a
+        size other than the first notification's."""
         held = self.live.get(slot)
         if held is None or not hmac.compare_digest(held[1], nonce):
             return None
+        want, done = self._done.setdefault(slot, (size, set()))
+        if size != want:
+            return None
+        done.add(rank)
+        if len(done) < want:
+            return PENDING
         return self._close(slot, RELEASED)
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -247,6 +288,6 @@ class GrantTable:
         return [self._close(s, EXPIRED) for s, (_, _, d) in list(self.live.items()) if d <= now]
 
 
-__all__ = ["GrantBook", "GrantRecord", "GrantTable", "PartClaim", "decode", "encode",
+__all__ = ["GrantBook", "GrantRecord", "GrantTable", "PENDING", "PartClaim", "decode", "encode",
            "notify_message", "parse_notification", "read_header", "record_bytes",
            "table_layout"]

@@ -130,6 +130,24 @@ def group_parts(tensors, *, interior: str = KV_PACKED, name: str = "vllm",
     return [("kv", _layout({**sizes, "KV": 2}, {**outer, **inner}, dtype, name), 0)]
 
 
+def kt_v_halves(tensors, *, name: str = "vllm", dtype: str | None = None):
+    """``[("k", Layout, 0), ("v", Layout, offset)]``: the keys and the values of a group of
+    vLLM's CPU backend (interior ``kt_v``: keys ``[head_dim, block_size]``, values
+    ``[block_size, head_dim]`` in each block-head) as two layouts in the axis form over the
+    same bytes as the components of :func:`group_parts`' ``kv`` part (the V layout starts
+    ``offset`` bytes after layer 0's first byte).  Plans between shardings and negotiation
+    take the axis form, so a tensor-parallel peer reads these."""
+    sizes, outer, isz, dtype = _outer(tensors, dtype)
+    n, d = sizes["N"], sizes["D"]
+    sn = outer.pop("N")
+    if n > 1 and sn != 2 * d * isz:
+        raise KVABIError(f"kv_caches: interior {KT_V} splits a block-head's {2 * n * d} "
+                         f"elements, but its tokens are {sn} bytes apart (not dense)")
+    k = _layout(sizes, {**outer, "D": n * isz, "N": isz}, dtype, f"{name}.k")
+    v = _layout(sizes, {**outer, "N": d * isz, "D": isz}, dtype, f"{name}.v")
+    return [("k", k, 0), ("v", v, n * d * isz)]
+
+
 IMAGE = "image"
 
 
@@ -311,3 +329,35 @@ def is_kvabi_backend(backend_cls) -> bool:
     except ImportError:
         return False
     return isinstance(backend_cls, type) and issubclass(backend_cls, KvabiAttentionBackend)
+
+
+def tp_shard_info(vllm_config, num_kv_heads: int | None = None) -> tuple[int, int, int]:
+    """(this worker's tensor-parallel rank, the TP size, the model's KV heads) under vLLM's
+    split (:meth:`kvabi.Shard.tp`); (0, 1, heads) outside a TP group (tests, tools)."""
+    heads = int(num_kv_heads or vllm_config.model_config.get_total_num_kv_heads())
+    try:
+        from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                     get_tensor_model_parallel_world_size)
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), heads
+    except (AssertionError, ImportError, AttributeError):  # no TP group initialized
+        return 0, 1, heads
+
+
+def with_shard(cache: KVCache, tp) -> KVCache:
+    """``cache`` over the same memory, its layout stating this rank's shard of the model's
+    KV heads (a peer of another TP size then knows which global head each byte holds);
+    unchanged at TP 1.  KVABIError when the cache holds another head count than the split
+    gives this rank."""
+    import attrs
+
+    from kvabi import Shard
+
+    rank, size, heads = tp
+    if size == 1:
+        return cache
+    shard = Shard.tp(rank, size, heads)
+    if len(shard.heads) != cache.layout.size("H"):
+        raise KVABIError(f"kv_caches: rank {rank} of {size} holds {cache.layout.size('H')} KV "
+                         f"heads, the split of {heads} gives it {len(shard.heads)}")
+    return KVCache.wrap(attrs.evolve(cache.layout, shard=shard), list(cache))

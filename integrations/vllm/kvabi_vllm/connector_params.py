@@ -9,6 +9,14 @@ where present; a remote prefill must carry every field below, of the right type,
 lengths matching the prompt and the producer's block size, block ids inside the producer's
 advertised blocks, no id twice in a group, and the null block only where a sliding window
 lets the producer drop it.  Keys this connector does not read are left alone.
+
+A producer of tensor-parallel size 1 sends one handshake message per part
+(``kvabi_handshakes[g][part]``) and one for its grant table (``kvabi_grants``); a producer
+of size M > 1 sends a list of M messages in each place, one per rank in rank order (at most
+:data:`~kvabi_vllm.connector_grants.MAX_RANKS`), every list of the same length, every rank
+of the same block size.  Whether the ranks really are that engine's ranks, in order, each
+holding its split of the heads, is checked by the decode rank before it reads (it needs
+the producer's answer to free what it holds).
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from kvabi.coerce import as_bool, as_int
 from kvabi.transfer.handshake import parse_handshake
 
 from .connector_checksum import tokens_digest
-from .connector_grants import MAX_PARTS, TABLE_NAME
+from .connector_grants import MAX_PARTS, MAX_RANKS, TABLE_NAME
 from .connector_layout import IMAGE
 from .connector_meta import NULL_BLOCK
 
@@ -38,12 +46,18 @@ class RemotePrefill:
 
     num_tokens: int          # tokens whose KV the producer holds (a prefix of the prompt)
     blocks: tuple            # per group: the producer's block ids (int64, NULL_BLOCK: none)
-    handshakes: tuple        # per group: {part: handshake message}
-    grants: str              # the handshake of the producer's grant table
+    handshakes: tuple        # per group: {part: (handshake message per producer rank)}
+    grants: tuple            # the handshake of each producer rank's grant table
     slot: int                # the grant's slot in that table
     nonce: bytes             # the grant's secret
     tokens: bytes            # digest of this request's prompt[:num_tokens]
     block_size: int          # the producer's
+    layouts: tuple = ()      # per group: {part: (Layout per producer rank)}
+
+    @property
+    def ranks(self) -> int:
+        """The producer's tensor-parallel size."""
+        return len(self.grants)
 
 
 @attrs.frozen(eq=False)
@@ -118,12 +132,17 @@ class ParamsReader:
         nonce = grant["nonce"]
         if not isinstance(nonce, str) or not _NONCE.fullmatch(nonce):
             raise KVABIError("kvabi_grant.nonce: must be 32 lowercase hex digits")
-        table = self._handshake(p["kvabi_grants"], "kvabi_grants").layout
-        if table.name != TABLE_NAME or table.dtype != "int8":
-            raise KVABIError(f"kvabi_grants: not a grant table (layout {table.name!r})")
-        if slot >= table.num_blocks:
-            raise KVABIError(f"kvabi_grant.slot: {slot} is beyond the producer's "
-                             f"{table.num_blocks} grant slots")
+        grants = _per_rank(p["kvabi_grants"], "kvabi_grants")
+        ranks = len(grants)
+        for i, msg in enumerate(grants):
+            field = "kvabi_grants" if isinstance(p["kvabi_grants"], str) else \
+                f"kvabi_grants[{i}]"
+            table = self._handshake(msg, field).layout
+            if table.name != TABLE_NAME or table.dtype != "int8":
+                raise KVABIError(f"{field}: not a grant table (layout {table.name!r})")
+            if slot >= table.num_blocks:
+                raise KVABIError(f"kvabi_grant.slot: {slot} is beyond the producer's "
+                                 f"{table.num_blocks} grant slots")
         hs = p["kvabi_handshakes"]
         if not isinstance(hs, list) or len(hs) != groups:
             got = len(hs) if isinstance(hs, list) else type(hs).__name__
@@ -132,31 +151,46 @@ class ParamsReader:
         if not isinstance(ids, list) or len(ids) != groups:
             got = len(ids) if isinstance(ids, list) else type(ids).__name__
             raise KVABIError(f"remote_block_ids: must list {groups} KV cache groups, got {got}")
-        blocks, bs_all = [], set()
+        blocks, bs_all, msgs_all, layouts_all = [], set(), [], []
         for g in range(groups):
             parts = hs[g]
             if not isinstance(parts, dict) or not parts or len(parts) > MAX_PARTS:
                 raise KVABIError(f"kvabi_handshakes[{g}]: must be an object of 1 to "
                                  f"{MAX_PARTS} part -> message entries")
-            layouts = {}
-            for name, msg in parts.items():
+            msgs, layouts = {}, {}
+            for name, sent in parts.items():
                 if not isinstance(name, str) or len(name) > 32:
                     raise KVABIError(f"kvabi_handshakes[{g}]: part names are strings of at "
                                      f"most 32 characters, got {name!r}")
-                layouts[name] = self._handshake(msg, f"kvabi_handshakes[{g}].{name}").layout
-            token_parts = [lay for name, lay in layouts.items() if not name.startswith(IMAGE)]
+                field = f"kvabi_handshakes[{g}].{name}"
+                msgs[name] = _per_rank(sent, field)
+                if len(msgs[name]) != ranks:
+                    raise KVABIError(f"{field}: {len(msgs[name])} producer ranks, "
+                                     f"kvabi_grants lists {ranks}")
+                layouts[name] = tuple(
+                    self._handshake(m, field if isinstance(sent, str) else f"{field}[{i}]")
+                    .layout for i, m in enumerate(msgs[name]))
+            token_parts = [(name, lays) for name, lays in layouts.items()
+                           if not name.startswith(IMAGE)]
             if not token_parts:
                 raise KVABIError(f"kvabi_handshakes[{g}]: the producer serves no token "
                                  f"layout (only {sorted(layouts)})")
-            bs = token_parts[0].size("N")
-            num_blocks = min(lay.num_blocks for lay in layouts.values())
+            bs = token_parts[0][1][0].size("N")
+            for name, lays in token_parts:
+                for i, lay in enumerate(lays):
+                    if lay.size("N") != bs:
+                        raise KVABIError(f"kvabi_handshakes[{g}].{name}[{i}]: block size "
+                                         f"{lay.size('N')}, the producer's first says {bs}")
+            num_blocks = min(lay.num_blocks for lays in layouts.values() for lay in lays)
             bs_all.add(bs)
             blocks.append(self._block_ids(ids[g], g, n, bs, num_blocks))
+            msgs_all.append(msgs)
+            layouts_all.append(layouts)
         if len(bs_all) != 1:
             raise KVABIError(f"kvabi_handshakes: groups of block sizes {sorted(bs_all)}")
-        return RemotePrefill(n, tuple(blocks), tuple(dict(h) for h in hs), p["kvabi_grants"],
-                             slot, bytes.fromhex(nonce), tokens_digest(prompt[:n]),
-                             bs_all.pop())
+        return RemotePrefill(n, tuple(blocks), tuple(msgs_all), grants, slot,
+                             bytes.fromhex(nonce), tokens_digest(prompt[:n]), bs_all.pop(),
+                             tuple(layouts_all))
 
     def _block_ids(self, row, g: int, n: int, bs: int, num_blocks: int) -> np.ndarray:
         field = f"remote_block_ids[{g}]"
@@ -187,6 +221,22 @@ class ParamsReader:
             raise KVABIError(f"{field}: block {int(vals[counts > 1][0])} appears twice")
         ids.setflags(write=False)
         return ids
+
+
+def _per_rank(sent, field: str) -> tuple:
+    """The messages of one place in the parameters, one per producer rank: a message (a
+    producer of TP size 1) or a list of 1 to MAX_RANKS messages."""
+    if isinstance(sent, str):
+        return (sent,)
+    if not isinstance(sent, list) or not 1 <= len(sent) <= MAX_RANKS:
+        got = f"a list of {len(sent)}" if isinstance(sent, list) else type(sent).__name__
+        raise KVABIError(f"{field}: must be a handshake message or a list of 1 to "
+                         f"{MAX_RANKS} (one per producer rank), got {got}")
+    for i, m in enumerate(sent):
+        if not isinstance(m, str):
+            raise KVABIError(f"{field}[{i}]: must be a handshake message (a string), got "
+                             f"{type(m).__name__}")
+    return tuple(sent)
 
 
 __all__ = ["Entry", "ParamsReader", "RemotePrefill"]

@@ -14,6 +14,7 @@ finishes, or bounded (grants, the host tier, the grants this engine has used).
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 
 import numpy as np
@@ -61,13 +62,29 @@ class KvabiConnectorScheduler:
         self._step_keys: set[bytes] = set()
 
     def set_xfer_handshake_metadata(self, metadata):
-        for m in metadata.values():
-            if isinstance(m, KvabiHandshakeMetadata):
-                self._handshakes = list(m.handshakes)
-                self._grants_msg = m.grants
-                if self.config.host_blocks and m.host_seed:
-                    self._host = HostIndex(len(self.config.groups), self.config.host_blocks,
-                                           m.host_seed)
+        """Every worker's messages, by tensor-parallel rank: under TP 1 one message per part
+        and one for the grant table; under TP M a list of M in each place (rank order),
+        from which each decode rank reads the heads it holds."""
+        ranks = [metadata[r] for r in sorted(metadata)
+                 if isinstance(metadata[r], KvabiHandshakeMetadata)]
+        if not ranks:
+            return
+        if len(ranks) == 1:
+            self._handshakes = list(ranks[0].handshakes)
+            self._grants_msg = ranks[0].grants
+        else:
+            first = ranks[0].handshakes
+            self._handshakes = [{part: [r.handshakes[g][part] for r in ranks]
+                                 for part in first[g]} for g in range(len(first))]
+            self._grants_msg = [r.grants for r in ranks]
+            if not all(self._grants_msg):
+                self._handshakes, self._grants_msg = [], ""
+        seeds = [r.host_seed for r in ranks if r.host_seed]
+        if self.config.host_blocks and seeds:
+            # one namespace for the engine: every rank's layouts (their shards) in it
+            seed = seeds[0] if len(seeds) == 1 else \
+                hashlib.blake2b(b"".join(seeds), digest_size=16).digest()
+            self._host = HostIndex(len(self.config.groups), self.config.host_blocks, seed)
 
     # -- where a request enters --------------------------------------------------------
     def _entry(self, request) -> Entry | str:
@@ -177,7 +194,10 @@ class KvabiConnectorScheduler:
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": blocks, "remote_num_tokens": n,
             "remote_engine_id": cfg.engine, "remote_request_id": request.request_id,
-            "kvabi_handshakes": list(self._handshakes), "kvabi_grants": self._grants_msg,
+            "kvabi_handshakes": [{part: list(m) if isinstance(m, list) else m
+                                  for part, m in g.items()} for g in self._handshakes],
+            "kvabi_grants": list(self._grants_msg) if isinstance(self._grants_msg, list)
+            else self._grants_msg,
             "kvabi_grant": {"slot": slot, "nonce": nonce.hex()},
         }
 

@@ -11,6 +11,18 @@ fingerprint of each part's layout and the digest of its planes must equal those 
 handshakes it was given; after the READs every token's checksum must equal the
 producer's.  Only then does vLLM learn that the load finished; otherwise it learns that it
 failed, with the reason in the log and in :attr:`KvabiConnectorWorker.refusals`.
+
+Under tensor parallelism every worker is one rank: its layouts state its shard of the
+model's KV heads (:func:`~kvabi_vllm.connector_layout.with_shard`), a producer rank writes
+its own grant record, and a decode rank pulls the heads it holds from the producer ranks
+that hold them (``kvabi.transfer.plan_shard_transfer``, one READ per producer rank read),
+after negotiating once per producer group (``kvabi.transfer.negotiate``: ranks swapped, a
+rank lying about its heads, another model, dtype or head dim are refused by field before
+any byte moves).  Its final notification names the slot, the nonce, its rank and its TP
+size, and reaches every producer rank; a pull that fails after a producer rank's
+record bound the grant to this request still tells every rank whose record did, so that
+none holds blocks for it (a pull refused before, e.g. with another request's parameters,
+frees nothing).
 """
 from __future__ import annotations
 
@@ -24,19 +36,21 @@ import uuid
 import numpy as np
 
 from kvabi import KVABIError, KVCache
-from kvabi.transfer import HostPool, plan_block_transfer, plan_transfer
+from kvabi.shard import shard_of
+from kvabi.transfer import (HostPool, Refused, negotiate, plan_block_transfer,
+                            plan_shard_transfer, plan_transfer)
 from kvabi.transfer.handshake import parse_handshake
 from kvabi.transfer.kv_scales import check_same_scales
 
-from .connector_checksum import layout_fingerprint, planes_digest, token_checksums
+from .connector_checksum import head_checksums, layout_fingerprint, planes_digest
 from .connector_config import ConnectorConfig
 from .connector_fixes import with_fix
-from .connector_grants import (LIVE, STATES, GrantRecord, GrantTable, PartClaim, decode,
-                               notify_message, parse_notification, read_header, record_bytes,
-                               table_layout)
-from .connector_layout import (IMAGE, engine_writer, group_parts, image_part, interior_of,
-                               is_kvabi_backend, kvabi_backend_part, part_cache, split_kv,
-                               verify_part)
+from .connector_grants import (LIVE, PENDING, STATES, GrantRecord, GrantTable, PartClaim,
+                               decode, notify_message, parse_notification, read_header,
+                               record_bytes, table_layout)
+from .connector_layout import (IMAGE, KT_V, engine_writer, group_parts, image_part,
+                               interior_of, is_kvabi_backend, kvabi_backend_part, kt_v_halves,
+                               part_cache, split_kv, tp_shard_info, verify_part, with_shard)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata,
                              KvabiHandshakeMetadata, PullWork, paired_slots, token_slots)
 from .connector_pulls import Puller
@@ -51,6 +65,10 @@ MAX_RECORD = 64 * 2**20
 GRANT_POLL_S = 0.005
 #: grants this engine pulled, remembered to refuse a replay to it
 USED_GRANTS = 65536
+#: producer groups whose negotiation is kept (producers come and go)
+NEGOTIATIONS = 256
+#: seconds a failed pull may spend telling a producer rank it is done
+TELL_TIMEOUT_S = 2.0
 
 
 def host_parts(parts):
@@ -60,15 +78,10 @@ def host_parts(parts):
     return image or parts
 
 
-def token_parts(parts):
-    """(key view, value view) per layer of a group, from its token parts (``kv``, or
-    ``k`` and ``v``), for checksums."""
-    by = dict(parts)
-    if "kv" in by:
-        c = by["kv"]
-        return [(c.kv_view(i, 0), c.kv_view(i, 1)) for i in range(c.layout.num_layers)]
-    k, v = by["k"], by["v"]
-    return [(k.kv_view(i, 0), v.kv_view(i, 0)) for i in range(k.layout.num_layers)]
+def kv_part(parts):
+    """The part of a group holding its keys and values in one layout (``kv``, its shard
+    stated): what checksums sum."""
+    return dict(parts)["kv"]
 
 
 def block_pairs(src, dst, block_size: int, start: int, num_tokens: int):
@@ -84,23 +97,28 @@ def block_pairs(src, dst, block_size: int, start: int, num_tokens: int):
     return s[keep], d[keep]
 
 
-def matching_parts(parts, theirs, g: int):
+def matching_parts(parts, theirs, g: int, usable=None):
     """[(part, own cache, peer's message)] to pull for group ``g``: the block image when the
     peer serves the same one (same interior, block size, head dim), else every other part,
-    which the peer must serve too."""
-    if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                               for k, v in theirs.items()):
+    which the peer must serve too; ``usable(part, own cache)`` (optional) leaves out parts
+    that cannot be planned (between shardings: component layouts).  A message may be a
+    tuple of messages (one per producer rank)."""
+    if not isinstance(theirs, dict) or not all(
+            isinstance(k, str) and (isinstance(v, str) or isinstance(v, tuple))
+            for k, v in theirs.items()):
         raise KVABIError(f"kvabi_handshakes[{g}]: must be an object of part -> message")
+    ok = usable or (lambda name, cache: True)
     for name, cache in parts:
-        if name.startswith(IMAGE) and name in theirs:
+        if name.startswith(IMAGE) and name in theirs and ok(name, cache):
             return [(name, cache, theirs[name])]
     mine = dict((n, c) for n, c in parts if not n.startswith(IMAGE))
     served = sorted(k for k in theirs if not k.startswith(IMAGE))
     for want in (("kv",), ("k", "v")):  # one K/V layout each, else keys and values apart
-        if all(w in mine and w in theirs for w in want):
+        if all(w in mine and w in theirs and ok(w, mine[w]) for w in want):
             return [(w, mine[w], theirs[w]) for w in want]
+    why = " in the axis form" if usable is not None else ""
     raise KVABIError(f"kvabi_handshakes[{g}]: the peer serves parts {served}, this engine "
-                     f"{sorted(mine)}: no pair to copy between")
+                     f"{sorted(mine)}: no pair to copy between{why}")
 
 
 class KvabiConnectorWorker:
@@ -121,6 +139,12 @@ class KvabiConnectorWorker:
         self._peers_lock = threading.Lock()
         self._used = collections.OrderedDict()   # grant nonces pulled here -> request id
         self._used_lock = threading.Lock()
+        # digest of (group, part, the producer ranks' messages) -> Negotiation, or None
+        # where a component layout is read whole from one rank (planned pairwise)
+        self._negotiated: collections.OrderedDict = collections.OrderedDict()
+        self._negotiate_lock = threading.Lock()
+        self._local_hs: dict = {}  # (group, part) -> this rank's parsed handshake
+        self._tp = (0, 1, config.num_kv_heads)  # (rank, TP size, the model's KV heads)
         self._puller = Puller(self._pull, config.max_pulls, config.pull_timeout_s,
                               config.pull_threads) if config.consumer else None
         self._pools: list = []
@@ -152,6 +176,7 @@ class KvabiConnectorWorker:
         cfg = self.config
         ctx = self._vllm_config.compilation_config.static_forward_context
         layout_name = self._vllm_config.cache_config.kv_cache_layout
+        self._tp = tp_shard_info(self._vllm_config, cfg.num_kv_heads or None)
         kv_dtype = FP8.get(self._vllm_config.cache_config.cache_dtype)  # fp8: codes
         for gi, group in enumerate(cfg.groups):
             names = [n for n in group.layer_names if n in kv_caches]
@@ -176,10 +201,14 @@ class KvabiConnectorWorker:
                 image = image_part(tensors, interior=interior, name=name, dtype=kv_dtype)
                 if image is not None:  # bytes of verified parts, seen whole
                     parts.append((image[0], part_cache(tensors, image[1], 0)))
+                if interior == KT_V:  # the kv part's components in the axis form
+                    parts += [(part, part_cache(tensors, lay, off)) for part, lay, off in
+                              kt_v_halves(tensors, name=name, dtype=kv_dtype)]
             if [n for n, _ in parts if not n.startswith(IMAGE)] == ["kv"]:
                 halves = split_kv(parts[0][1])  # for peers that hold K and V apart
                 parts += halves or []
-            self._caches.append(parts)
+            # under TP every layout says which of the model's heads this rank holds
+            self._caches.append([(n, with_shard(c, self._tp)) for n, c in parts])
         if cfg.producer or cfg.consumer:
             self._start_nixl()
         if cfg.host_blocks:
@@ -209,13 +238,16 @@ class KvabiConnectorWorker:
         if not cfg.producer:
             return
         self._own_handshakes = [
-            {part: self._agent.handshake(c, include_metadata=True, kv_scales=sc)
+            {part: self._agent.handshake(c, include_metadata=True, kv_scales=sc,
+                                         model=cfg.model_id)
              for part, c in parts} for parts, sc in zip(self._caches, self._scales)]
         self._claims = [tuple(PartClaim(part, layout_fingerprint(c.layout),
                                         planes_digest(parse_handshake(msgs[part])))
                               for part, c in parts)
                         for parts, msgs in zip(self._caches, self._own_handshakes)]
-        size = record_bytes(len(self._caches), max(cfg.max_model_len, 1), cfg.block_size)
+        heads = max(kv_part(parts).layout.size("H") for parts in self._caches)
+        size = record_bytes(len(self._caches), max(cfg.max_model_len, 1), cfg.block_size,
+                            heads)
         self._grants = GrantTable(cfg.max_held, size)
         self._agent.register(self._grants.cache)
         self._grants_msg = self._agent.handshake(self._grants.cache, include_metadata=True)
@@ -302,7 +334,7 @@ class KvabiConnectorWorker:
     def _publish(self, g) -> None:
         """Write grant ``g``'s record: what the producer holds, and a checksum per token."""
         bs = self.config.block_size
-        sums = [token_checksums(token_parts(parts), token_slots(b, bs, 0, g.num_tokens), bs)
+        sums = [head_checksums(kv_part(parts), token_slots(b, bs, 0, g.num_tokens))
                 for parts, b in zip(self._caches, g.blocks)]
         record = GrantRecord(LIVE, g.nonce, g.num_tokens, g.tokens,
                              tuple(np.asarray(b, np.int64) for b in g.blocks),
@@ -314,6 +346,8 @@ class KvabiConnectorWorker:
         for sender, msg in self._agent.drain_notifications():
             got = parse_notification(msg)
             req_id = None if got is None else self._grants.release(*got)
+            if req_id is PENDING:  # other decode ranks still read
+                continue
             if req_id is not None:
                 self._sent.add(req_id)
             elif msg:  # empty: a grant record read
@@ -360,12 +394,13 @@ class KvabiConnectorWorker:
             job.peers = []
             self._evict_peers()
 
-    def _read_grant(self, peer, remote, job) -> GrantRecord:
+    def _read_grant(self, peer, remote, job, who: str = "") -> GrantRecord:
         """The producer's record for this grant, once it is written (a grant is written the
-        step after its request finished); KVABIError naming why it cannot be used."""
+        step after its request finished); KVABIError naming why it cannot be used.
+        ``who``: which producer rank (for the message, under TP)."""
         lay = peer.layout
         if lay.size("D") > MAX_RECORD or lay.num_blocks <= remote.slot:
-            raise KVABIError(f"kvabi_grants: a table of {lay.num_blocks} slots of "
+            raise KVABIError(f"kvabi_grants{who}: a table of {lay.num_blocks} slots of "
                              f"{lay.size('D')} bytes (at most {MAX_RECORD} a slot)")
         local = KVCache.allocate(table_layout(1, lay.size("D")), "numpy")
         plan = plan_block_transfer(lay, local.layout, [remote.slot], [0])
@@ -378,33 +413,33 @@ class KvabiConnectorWorker:
             if head is not None and head[1] == remote.nonce:
                 if head[0] != LIVE:
                     raise KVABIError(f"kvabi_grant: {STATES.get(head[0], 'closed')} (a replay, "
-                                     f"or hold_timeout_s passed on the producer)")
+                                     f"or hold_timeout_s passed on the producer){who}")
                 try:
                     return decode(row)
                 except KVABIError as e:  # read while being written? read again
                     why = str(e).removeprefix("kvabi_grant: ")
             elif head is not None and head[0] == LIVE:
                 raise KVABIError(f"kvabi_grant: slot {remote.slot} holds another request's "
-                                 "grant (forged or replayed parameters)")
+                                 f"grant (forged or replayed parameters){who}")
             if time.monotonic() + GRANT_POLL_S >= job.deadline:
                 raise KVABIError(f"kvabi_grant: slot {remote.slot}: {why} (until "
-                                 f"pull_timeout_s passed)")
+                                 f"pull_timeout_s passed){who}")
             time.sleep(GRANT_POLL_S)
 
-    def _check_record(self, rec: GrantRecord, remote) -> None:
+    def _check_record(self, rec: GrantRecord, remote, who: str = "") -> None:
         if rec.tokens != remote.tokens:
-            raise KVABIError("kvabi_grant: issued for other tokens than this request's prompt "
-                             "(another request's grant)")
+            raise KVABIError(f"kvabi_grant: issued for other tokens than this request's prompt "
+                             f"(another request's grant){who}")
         if rec.num_tokens != remote.num_tokens:
             raise KVABIError(f"remote_num_tokens: {remote.num_tokens}, the producer holds "
-                             f"{rec.num_tokens} for this grant")
+                             f"{rec.num_tokens} for this grant{who}")
         if len(rec.blocks) != len(remote.blocks):
             raise KVABIError(f"kvabi_grant: {len(rec.blocks)} KV cache groups, this engine "
-                             f"has {len(remote.blocks)}")
+                             f"has {len(remote.blocks)}{who}")
         for g, (mine, theirs) in enumerate(zip(remote.blocks, rec.blocks)):
             if not np.array_equal(mine, theirs):
                 raise KVABIError(f"remote_block_ids[{g}]: not the blocks the producer holds "
-                                 "for this grant")
+                                 f"for this grant{who}")
 
     def _use(self, nonce: bytes, req_id: str) -> None:
         """Remember a grant this request may use (its record names this request's tokens);
@@ -419,9 +454,9 @@ class KvabiConnectorWorker:
                 self._used.popitem(last=False)
 
     @staticmethod
-    def _check_claim(rec: GrantRecord, g: int, part: str, peer) -> None:
+    def _check_claim(rec: GrantRecord, g: int, part: str, peer, rank: str = "") -> None:
         claim = next((c for c in rec.parts[g] if c.name == part), None)
-        field = f"kvabi_handshakes[{g}].{part}"
+        field = f"kvabi_handshakes[{g}].{part}{rank}"
         if claim is None:
             raise KVABIError(f"{field}: the producer serves no such part")
         if claim.layout != layout_fingerprint(peer.layout):
@@ -431,10 +466,95 @@ class KvabiConnectorWorker:
             raise KVABIError(f"{field}: its planes (agent, addresses, sizes) are not the ones "
                              "the producer registered")
 
+    # -- decode side under tensor parallelism --------------------------------------------
+    def _sharded(self, remote, g: int) -> bool:
+        """Whether group ``g`` is read between shardings: several producer ranks, or one
+        holding other heads than this rank."""
+        if remote.ranks > 1:
+            return True
+        theirs = next(lays[0] for name, lays in remote.layouts[g].items()
+                      if not name.startswith(IMAGE))
+        mine = kv_part(self._caches[g]).layout
+        a, b = shard_of(theirs), shard_of(mine)
+        return (a.heads, a.of) != (b.heads, b.of)
+
+    def _local_handshake(self, g: int, part: str, cache):
+        hs = self._local_hs.get((g, part))
+        if hs is None:
+            hs = self._local_hs[(g, part)] = parse_handshake(
+                self._agent.handshake(cache, model=self.config.model_id))
+        return hs
+
+    def _negotiate(self, g: int, part: str, cache, peers, sharded: bool):
+        """How this rank reads ``part`` of group ``g`` from the producer ranks ``peers``
+        (``kvabi.transfer.negotiate``: model identity, ABI, dtype, head dim, KV heads and
+        layers compared at once, the producer group's shards checked), once per producer
+        group, with the kind and cost logged once: a Negotiation, or None where the two
+        sides hold one component layout each, whole (planned pair by pair).  KVABIError
+        naming the field before any byte moves."""
+        key = hashlib.blake2b(repr((g, part, [p.handshake.fingerprint for p in peers],
+                                    [p.name for p in peers],
+                                    [p.handshake.model for p in peers])).encode(),
+                              digest_size=16).digest()
+        with self._negotiate_lock:  # once per producer group, whatever the pull threads
+            if key in self._negotiated:
+                self._negotiated.move_to_end(key)
+                return self._negotiated[key]
+            got = self._negotiate_once(g, part, cache, peers, sharded)
+            self._negotiated[key] = got
+            while len(self._negotiated) > NEGOTIATIONS:
+                self._negotiated.popitem(last=False)
+        return got
+
+    def _negotiate_once(self, g: int, part: str, cache, peers, sharded: bool):
+        field = f"kvabi_handshakes[{g}].{part}"
+        mine = self._local_handshake(g, part, cache)
+        try:
+            got = negotiate(mine, [p.handshake for p in peers])
+        except Refused as e:
+            if e.fields != ("components",) or sharded:
+                raise KVABIError(f"{field}: {e}") from None
+            log.info("KvabiConnector: group %d part %s reads %s whole from one producer "
+                     "rank (component layouts, planned pair by pair)", g, part,
+                     peers[0].layout.name or "custom")
+            return None  # one component layout each, whole: plan_transfer checks the pair
+        except KVABIError as e:  # the producer group itself: ranks swapped, heads lied
+            raise KVABIError(f"{field}: {e}") from None
+        cost = got.cost()
+        log.info("KvabiConnector: group %d part %s (rank %d of %d) reads producer ranks %s "
+                 "of %d: %s%s, %d regions and %d staging bytes per block", g, part,
+                 self._tp[0], self._tp[1], list(got.sources), len(peers), got.kind,
+                 f" ({', '.join(got.differences)})" if got.differences else "",
+                 cost.regions, cost.staging_bytes)
+        return got
+
+    def _tell_done(self, job) -> None:
+        """A pull that failed after binding tells every producer rank whose record bound
+        the grant to this request that this rank is done (a READ of the grant's slot
+        carrying the notification), so that none holds the request's blocks for it; a rank
+        that does not answer, or whose record did not bind, is left to its
+        hold_timeout_s."""
+        r = job.work.remote
+        note = notify_message(r.slot, r.nonce, self._tp[0], self._tp[1])
+        for i, peer in job.tables:
+            try:
+                local = KVCache.allocate(table_layout(1, peer.layout.size("D")), "numpy")
+                plan = plan_block_transfer(peer.layout, local.layout, [r.slot], [0])
+                self._agent.pull_plan(peer, plan, local, timeout=TELL_TIMEOUT_S, notify=note,
+                                      staged=True)
+            except KVABIError as e:
+                log.warning("KvabiConnector: could not tell producer rank %d that request %s "
+                            "is done: %s", i, job.req_id, e)
+
     def _pull(self, job) -> None:
         """One request's pull (see the module docstring); KVABIError with the reason."""
+        job.tables, job.notified = [], False
         try:
             self._pull_checked(job)
+        except BaseException:
+            if job.tables and not job.notified:
+                self._tell_done(job)
+            raise
         finally:
             self._release_peers(job)
 
@@ -445,58 +565,109 @@ class KvabiConnectorWorker:
         if len(r.handshakes) != len(self._caches):
             raise KVABIError(f"kvabi_handshakes: the peer must serve {len(self._caches)} KV "
                              f"cache groups, got {len(r.handshakes)}")
-        rec = self._read_grant(self._peer(r.grants, job), r, job)
-        self._check_record(rec, r)
-        self._use(r.nonce, p.req_id)
-        grant_s = time.perf_counter() - t0
-        todo = [(g, part, cache, msg) for g, parts in enumerate(self._caches)
-                for part, cache, msg in matching_parts(parts, r.handshakes[g], g)]
-        peers = []
-        for g, part, _, msg in todo:
+        multi = r.ranks > 1
+        rank_of = (lambda i: f"[{i}]") if multi else (lambda i: "")
+        who = (lambda i: f" (producer rank {i})") if multi else (lambda i: "")
+        # every producer rank's record binds the grant to this request (its nonce, live,
+        # for this prompt and these blocks); from then on a failure still tells that rank,
+        # and nothing earlier does (another request's parameters must free nothing)
+        recs = {}
+        for i, msg in enumerate(r.grants):
             peer = self._peer(msg, job)
-            self._check_claim(rec, g, part, peer)
-            check_same_scales(self._scales[g], peer.handshake.kv_scales,
-                              f"kvabi_handshakes[{g}].{part}.kv_scales")
-            peers.append(peer)
+            recs[i] = rec = self._read_grant(peer, r, job, who(i))
+            self._check_record(rec, r, who(i))
+            if i == 0:  # a second pull of this grant on this engine stops here
+                self._use(r.nonce, p.req_id)
+            job.tables.append((i, peer))
+        grant_s = time.perf_counter() - t0
+        todo = []  # (group, part, own cache, producer ranks' peers, sharded)
+        for g, parts in enumerate(self._caches):
+            sharded = self._sharded(r, g)
+            lays = r.layouts[g]
+            usable = (lambda name, cache, lays=lays: cache.layout.is_axis_form and all(
+                x.is_axis_form for x in lays[name])) if sharded else None
+            for part, cache, msgs in matching_parts(parts, r.handshakes[g], g, usable):
+                todo.append((g, part, cache, [self._peer(m, job) for m in msgs], sharded))
+        # negotiated before any KV moves: which producer ranks hold this rank's heads
+        runs, reads = {}, []
+        for g, part, cache, peers, sharded in todo:
+            got = self._negotiate(g, part, cache, peers, sharded)
+            runs.setdefault(g, got.runs if got is not None else None)
+            reads.append(got.sources if got is not None else (0,))
+        for (g, part, _, peers, _), read in zip(todo, reads):
+            for i in read:
+                self._check_claim(recs[i], g, part, peers[i], rank_of(i))
+                check_same_scales(self._scales[g], peers[i].handshake.kv_scales,
+                                  f"kvabi_handshakes[{g}].{part}{rank_of(i)}.kv_scales")
         bs = self.config.block_size
-        for i, ((g, part, cache, _), peer) in enumerate(zip(todo, peers)):
+        note = notify_message(r.slot, r.nonce, self._tp[0], self._tp[1])
+        for n, (g, part, cache, peers, sharded) in enumerate(todo):
             if part.startswith(IMAGE):  # same interior and block size: whole blocks
                 s, d = block_pairs(r.blocks[g], p.dst_blocks[g], bs, p.start, p.num_tokens)
             else:
-                s, d = paired_slots(r.blocks[g], peer.layout.size("N"), p.dst_blocks[g],
+                s, d = paired_slots(r.blocks[g], peers[0].layout.size("N"), p.dst_blocks[g],
                                     cache.layout.size("N"), p.start, p.num_tokens)
-            plan = plan_transfer(peer.layout, cache.layout, s, d)
+            # the last READ's notification tells every producer rank it may free the blocks
+            last = n == len(todo) - 1
             r0 = time.perf_counter()
-            # the last READ's notification tells the producer it may free the blocks
-            note = notify_message(r.slot, r.nonce) if i == len(todo) - 1 else b""
-            self._agent.pull_plan(peer, plan, cache, notify=note, timeout=job.left(),
-                                  staged=True, guard=job.commit)
+            if sharded:  # this rank's heads from the producer ranks holding them
+                plan = plan_shard_transfer([x.layout for x in peers], cache.layout, s, d)
+                self._agent.pull_shard_plan(peers, plan, cache, notify=note if last else b"",
+                                            timeout=job.left(), staged=True,
+                                            guard=job.commit)
+            else:
+                plan = plan_transfer(peers[0].layout, cache.layout, s, d)
+                self._agent.pull_plan(peers[0], plan, cache, notify=note if last else b"",
+                                      timeout=job.left(), staged=True, guard=job.commit)
+            job.notified = last
             read_s += time.perf_counter() - r0
             regions, nbytes = regions + len(plan), nbytes + plan.nbytes
             self._after_pull(p, g, part, cache, d)
         v0 = time.perf_counter()
-        self._verify(p, rec)
+        self._verify(p, recs, runs)
         t1 = time.perf_counter()
         self.pull_stats.append((p.req_id, t1 - t0, regions, nbytes, read_s, grant_s, t1 - v0))
         self._stat_pulls.append((t1 - t0, read_s, nbytes, regions,
-                                 any(not part.startswith(IMAGE) for _, part, _, _ in todo)))
+                                 any(not t[1].startswith(IMAGE) for t in todo)))
 
-    def _verify(self, p: PullWork, rec: GrantRecord) -> None:
-        """Every pulled token's checksum equals the producer's (before any token is
-        generated from it: vLLM learns the load finished only after this)."""
+    def _verify(self, p: PullWork, recs: dict, runs: dict) -> None:
+        """Every pulled token's checksum, per KV head this rank holds, equals the one the
+        producer rank it was read from computed for that global head (before any token is
+        generated from it: vLLM learns the load finished only after this).  ``runs``: per
+        group, which producer rank each local head came from (None: all from rank 0)."""
         bs, rbs = self.config.block_size, p.remote.block_size
         for g, parts in enumerate(self._caches):
             src = token_slots(p.remote.blocks[g], rbs, p.start, p.num_tokens)
             dst = token_slots(p.dst_blocks[g], bs, p.start, p.num_tokens)
-            keep = (src >= 0) & (dst >= 0)
-            mine = token_checksums(token_parts(parts), dst[keep], bs)
-            theirs = rec.checksums[g][p.start + np.flatnonzero(keep)]
-            bad = np.flatnonzero(mine != theirs)
-            if bad.size:
-                pos = p.start + int(np.flatnonzero(keep)[bad[0]])
-                raise KVABIError(f"kvabi_grant: the KV read for token {pos} of group {g} is "
-                                 f"not what the producer computed (checksum differs; "
-                                 f"{bad.size} tokens differ)")
+            keep = np.flatnonzero((src >= 0) & (dst >= 0))
+            cache = kv_part(parts)
+            mine = head_checksums(cache, dst[keep])
+            heads = shard_of(cache.layout).heads
+            src_of = np.zeros(len(heads), np.int64)
+            for run in runs.get(g) or ():
+                src_of[run.dst_first:run.dst_first + run.count] = run.source
+            for j, h in enumerate(heads):
+                i = int(src_of[j])
+                theirs = self._their_heads(p.remote, g, i)
+                sums = recs[i].checksums[g]
+                if sums.shape[1] != len(theirs) or h not in theirs:
+                    raise KVABIError(f"kvabi_grant: the producer rank {i} record sums "
+                                     f"{sums.shape[1]} heads, its layout holds "
+                                     f"{list(theirs)} (global head {h} of this rank)")
+                want = sums[p.start + keep, theirs.index(h)]
+                bad = np.flatnonzero(mine[:, j] != want)
+                if bad.size:
+                    pos = p.start + int(keep[bad[0]])
+                    raise KVABIError(f"kvabi_grant: the KV read for token {pos} of group {g} "
+                                     f"is not what the producer computed (global head {h}: "
+                                     f"checksum differs; {bad.size} tokens differ)")
+
+    @staticmethod
+    def _their_heads(remote, g: int, rank: int) -> tuple:
+        """The global heads producer rank ``rank`` holds in group ``g`` (its layouts state
+        them; the grant record's part claims vouch for the layouts)."""
+        lays = next(v for name, v in remote.layouts[g].items() if not name.startswith(IMAGE))
+        return shard_of(lays[rank]).heads
 
     def _after_pull(self, pull: PullWork, group: int, part: str, cache, dst_slots) -> None:
         """Called once a part of a group has arrived (a place for checks; nothing here)."""
@@ -556,5 +727,4 @@ class KvabiConnectorWorker:
             self._agent = None
 
 
-__all__ = ["KvabiConnectorWorker", "block_pairs", "host_parts", "matching_parts",
-           "token_parts"]
+__all__ = ["KvabiConnectorWorker", "block_pairs", "host_parts", "kv_part", "matching_parts"]

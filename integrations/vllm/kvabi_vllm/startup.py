@@ -188,21 +188,29 @@ def _check_memory(vllm_config) -> None:
 
 def _check_connector(vllm_config) -> None:
     kv = vllm_config.kv_transfer_config
-    if kv.kv_role in ("kv_producer", "kv_consumer"):
-        from kvabi.transfer import nixl
+    if kv.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+        return
+    from kvabi.transfer import nixl
 
-        ok, why = nixl.available()
-        if not ok:
-            raise ConfigError(f"kv_transfer_config.kv_role={kv.kv_role}: {CONNECTOR} moves "
-                              f"KV over NIXL, which is missing here ({why})")
-        tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-        if tp > 1:  # its layouts do not state a rank's shard: a rank could read another's heads
-            raise ConfigError(f"kv_transfer_config.kv_role={kv.kv_role} with "
-                              f"--tensor-parallel-size {tp}: {CONNECTOR} moves KV between "
-                              f"engines of tensor-parallel size 1 only (the layouts it sends do "
-                              f"not state a rank's shard of the KV heads yet); start both P/D "
-                              f"engines with --tensor-parallel-size 1, or use the host tier "
-                              f"alone (kv_role=kv_both)")
+    ok, why = nixl.available()
+    if not ok:
+        raise ConfigError(f"kv_transfer_config.kv_role={kv.kv_role}: {CONNECTOR} moves "
+                          f"KV over NIXL, which is missing here ({why})")
+    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    if tp == 1:
+        return
+    # each rank's layouts state its shard of the KV heads (kvabi.Shard.tp): the split must
+    # exist for a peer of another TP size to know which heads each rank holds
+    from kvabi.shard import split_heads
+
+    heads = int(vllm_config.model_config.get_total_num_kv_heads())
+    if split_heads(0, tp, heads) is None:
+        raise ConfigError(
+            f"--tensor-parallel-size {tp} with kv_transfer_config.kv_role={kv.kv_role}: the "
+            f"model's {heads} KV heads cannot be split over {tp} ranks (the TP size must "
+            f"divide the KV heads, or the KV heads the TP size); {CONNECTOR} moves each "
+            f"rank's shard of the heads; choose a --tensor-parallel-size that divides "
+            f"{heads} or that {heads} divides")
 
 
 _said: set[str] = set()

@@ -1,7 +1,8 @@
 """Grants without an engine: a record survives its encoding; any bytes a peer serves decode
 to a record or a KVABIError; only a notification naming a live grant's slot and nonce
-releases it, once; grants expire; per-token checksums follow their formula and see a
-swapped, shifted or transposed element."""
+releases it, once, and only once every decode rank has sent one; grants expire; per
+(token, head) checksums follow their formula, see a swapped, shifted or transposed
+element, and let a rank holding other heads check the heads it holds."""
 import numpy as np
 import pytest
 import torch
@@ -10,22 +11,23 @@ from hypothesis import strategies as st
 
 from kvabi import KVABIError
 
-from kvabi_vllm.connector_checksum import token_checksums
-from kvabi_vllm.connector_grants import (EXPIRED, HEADER, LIVE, RELEASED, GrantBook,
+import kvabi
+from kvabi_vllm.connector_checksum import head_checksums
+from kvabi_vllm.connector_grants import (EXPIRED, HEADER, LIVE, PENDING, RELEASED, GrantBook,
                                          GrantRecord, GrantTable, PartClaim, decode, encode,
                                          notify_message, parse_notification, read_header,
                                          record_bytes)
 
 
-def _record(nonce=b"n" * 16, tokens=70, groups=2):
+def _record(nonce=b"n" * 16, tokens=70, groups=2, heads=(2, 1)):
     rng = np.random.default_rng(tokens)
     return GrantRecord(LIVE, nonce, tokens, b"t" * 16,
                        tuple(rng.integers(1, 99, size=3) for _ in range(groups)),
                        tuple((PartClaim("k", b"a" * 16, b"b" * 16),
                               PartClaim("image.kt_v.n32.d32", b"c" * 16, b"d" * 16))
                              for _ in range(groups)),
-                       tuple(rng.integers(0, 2**32, size=tokens).astype(np.uint32)
-                             for _ in range(groups)))
+                       tuple(rng.integers(0, 2**32, size=(tokens, heads[g % len(heads)]))
+                             .astype(np.uint32) for g in range(groups)))
 
 
 def test_record_round_trip():
@@ -35,7 +37,8 @@ def test_record_round_trip():
     assert all(np.array_equal(a, b) for a, b in zip(got.blocks, rec.blocks))
     assert got.parts == rec.parts
     assert all(np.array_equal(a, b) for a, b in zip(got.checksums, rec.checksums))
-    assert len(encode(rec)) <= record_bytes(2, 70, 32)
+    assert all(a.shape == (70, h) for a, h in zip(got.checksums, (2, 1)))
+    assert len(encode(rec)) <= record_bytes(2, 70, 32, heads=2)
 
 
 @given(st.data())
@@ -75,11 +78,17 @@ def test_a_record_half_written_does_not_decode():
 
 def test_notifications():
     nonce = bytes(range(16))
-    assert parse_notification(notify_message(7, nonce)) == (7, nonce)
-    for bad in (b"", b"kvabi.pull", b"kvabi.pull:7", b"kvabi.pull:x:" + b"0" * 32,
-                b"kvabi.pull:7:" + b"0" * 31, b"kvabi.pull:-1:" + b"0" * 32,
-                b"kvabi.pull:7:" + b"g" * 32, b"\xff\xfe", b"kvabi.pull:" + b"9" * 40 + b":" +
-                b"0" * 32):
+    assert parse_notification(notify_message(7, nonce)) == (7, nonce, 0, 1)
+    assert parse_notification(notify_message(7, nonce, 3, 4)) == (7, nonce, 3, 4)
+    z = b"0" * 32
+    for bad in (b"", b"kvabi.pull", b"kvabi.pull:7", b"kvabi.pull:x:" + z + b":0/1",
+                b"kvabi.pull:7:" + b"0" * 31 + b":0/1", b"kvabi.pull:-1:" + z + b":0/1",
+                b"kvabi.pull:7:" + b"g" * 32 + b":0/1", b"\xff\xfe",
+                b"kvabi.pull:" + b"9" * 40 + b":" + z + b":0/1",
+                b"kvabi.pull:7:" + z,  # no decode rank
+                b"kvabi.pull:7:" + z + b":2/2", b"kvabi.pull:7:" + z + b":0/0",
+                b"kvabi.pull:7:" + z + b":0/65", b"kvabi.pull:7:" + z + b":-1/2",
+                b"kvabi.pull:7:" + z + b":0/1:x", b"kvabi.pull:7:" + z + b":01"):
         assert parse_notification(bad) is None, bad
 
 
@@ -100,6 +109,22 @@ def test_only_the_live_nonce_releases_a_grant_once_and_grants_expire():
     assert read_header(t._rows[2]) == (EXPIRED, b"b" * 16) and not t.live
 
 
+def test_a_grant_read_by_several_decode_ranks_is_released_once_all_are_done():
+    t = GrantTable(4, record_bytes(2, 70, 32, heads=2))
+    t.write(0, _record(b"a" * 16), "req-a", deadline=100.0)
+    assert t.release(0, b"a" * 16, 1, 2) is PENDING
+    assert t.release(0, b"a" * 16, 1, 2) is PENDING  # the same rank again: still one
+    assert t.release(0, b"b" * 16, 0, 2) is None      # another nonce counts for nothing
+    assert t.release(0, b"a" * 16, 0, 3) is None      # another size than the first's
+    assert read_header(t._rows[0]) == (LIVE, b"a" * 16)
+    assert t.release(0, b"a" * 16, 0, 2) == "req-a"
+    assert t.release(0, b"a" * 16, 0, 2) is None and not t.live
+    # a slot written again starts counting afresh
+    t.write(0, _record(b"c" * 16), "req-c", deadline=100.0)
+    assert t.release(0, b"c" * 16, 0, 2) is PENDING
+    assert t.expire(now=100.0) == ["req-c"] and t.release(0, b"c" * 16, 1, 2) is None
+
+
 def test_grant_book_bounds_and_reuses_slots():
     book = GrantBook(2)
     s1, n1 = book.issue("a")
@@ -112,58 +137,100 @@ def test_grant_book_bounds_and_reuses_slots():
     assert s3 == s1 and len(book) == 2
 
 
-def _views(layers, blocks, bs, h, d, dtype, seed):
+M64 = 2**64
+
+
+def _mix(x):
+    """splitmix64 of a Python integer (the published constants): the weights' source."""
+    x = (x + 0x9E3779B97F4A7C15) % M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % M64
+    return x ^ (x >> 31)
+
+
+def _cache(layers, blocks, bs, h, d, dtype, seed, shard=None):
+    spec = kvabi.KVSpec("full", block_size=bs, num_kv_heads=h, head_dim=d, dtype=dtype)
+    lay = kvabi.Layout.preset("vllm.LBHNC", spec, num_blocks=blocks, num_layers=layers)
+    if shard is not None:
+        import attrs
+
+        lay = attrs.evolve(lay, shard=shard)
+    c = kvabi.KVCache.allocate(lay, "torch")
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(blocks, bs, h, d, generator=g).to(dtype),
-             torch.randn(blocks, bs, h, d, generator=g).to(dtype)) for _ in range(layers)]
+    for p in c:
+        p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+    return c
 
 
-@pytest.mark.parametrize("dtype,d", [(torch.float32, 8), (torch.float16, 8),
-                                     (torch.bfloat16, 8), (torch.float16, 3)])
-def test_token_checksums_follow_the_formula(dtype, d):
-    """Per token: the 64-bit words of each layer's K and V row (the elements' own width
-    where a row is not a whole number of words), times fixed odd weights, summed modulo
-    2**64, folded to 32 bits; in views of any strides (keys transposed here)."""
+@pytest.mark.parametrize("dtype,d", [("float32", 8), ("float16", 8), ("bfloat16", 8),
+                                     ("float16", 3)])
+def test_head_checksums_follow_the_formula(dtype, d):
+    """Per token and head: the head's 32-bit words (bytes where its row is not a whole
+    number of words) of each layer's K and V, times odd splitmix64 weights of (layer, K/V,
+    word), summed modulo 2**64, folded to 32 bits; 0 where the slot is -1."""
     bs, h, layers = 4, 2, 3
-    views = [(k.transpose(1, 3).contiguous().transpose(1, 3), v)
-             for k, v in _views(layers, 6, bs, h, d, dtype, 1)]
+    c = _cache(layers, 6, bs, h, d, dtype, 1)
     slots = np.array([5, -1, 0, 23, 9])
-    got = token_checksums(views, slots, bs)
-    from kvabi_vllm.connector_checksum import _weights
-
-    row = h * d * torch.tensor([], dtype=dtype).element_size()
-    words = row // 8 if row % 8 == 0 else h * d
-    w = _weights(layers, words)
-    for i, s in enumerate(slots):  # a test oracle: one token at a time, Python integers
-        if s < 0:
-            assert got[i] == 0
-            continue
-        total = 0
-        for layer, (k, v) in enumerate(views):
-            for kv, x in enumerate((k, v)):
-                raw = x[s // bs, s % bs].contiguous().view(torch.uint8).numpy().tobytes()
-                if row % 8 == 0:
-                    vals = [int.from_bytes(raw[j:j + 8], "little", signed=True)
-                            for j in range(0, row, 8)]
-                else:
-                    isz = row // (h * d)
-                    vals = [int.from_bytes(raw[j:j + isz], "little", signed=True)
-                            for j in range(0, row, isz)]
-                total += sum(a * int(b) for a, b in zip(vals, w[layer, kv]))
-        x = total % 2**64
-        x = x - 2**64 if x >= 2**63 else x  # as a signed 64-bit word
-        assert int(got[i]) == (x ^ (x >> 32)) & 0xFFFFFFFF
+    got = head_checksums(c, slots)
+    assert got.shape == (5, h) and got.dtype == np.uint32
+    row = d * c.layout.itemsize
+    wb = 4 if row % 4 == 0 else 1
+    words = row // wb
+    for i, s in enumerate(slots):  # a test oracle: one token and head at a time, integers
+        for head in range(h):
+            if s < 0:
+                assert got[i, head] == 0
+                continue
+            total = 0
+            for layer in range(layers):
+                for kv in range(2):
+                    x = c.kv_view(layer, kv)[s // bs, s % bs, head]
+                    raw = x.contiguous().view(torch.uint8).numpy().tobytes()
+                    base = (layer * 2 + kv) * words
+                    total += sum(int.from_bytes(raw[j * wb:(j + 1) * wb], "little") *
+                                 (_mix(base + j) | 1) for j in range(words))
+            x = total % M64
+            assert int(got[i, head]) == (x ^ (x >> 32)) & 0xFFFFFFFF
 
 
-def test_token_checksums_see_swaps_shifts_and_transposes():
+def test_head_checksums_see_swaps_shifts_and_transposes():
     bs, h, d = 4, 2, 8
-    views = _views(2, 4, bs, h, d, torch.float32, 2)
+    c = _cache(2, 4, bs, h, d, "float32", 2)
     slots = np.arange(16)
-    base = token_checksums(views, slots, bs)
-    swapped = [(v, k) for k, v in views]
-    assert (token_checksums(swapped, slots, bs) != base).all()
-    shifted = [(k.roll(1, dims=3), v) for k, v in views]
-    assert (token_checksums(shifted, slots, bs) != base).all()
-    heads = [(k.flip(2), v) for k, v in views]
-    assert (token_checksums(heads, slots, bs) != base).all()
-    assert (token_checksums(views, np.roll(slots, 1), bs) != base).all()
+    base = head_checksums(c, slots)
+
+    def edited(edit):
+        e = _cache(2, 4, bs, h, d, "float32", 2)
+        for layer in range(2):
+            k, v = e.kv_view(layer, 0), e.kv_view(layer, 1)
+            edit(k, v)
+        return head_checksums(e, slots)
+
+    def swap(k, v):
+        t = k.clone()
+        k.copy_(v)
+        v.copy_(t)
+    assert (edited(swap) != base).all()
+    assert (edited(lambda k, v: k.copy_(k.roll(1, dims=3))) != base).all()
+    assert (edited(lambda k, v: k.copy_(k.flip(2))) != base).all()
+    assert (head_checksums(c, np.roll(slots, 1)) != base).all()
+
+
+def test_a_rank_holding_other_heads_checks_the_heads_it_holds():
+    """The checksums of two TP-2 shards (one KV head each, copied from a whole cache) are
+    the whole cache's columns of their global heads: a decode rank compares by global
+    head, whatever split the producer had."""
+    from kvabi import Shard
+
+    bs, d = 8, 16
+    whole = _cache(3, 5, bs, 2, d, "float32", 3)
+    slots = np.array([3, 17, 8, 39, 0])
+    want = head_checksums(whole, slots)
+    for rank in range(2):
+        part = _cache(3, 5, bs, 1, d, "float32", 9, shard=Shard.tp(rank, 2, 2))
+        for layer in range(3):
+            for kv in range(2):
+                part.kv_view(layer, kv).copy_(whole.kv_view(layer, kv)[:, :, rank:rank + 1])
+        got = head_checksums(part, slots)
+        assert np.array_equal(got[:, 0], want[:, rank])
+        assert not np.array_equal(got[:, 0], want[:, 1 - rank])

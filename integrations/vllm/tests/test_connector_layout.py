@@ -136,3 +136,52 @@ def test_split_kv_holds_the_keys_and_values_of_the_layout(name):
     for layer in range(2):
         for kv, part in enumerate((kc, vc)):
             assert torch.equal(part.kv_view(layer, 0), cache.kv_view(layer, kv))
+
+
+@pytest.mark.parametrize("name", ["LBHNC", "BLHNC", "LHBNC"])
+def test_kt_v_halves_place_keys_and_values_where_vllm_views_put_them(name):
+    """The axis-form K and V layouts a TP peer reads address each element where CPU_ATTN's
+    interior puts it (the independent formula), i.e. the bytes of the kv part's
+    components."""
+    from kvabi_vllm.connector_layout import kt_v_halves
+
+    views = vllm_views(name)
+    halves = kt_v_halves(views, name=name)
+    assert [p for p, _, _ in halves] == ["k", "v"]
+    assert all(lay.is_axis_form for _, lay, _ in halves)
+    rng = np.random.default_rng(1)
+    for layer, block, kv, token, head, dim in zip(*(rng.integers(0, m, 300)
+                                                  for m in (3, 5, 2, 32, 2, 32))):
+        want = element_offset(views, KT_V, int(layer), int(block), int(kv), int(token),
+                              int(head), int(dim))
+        _, lay, off = halves[int(kv)]
+        _, got = lay.byte_offset(layer=layer, block=block, kv=0, token=token, head=head,
+                                 dim=dim)
+        assert got + off == want, (name, layer, block, kv, token, head, dim)
+
+
+def test_with_shard_states_the_ranks_heads_over_the_same_memory():
+    from kvabi import KVCache, Shard
+    from kvabi_vllm.connector_layout import tp_shard_info, with_shard
+
+    views = vllm_views("LBHNC", heads=1)
+    (_, lay, off), = group_parts(views, interior=KV_PACKED)
+    cache = part_cache(views, lay, off)
+    assert with_shard(cache, (0, 1, 1)) is cache  # TP 1: unchanged
+    got = with_shard(cache, (1, 2, 2))
+    assert isinstance(got, KVCache) and got.layout.shard == Shard.tp(1, 2, 2)
+    assert got[0].data_ptr() == cache[0].data_ptr()
+    assert got.layout.fingerprint() != cache.layout.fingerprint()
+    with pytest.raises(KVABIError, match="rank 0 of 2 holds 1 KV heads, the split of 4 "
+                                         "gives it 2"):
+        with_shard(cache, (0, 2, 4))
+    with pytest.raises(KVABIError, match="ranks: 3 KV heads cannot be split evenly over 2"):
+        with_shard(cache, (0, 2, 3))
+
+    class _Model:
+        def get_total_num_kv_heads(self):
+            return 8
+
+    class _Config:
+        model_config = _Model()
+    assert tp_shard_info(_Config()) == (0, 1, 8)  # no TP group in this process

@@ -73,3 +73,9 @@ def test_matching_parts_prefers_the_same_block_image_and_refuses_other_parts():
     assert matching_parts(both, {"k": "b", "v": "c"}, 0) == [("k", "K", "b"), ("v", "V", "c")]
     with pytest.raises(KVABIError, match=r"kvabi_handshakes\[2\]: must be an object"):
         matching_parts(mine, ["k"], 2)
+    # between shardings only what the plans take (here: not "kv", as a component layout)
+    usable = lambda name, cache: name != "kv"  # noqa: E731
+    assert matching_parts(both, {"kv": ("a", "a1"), "k": ("b", "b1"), "v": ("c", "c1")}, 0,
+                          usable) == [("k", "K", ("b", "b1")), ("v", "V", ("c", "c1"))]
+    with pytest.raises(KVABIError, match=r"no pair to copy between in the axis form"):
+        matching_parts(both, {"kv": ("a", "a1")}, 0, usable)

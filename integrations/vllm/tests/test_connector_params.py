@@ -199,3 +199,78 @@ def test_ids_are_vectorized_and_checked_whole():
     p["remote_block_ids"][0][-1] = np.int64(3999)  # a duplicate, the last one
     with pytest.raises(KVABIError, match="block 3999 appears twice"):
         reader().read(p, list(range(n)))
+
+
+# -- a producer of tensor-parallel size 2: a list of messages per place, one per rank -------
+def _rank_msg(rank, bs=BS, ranks=2):
+    import attrs
+
+    spec = kvabi.KVSpec("full", block_size=bs, num_kv_heads=1, head_dim=32, dtype="float32")
+    lay = attrs.evolve(kvabi.Layout.preset("vllm.LBHNC", spec, num_blocks=BLOCKS, num_layers=2),
+                       shard=kvabi.Shard.tp(rank, ranks, ranks))
+    return _msg(lay, address=(1 << 20) + rank * (1 << 34))
+
+
+KV_TP = [_rank_msg(0), _rank_msg(1)]
+GRANTS_TP = [_msg(table_layout(8, 4096), address=(1 << 20) + r * (1 << 34)) for r in range(2)]
+
+
+def honest_tp():
+    return {**honest(), "kvabi_handshakes": [{"kv": list(KV_TP)}],
+            "kvabi_grants": list(GRANTS_TP)}
+
+
+def test_a_tensor_parallel_producer_is_read_rank_by_rank():
+    r = reader().read(honest_tp(), PROMPT).remote
+    assert r.ranks == 2 and r.grants == tuple(GRANTS_TP)
+    assert r.handshakes[0]["kv"] == tuple(KV_TP)
+    assert [lay.shard.heads for lay in r.layouts[0]["kv"]] == [(0,), (1,)]
+    assert r.blocks[0].tolist() == [5, 9, 12] and r.block_size == BS
+    # TP 1: a message, or a list of one, read alike
+    one = reader().read(_set(_set(honest(), ("kvabi_grants",), [GRANTS]),
+                             ("kvabi_handshakes", 0, "kv"), [KV]), PROMPT).remote
+    plain = reader().read(honest(), PROMPT).remote
+    assert one.ranks == plain.ranks == 1 and one.handshakes == plain.handshakes
+
+
+NEGATIVE_TP = [
+    (("kvabi_handshakes", 0, "kv"), [KV_TP[0]],
+     r"kvabi_handshakes\[0\].kv: 1 producer ranks, kvabi_grants lists 2"),
+    (("kvabi_handshakes", 0, "kv"), KV_TP[0],
+     r"kvabi_handshakes\[0\].kv: 1 producer ranks, kvabi_grants lists 2"),
+    (("kvabi_handshakes", 0, "kv"), [], r"kvabi_handshakes\[0\].kv: must be a handshake "
+                                        r"message or a list of 1 to 64"),
+    (("kvabi_handshakes", 0, "kv"), [KV_TP[0], 5],
+     r"kvabi_handshakes\[0\].kv\[1\]: must be a handshake message \(a string\)"),
+    (("kvabi_handshakes", 0, "kv"), [KV_TP[0], "{}"], r"kvabi_handshakes\[0\].kv\[1\]: "),
+    (("kvabi_handshakes", 0, "kv"), [KV_TP[0], _rank_msg(1, bs=16)],
+     r"kvabi_handshakes\[0\].kv\[1\]: block size 16, the producer's first says 32"),
+    (("kvabi_grants",), [GRANTS_TP[0]] * 65, r"kvabi_grants: must be a handshake message or "
+                                             r"a list of 1 to 64 \(one per producer rank\), "
+                                             r"got a list of 65"),
+    (("kvabi_grants",), [GRANTS_TP[0], KV_TP[1]], r"kvabi_grants\[1\]: not a grant table"),
+    (("kvabi_grants",), [GRANTS_TP[0], None],
+     r"kvabi_grants\[1\]: must be a handshake message"),
+    (("kvabi_grants",), {"0": GRANTS_TP[0]}, r"kvabi_grants: must be a handshake message or "
+                                             r"a list"),
+    (("kvabi_grants",), GRANTS, r"kvabi_handshakes\[0\].kv: 2 producer ranks, kvabi_grants "
+                                r"lists 1"),
+]
+
+
+@pytest.mark.parametrize("path,value,field", NEGATIVE_TP,
+                         ids=[f"{'.'.join(map(str, p))}={v!r:.20}" for p, v, _ in NEGATIVE_TP])
+def test_malformed_rank_lists_are_refused_by_field(path, value, field):
+    with pytest.raises(KVABIError, match=field):
+        reader().read(_set(honest_tp(), path, value), PROMPT)
+
+
+PATHS_TP = [p for p in _paths(honest_tp()) if p]
+
+
+@given(st.sampled_from(PATHS_TP), _json)
+def test_any_value_anywhere_in_rank_lists_is_read_or_refused_by_name(path, value):
+    try:
+        reader().read(_set(honest_tp(), path, value), PROMPT)
+    except KVABIError as e:
+        assert str(e).split(":")[0].strip()

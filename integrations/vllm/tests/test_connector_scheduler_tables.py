@@ -156,3 +156,28 @@ def test_a_host_tier_scheduler_is_bounded_and_keyed_by_salt(salted):
             assert not meta.saves  # opted out
         assert s.table_sizes()["host_entries"] <= 32 and s.table_sizes()["entries"] == 0
     assert evicted > 0
+
+
+def test_a_tensor_parallel_prefill_scheduler_sends_every_ranks_messages_in_rank_order():
+    """Under TP 2 each worker (rank) sends its own messages; a held request's parameters
+    list them per place in rank order (whatever order vLLM hands them over), and a decode
+    scheduler reads them back as two producer ranks."""
+    import attrs
+
+    spec = kvabi.KVSpec("full", block_size=BS, num_kv_heads=1, head_dim=32, dtype="float32")
+    lay = kvabi.Layout.preset("vllm.LBHNC", spec, num_blocks=512, num_layers=2)
+    kv = [_msg(attrs.evolve(lay, shard=kvabi.Shard.tp(r, 2, 2))) for r in range(2)]
+    grants = [_msg(table_layout(64, 4096 + 64 * r)) for r in range(2)]
+    s = KvabiConnectorScheduler(_config("kv_producer"))
+    s.set_xfer_handshake_metadata({r: KvabiHandshakeMetadata([{"kv": kv[r]}], grants[r], b"")
+                                   for r in (1, 0)})
+    req = _request(0, list(range(40)), {"do_remote_decode": True})
+    s.get_num_new_matched_tokens(req, 0)
+    hold, params = s.request_finished(req, ([7, 8, 9, 10],))
+    assert hold and params["kvabi_handshakes"] == [{"kv": kv}]
+    assert params["kvabi_grants"] == grants
+    d = KvabiConnectorScheduler(_config("kv_consumer"))
+    back = _request(1, list(range(40)), {**params, "do_remote_prefill": True})
+    count, _, meta = _step(d, back)
+    (pull,) = meta.pulls
+    assert count == 40 and pull.remote.ranks == 2 and pull.remote.grants == tuple(grants)

@@ -63,7 +63,8 @@ def llama(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return {"llama": write_checkpoint("llama", root / "llama"),
             "head48": write_checkpoint("llama", root / "head48", head_dim=48, heads=2,
-                                       hidden=96)}
+                                       hidden=96),
+            "kv3": write_checkpoint("llama", root / "kv3", heads=6, kv_heads=3, hidden=192)}
 
 
 def config(model, monkeypatch, backend, **kw):
@@ -120,22 +121,22 @@ def test_a_served_configuration_passes_and_names_what_runs(llama, monkeypatch):
         "LBHNC" in line
 
 
-@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
-def test_pd_under_tensor_parallelism_is_refused_naming_role_and_size(llama, monkeypatch,
-                                                                      role):
-    # the connector's layouts do not state a rank's shard of the KV heads yet
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_pd_under_tensor_parallelism_starts_where_the_heads_split(llama, monkeypatch, role):
+    # each rank's layouts state its shard of the KV heads (kvabi.Shard.tp): TP 2 over the
+    # llama's 2 KV heads starts; 3 KV heads over 2 ranks have no split and are refused
     from vllm.config import KVTransferConfig
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     kv = dict(kv_connector="KvabiConnector", kv_connector_module_path="kvabi_vllm.connector")
-    refused(lambda: config(llama["llama"], monkeypatch, None, tensor_parallel_size=2,
-                           kv_transfer_config=KVTransferConfig(kv_role=role, **kv)),
-            f"kv_role={role}", "--tensor-parallel-size 2", "--tensor-parallel-size 1")
-    # TP 1, and the host tier alone at TP 2, start
+    cfg = config(llama["llama"], monkeypatch, None, tensor_parallel_size=2,
+                 kv_transfer_config=KVTransferConfig(kv_role=role, **kv))
+    assert cfg.parallel_config.tensor_parallel_size == 2
     config(llama["llama"], monkeypatch, None,
            kv_transfer_config=KVTransferConfig(kv_role=role, **kv))
-    config(llama["llama"], monkeypatch, None, tensor_parallel_size=2,
-           kv_transfer_config=KVTransferConfig(kv_role="kv_both", **kv))
+    refused(lambda: config(llama["kv3"], monkeypatch, None, tensor_parallel_size=2,
+                           kv_transfer_config=KVTransferConfig(kv_role=role, **kv)),
+            "--tensor-parallel-size 2", f"kv_role={role}", "3 KV heads", "2 ranks")
 
 
 def test_without_kvabi_vllm_is_left_alone(llama, monkeypatch):

@@ -43,10 +43,13 @@ def allow_cpu_attn_layout(name: str) -> None:
 def make_llm(model: str, *, block_size: int, role: str | None, connector: str = "KvabiConnector",
              module: str | None = "kvabi_vllm.connector", extra: dict | None = None,
              layout: str | None = None, prefix_caching: bool = False, blocks: int = 256,
-             dtype: str = "float32", kv_cache_dtype: str = "auto", kv_scales=None):
+             dtype: str = "float32", kv_cache_dtype: str = "auto", kv_scales=None,
+             tp: int = 1):
     """An in-process vLLM engine (``dtype``, no tokenizer) with a KV connector in ``role``;
     ``kv_cache_dtype`` (e.g. ``fp8``) and per-layer ``kv_scales`` ((k, v) pairs, cycled,
-    set as the weights load)."""
+    set as the weights load); ``tp`` > 1: that many tensor-parallel workers, each in a
+    process of its own bound to one core (``VLLM_CPU_OMP_THREADS_BIND``, default
+    ``0|1|...``)."""
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if layout:
@@ -67,10 +70,14 @@ def make_llm(model: str, *, block_size: int, role: str | None, connector: str = 
         if connector == "NixlConnector":
             kw["kv_buffer_device"] = "cpu"
         kv = KVTransferConfig(**kw)
+    par = {}
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
+        par = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
     return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, block_size=block_size,
                max_model_len=1024, enforce_eager=True, num_gpu_blocks_override=blocks,
                enable_prefix_caching=prefix_caching, kv_transfer_config=kv,
-               kv_cache_dtype=kv_cache_dtype)
+               kv_cache_dtype=kv_cache_dtype, **par)
 
 
 #: a decode side on another backend, layout and block size than vLLM's CPU backend: the

@@ -169,8 +169,8 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
     def shift_plane(m):
         m["planes"]["address"][0] += 64  # the compact planes object: per-plane lists
 
-    def part_of(p):  # vLLM's CPU cache: one part kv of two components (keys [D, N],
-        return "k" if "k" in p["kvabi_handshakes"][0] else "kv"  # values [N, D])
+    def part_of(p):  # the part the decode engine reads: vLLM's CPU cache is one part kv of
+        return "kv" if "kv" in p["kvabi_handshakes"][0] else "k"  # two components
 
     def comps(m):
         return {c["name"]: c for c in m["layout"]["components"]}
@@ -197,8 +197,9 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
 
     def swap_kv(p):
         hs = p["kvabi_handshakes"][0]
-        if "k" in hs:
+        if "kv" not in hs or "components" not in json.loads(hs["kv"])["layout"]:
             hs["k"], hs["v"] = hs["v"], hs["k"]
+            hs.pop("kv", None)
         else:  # the key and value components trade places
             m = json.loads(hs["kv"])
             c = comps(m)
