@@ -614,7 +614,7 @@ class KvabiConnectorWorker:
                 plan = plan_shard_transfer([x.layout for x in peers], cache.layout, s, d)
                 self._agent.pull_shard_plan(peers, plan, cache, notify=note if last else b"",
                                             timeout=job.left(), staged=True,
-                                            guard=job.commit)
+                                            guard=job.commit, kv_scales=self._scales[g])
             else:
                 plan = plan_transfer(peers[0].layout, cache.layout, s, d)
                 self._agent.pull_plan(peers[0], plan, cache, notify=note if last else b"",
