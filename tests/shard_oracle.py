@@ -202,3 +202,11 @@ def shared_scale_group(tp, heads=4):
     """One :func:`shared_scale_layout` per rank of a TP ``tp`` engine of ``heads`` heads."""
     return [shared_scale_layout(len(Shard.tp(r, tp, heads).heads), Shard.tp(r, tp, heads))
             for r in range(tp)]
+
+
+def table(rng, tokens, block_size, num_blocks):
+    """Slots of ``tokens`` positions over scattered blocks of one engine."""
+    need = -(-tokens // block_size)
+    blocks = rng.permutation(num_blocks)[:need]
+    pos = np.arange(tokens)
+    return blocks[pos // block_size] * block_size + pos % block_size, blocks

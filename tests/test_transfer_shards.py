@@ -16,7 +16,7 @@ from kvabi.presets import preset_names
 from kvabi.shard import Shard
 from kvabi.transfer.shards import (assign, execute_shards, plan_shard_block_transfer,
                                    plan_shard_transfer, plan_tp_transfer)
-from shard_oracle import check_rank, guarded_cache, model_kv, write_rank
+from shard_oracle import check_rank, guarded_cache, model_kv, table, write_rank
 
 LAYERS = 2
 KINDS = {  # name: (kind, global KV heads)
@@ -44,14 +44,6 @@ def rank_layouts(preset, kind, heads, tp, block_size, num_blocks, dim=8, dtype="
                       head_dim=dim, dtype=dtype)
         out.append(attrs.evolve(Layout.preset(preset, spec, num_blocks, LAYERS), shard=shard))
     return out
-
-
-def table(rng, tokens, block_size, num_blocks):
-    """Slots of ``tokens`` positions over scattered blocks of one engine."""
-    need = -(-tokens // block_size)
-    blocks = rng.permutation(num_blocks)[:need]
-    pos = np.arange(tokens)
-    return blocks[pos // block_size] * block_size + pos % block_size, blocks
 
 
 def run_case(kind, heads, pair, tp, bs, *, tokens, whole_blocks, seed=0, layers=None):

@@ -20,8 +20,8 @@ from kvabi.shard import Shard
 from kvabi.transfer.host_pool import cross_layer_twin
 from kvabi.transfer.shards import (execute_shards, plan_shard_block_transfer,
                                    plan_shard_transfer, plan_tp_transfer)
-from shard_oracle import (check_components, component_cache, component_model, shared_scale_group,
-                          shared_scale_layout, write_components)
+from shard_oracle import (check_components, component_cache, component_model,
+                          shared_scale_group, shared_scale_layout, table, write_components)
 
 LAYERS = 2
 DIM = 8
@@ -65,13 +65,6 @@ def rank_layouts(name, kind, tp, block_size, num_blocks, dtype="float16"):
                           head_dim=DIM, dtype=dtype)
         out.append(layout(name, spec, num_blocks, shard))
     return out
-
-
-def table(rng, tokens, block_size, num_blocks):
-    need = -(-tokens // block_size)
-    blocks = rng.permutation(num_blocks)[:need]
-    pos = np.arange(tokens)
-    return blocks[pos // block_size] * block_size + pos % block_size, blocks
 
 
 def run_case(kind, pair, tp, bs, *, tokens, whole_blocks, seed=0, layers=None):
