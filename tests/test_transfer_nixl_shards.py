@@ -164,6 +164,23 @@ def test_every_prefill_rank_is_notified(groups, decode_agents):
         time.sleep(0.02)
 
 
+def test_a_plain_notification_reaches_the_rank_named(groups, decode_agents):
+    """NixlAgent.notify: a message without a READ, to one rank only; bad input refused."""
+    group = groups[2]
+    agent = decode_agents[0]
+    peers = [agent.connect(m, timeout=30) for m in group.messages("mla")]
+    agent.notify(peers[1], "kvabi.pull gave up")
+    deadline = time.monotonic() + PULL_TIMEOUT
+    while "kvabi.pull gave up" not in group.notes(1):
+        assert time.monotonic() < deadline, group.notes(1)
+        time.sleep(0.02)
+    assert "kvabi.pull gave up" not in group.notes(0)
+    with pytest.raises(KVABIError, match="^peer: must be a connected Peer, got str"):
+        agent.notify("rank1", b"x")
+    with pytest.raises(KVABIError, match="^message: must be bytes"):
+        agent.notify(peers[0], 7)
+
+
 # -- fault injection ---------------------------------------------------------------------------
 def _retold(message, **shard):
     """The handshake as a consistent liar would send it: the shard changed and the

@@ -465,11 +465,24 @@ class NixlAgent:
         for i, p in enumerate(peers):
             if i not in read:
                 try:
-                    self._agent.send_notif(p.name, notify)
-                except Exception as e:  # noqa: BLE001 - the bytes are here: not a failure
+                    self.notify(p, notify)
+                except KVABIError as e:  # the bytes are here: not a failure
                     log.warning("kvabi.transfer.nixl: the notification to %r (rank %d, not "
                                 "read) failed: %s", p.name, i, e)
         return dst
+
+    def notify(self, peer, message) -> None:
+        """Send ``message`` (bytes, or str as UTF-8) to connected ``peer`` as a plain
+        notification, without a READ: what its :meth:`drain_notifications` returns (e.g.
+        telling a serving rank that this side gave up on a pull).  KVABIError when it
+        cannot be sent."""
+        if not isinstance(peer, Peer):
+            raise KVABIError(f"peer: must be a connected Peer, got {type(peer).__name__}")
+        message = _message(message, "message")
+        try:
+            self._agent.send_notif(peer.name, message)
+        except Exception as e:  # noqa: BLE001 - NIXL's own errors
+            raise KVABIError(f"nixl: notifying {peer.name!r} failed: {e}") from None
 
     def _peer_list(self, peers) -> None:
         if isinstance(peers, Peer) or not isinstance(peers, (list, tuple)) or not peers:

@@ -67,8 +67,6 @@ GRANT_POLL_S = 0.005
 USED_GRANTS = 65536
 #: producer groups whose negotiation is kept (producers come and go)
 NEGOTIATIONS = 256
-#: seconds a failed pull may spend telling a producer rank it is done
-TELL_TIMEOUT_S = 2.0
 
 
 def host_parts(parts):
@@ -530,18 +528,14 @@ class KvabiConnectorWorker:
 
     def _tell_done(self, job) -> None:
         """A pull that failed after binding tells every producer rank whose record bound
-        the grant to this request that this rank is done (a READ of the grant's slot
-        carrying the notification), so that none holds the request's blocks for it; a rank
-        that does not answer, or whose record did not bind, is left to its
-        hold_timeout_s."""
+        the grant to this request that this rank is done (a plain notification), so that
+        none holds the request's blocks for it; a rank that does not answer, or whose
+        record did not bind, is left to its hold_timeout_s."""
         r = job.work.remote
         note = notify_message(r.slot, r.nonce, self._tp[0], self._tp[1])
         for i, peer in job.tables:
             try:
-                local = KVCache.allocate(table_layout(1, peer.layout.size("D")), "numpy")
-                plan = plan_block_transfer(peer.layout, local.layout, [r.slot], [0])
-                self._agent.pull_plan(peer, plan, local, timeout=TELL_TIMEOUT_S, notify=note,
-                                      staged=True)
+                self._agent.notify(peer, note)
             except KVABIError as e:
                 log.warning("KvabiConnector: could not tell producer rank %d that request %s "
                             "is done: %s", i, job.req_id, e)
