@@ -37,7 +37,7 @@ import numpy as np
 
 from kvabi import KVABIError, KVCache
 from kvabi.shard import shard_of
-from kvabi.transfer import (HostPool, Refused, negotiate, plan_block_transfer,
+from kvabi.transfer import (HostPool, negotiate, plan_block_transfer,
                             plan_shard_transfer, plan_transfer)
 from kvabi.transfer.handshake import parse_handshake
 from kvabi.transfer.kv_scales import check_same_scales
@@ -137,8 +137,7 @@ class KvabiConnectorWorker:
         self._peers_lock = threading.Lock()
         self._used = collections.OrderedDict()   # grant nonces pulled here -> request id
         self._used_lock = threading.Lock()
-        # digest of (group, part, the producer ranks' messages) -> Negotiation, or None
-        # where a component layout is read whole from one rank (planned pairwise)
+        # digest of (group, part, the producer ranks' messages) -> Negotiation
         self._negotiated: collections.OrderedDict = collections.OrderedDict()
         self._negotiate_lock = threading.Lock()
         self._local_hs: dict = {}  # (group, part) -> this rank's parsed handshake
@@ -483,13 +482,13 @@ class KvabiConnectorWorker:
                 self._agent.handshake(cache, model=self.config.model_id))
         return hs
 
-    def _negotiate(self, g: int, part: str, cache, peers, sharded: bool):
+    def _negotiate(self, g: int, part: str, cache, peers):
         """How this rank reads ``part`` of group ``g`` from the producer ranks ``peers``
         (``kvabi.transfer.negotiate``: model identity, ABI, dtype, head dim, KV heads and
         layers compared at once, the producer group's shards checked), once per producer
-        group, with the kind and cost logged once: a Negotiation, or None where the two
-        sides hold one component layout each, whole (planned pair by pair).  KVABIError
-        naming the field before any byte moves."""
+        group, with the kind and cost logged once: a Negotiation (component layouts are
+        negotiated component by component).  KVABIError naming the field before any byte
+        moves."""
         key = hashlib.blake2b(repr((g, part, [p.handshake.fingerprint for p in peers],
                                     [p.name for p in peers],
                                     [p.handshake.model for p in peers])).encode(),
@@ -498,26 +497,19 @@ class KvabiConnectorWorker:
             if key in self._negotiated:
                 self._negotiated.move_to_end(key)
                 return self._negotiated[key]
-            got = self._negotiate_once(g, part, cache, peers, sharded)
+            got = self._negotiate_once(g, part, cache, peers)
             self._negotiated[key] = got
             while len(self._negotiated) > NEGOTIATIONS:
                 self._negotiated.popitem(last=False)
         return got
 
-    def _negotiate_once(self, g: int, part: str, cache, peers, sharded: bool):
-        field = f"kvabi_handshakes[{g}].{part}"
+    def _negotiate_once(self, g: int, part: str, cache, peers):
         mine = self._local_handshake(g, part, cache)
         try:
             got = negotiate(mine, [p.handshake for p in peers])
-        except Refused as e:
-            if e.fields != ("components",) or sharded:
-                raise KVABIError(f"{field}: {e}") from None
-            log.info("KvabiConnector: group %d part %s reads %s whole from one producer "
-                     "rank (component layouts, planned pair by pair)", g, part,
-                     peers[0].layout.name or "custom")
-            return None  # one component layout each, whole: plan_transfer checks the pair
-        except KVABIError as e:  # the producer group itself: ranks swapped, heads lied
-            raise KVABIError(f"{field}: {e}") from None
+        except KVABIError as e:  # data that differ (Refused), or the producer group itself:
+            # ranks swapped, heads lied
+            raise KVABIError(f"kvabi_handshakes[{g}].{part}: {e}") from None
         cost = got.cost()
         log.info("KvabiConnector: group %d part %s (rank %d of %d) reads producer ranks %s "
                  "of %d: %s%s, %d regions and %d staging bytes per block", g, part,
@@ -584,10 +576,10 @@ class KvabiConnectorWorker:
                 todo.append((g, part, cache, [self._peer(m, job) for m in msgs], sharded))
         # negotiated before any KV moves: which producer ranks hold this rank's heads
         runs, reads = {}, []
-        for g, part, cache, peers, sharded in todo:
-            got = self._negotiate(g, part, cache, peers, sharded)
-            runs.setdefault(g, got.runs if got is not None else None)
-            reads.append(got.sources if got is not None else (0,))
+        for g, part, cache, peers, _ in todo:
+            got = self._negotiate(g, part, cache, peers)
+            runs.setdefault(g, got.runs)
+            reads.append(got.sources)
         for (g, part, _, peers, _), read in zip(todo, reads):
             for i in read:
                 self._check_claim(recs[i], g, part, peers[i], rank_of(i))
