@@ -42,6 +42,7 @@ from .cache import KVCache
 from .capabilities import Capabilities
 from .coerce import as_bool, real_array
 from .errors import KVABIError, UnsupportedError
+from .prepared_seal import Seal, normal_tensors
 from .quant import check_scales
 from .spec import KVSpec
 from .step_checks import (AttentionOptions, check_kv, check_layer, check_num_q_heads,
@@ -175,10 +176,29 @@ class Backend:
         opts = AttentionOptions.resolve(spec, scale, softcap, sinks, num_q_heads=hq)
         plan = StepPlan(self.name, meta, spec, layout, hq, opts.scale, opts.softcap,
                         opts.sinks)
-        # set once, before anyone else holds the plan (prepare sees prepared=None)
-        object.__setattr__(plan, "prepared", self.prepare(plan=plan))
+        # set once, before anyone else holds the plan (prepare sees prepared=None); torch
+        # tensors made with version counters (not inference tensors) so that the seal
+        # can tell when one is written
+        with normal_tensors():
+            prepared = self.prepare(plan=plan)
+        seal = Seal()
+        seal.add(prepared, "plan.prepared")  # read-only from here, checked at every use
+        object.__setattr__(plan, "prepared", prepared)
+        object.__setattr__(plan, "_seal", seal)
         _ISSUED[plan] = self
         return plan
+
+    def prepared_for(self, plan: StepPlan, key, make):
+        """What the backend makes from ``plan`` after :meth:`prepare`, once per ``key``
+        (data that depends on a call: the query dtype, a tile shape): ``make()`` is called
+        the first time, its result sealed like ``plan.prepared`` (read-only, checked at
+        every return) and kept with the plan, out of callers' reach.  ``plan`` must be
+        one this backend made."""
+        if plan is not self.__dict__.get("_kvabi_plan") and (
+                type(plan) is not StepPlan or _ISSUED.get(plan) is not self):
+            raise KVABIError(f"plan: must come from {self.name}.plan(), got "
+                             f"{type(plan).__name__}")
+        return plan._seal.memo(key, make, f"plan.prepared_for[{key!r}]")
 
     def write_kv(self, plan: StepPlan, cache: KVCache, *, key, value=None,
                  layer: int = 0, k_scale=None, v_scale=None) -> KVCache:
@@ -262,6 +282,7 @@ class Backend:
                     f"a plan of {plan.backend!r} not made by this backend object"
                 raise KVABIError(f"plan: must come from {self.name}.plan(), got {got}")
             self.__dict__["_kvabi_plan"] = plan
+        plan._seal.check()  # every call: the prepared arrays are as prepare made them
         if type(cache) is not KVCache:
             raise KVABIError(f"cache: must be a kvabi.KVCache (KVCache.wrap(layout, planes) "
                              f"checks planes once), got {type(cache).__name__}")
@@ -294,7 +315,15 @@ class Backend:
         if fw != self.framework:
             if fw is None:
                 x = real_array(x, field)
-            x = convert(x, self.framework, device=self.__device())
+            elif dtype_class(x.dtype) == "other":  # named before a framework refuses it
+                real_dtype(x, field)
+            try:
+                x = convert(x, self.framework, device=self.__device())
+            except KVABIError as e:
+                raise KVABIError(f"{field}: {str(e).removeprefix('array: ')}") from None
+            except (TypeError, ValueError) as e:  # a framework's own refusal
+                raise KVABIError(f"{field}: cannot become a {self.framework} array "
+                                 f"({type(e).__name__}: {e})") from None
         elif fw == "torch":
             dev = self.__device()
             if dev is not None and x.device.type != dev.type:

@@ -80,9 +80,9 @@ def as_float(value, field: str, *, positive: bool = False, finite: bool = True) 
     return v
 
 
-def _numpy_of(x, field: str) -> np.ndarray:
+def _numpy_of(x, field: str, what: str = "integers") -> np.ndarray:
     """A numpy array of ``x`` (lists, numpy, torch, jax), or KVABIError for ragged or
-    unrepresentable input."""
+    unrepresentable input (``what`` the array holds, for the message)."""
     if isinstance(x, np.ndarray):
         return x
     mod = type(x).__module__.split(".")[0]
@@ -91,11 +91,11 @@ def _numpy_of(x, field: str) -> np.ndarray:
 
         return to_numpy(x)
     if x is None or isinstance(x, (str, bytes, dict, set)):
-        raise KVABIError(f"{field}: must be an array of integers, got {_show(x)}")
+        raise KVABIError(f"{field}: must be an array of {what}, got {_show(x)}")
     try:
         a = np.asarray(x)
     except (ValueError, TypeError, OverflowError) as e:
-        raise KVABIError(f"{field}: must be a rectangular array of integers ({e})") from None
+        raise KVABIError(f"{field}: must be a rectangular array of {what} ({e})") from None
     if a.dtype.kind in "iu" and isinstance(x, (list, tuple)) and _has_bool(x):
         # numpy turns [3, True] into integers: a bool among ints is refused all the same
         raise KVABIError(f"{field}: must hold integers, got a bool entry")
@@ -166,7 +166,7 @@ def int_array(x, field: str, *, ndim: int | None = 1, lo: int | None = None,
 def real_array(x, field: str) -> np.ndarray:
     """``x`` as a numpy array of real numbers (float or integer dtype, bf16/fp8 included);
     complex, bool, object and string arrays are refused."""
-    a = _numpy_of(x, field)
+    a = _numpy_of(x, field, "real numbers")
     k = a.dtype.kind
     if k in "fiu" or (k == "V" and a.dtype.itemsize in (1, 2)):  # ml_dtypes' bf16/fp8
         return a

@@ -2,7 +2,8 @@
 *Fingerprint*).
 
 The digest is taken over the layout's *placement*, not its descriptor text: the sizes of
-``L, B, N, H``, the global heads it holds (its shard), and per component (an axis-form
+``L, B, N, H``, the global heads it holds (its shard, as runs of consecutive heads: the
+form grows with the text that states the heads, never with their count), and per component (an axis-form
 layout by the components it derives) its name, dtype, element count, first plane and byte
 offset, and for every axis of size > 1 where index 1 lands, as a plane step (``L``) or a
 byte step.  Addressing is affine per component (``layout.md``, *Addressing*), so these fix
@@ -18,8 +19,9 @@ import json
 
 from .shard import shard_of
 
-#: version of the canonical form; the fingerprint starts with it
-VERSION = "kv2"
+#: version of the canonical form; the fingerprint starts with it (kv3: heads as runs, so
+#: the form's size is the descriptor's, never the head count's)
+VERSION = "kv3"
 _AXES = ("L", "B", "N", "H", "E")
 
 
@@ -37,11 +39,11 @@ def canonical(layout) -> dict:
     shard = shard_of(layout)
     return {"v": VERSION, "axes": list(_AXES), "sizes": [sizes[a] for a in _AXES[:-1]],
             "components": [_component(c, sizes) for c in layout.components],
-            "heads": list(shard.heads), "of": shard.of}
+            "heads": [list(r) for r in shard.heads.runs], "of": shard.of}
 
 
 def fingerprint(layout) -> str:
-    """``"kv2:"`` and the first 32 hex digits of the SHA-256 of the canonical placement
+    """``"kv3:"`` and the first 32 hex digits of the SHA-256 of the canonical placement
     as compact, key-sorted JSON."""
     text = json.dumps(canonical(layout), sort_keys=True, separators=(",", ":"))
     return f"{VERSION}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"

@@ -17,20 +17,31 @@ from functools import lru_cache
 
 from .coerce import INT64_MAX, as_int
 from .errors import KVABIError
+from .head_runs import HeadRuns, merged
 
 #: JSON keys of a shard (``specs/layout.schema.json``)
 FIELDS = ("heads", "of", "rank", "ranks")
 
 
-def _heads(x) -> tuple[int, ...]:
-    if isinstance(x, (str, bytes, Mapping)) or not isinstance(x, (list, tuple, range)):
+def _heads(x) -> HeadRuns:
+    """The heads as runs: a range or HeadRuns in O(1) / O(runs), a list in O(its length)
+    (never O(the heads a range spans): its bounds may come from an untrusted size)."""
+    if isinstance(x, HeadRuns):
+        return x
+    if isinstance(x, range):
+        if x.step != 1 and len(x) > 1:
+            x = list(x)
+        else:
+            if len(x) and (x.start < 0 or x.start + len(x) - 1 > INT64_MAX):
+                raise KVABIError(f"shard.heads: {x!r} is not a range of heads in "
+                                 f"[0, 2**63 - 1]")
+            return HeadRuns.of_range(x.start, len(x))
+    if isinstance(x, (str, bytes, Mapping)) or not isinstance(x, (list, tuple)):
         raise KVABIError(f"shard.heads: must be a list of global KV head indices, got "
                          f"{x!r:.80}")
-    if isinstance(x, range) or all(type(h) is int for h in x):  # plain ints: one check
-        t = tuple(x)
-        if not t or (min(t) >= 0 and max(t) <= INT64_MAX):
-            return t
-    return tuple(as_int(h, f"shard.heads[{i}]", lo=0) for i, h in enumerate(x))
+    if not all(type(h) is int for h in x) or (x and (min(x) < 0 or max(x) > INT64_MAX)):
+        x = [as_int(h, f"shard.heads[{i}]", lo=0) for i, h in enumerate(x)]
+    return HeadRuns.of_ints(x)
 
 
 @attrs.frozen
@@ -42,20 +53,21 @@ class Shard:
     ``heads`` are distinct and below ``of``; ``rank < ranks``.  Build the slice a
     tensor-parallel engine holds with :meth:`tp`."""
 
-    heads: tuple[int, ...] = attrs.field(converter=_heads)
+    heads: HeadRuns = attrs.field(converter=_heads)
     of: int = attrs.field(converter=lambda v: as_int(v, "shard.of", lo=1))
     rank: int = attrs.field(default=0, converter=lambda v: as_int(v, "shard.rank", lo=0))
     ranks: int = attrs.field(default=1, converter=lambda v: as_int(v, "shard.ranks", lo=1))
 
     def __attrs_post_init__(self):
+        # O(runs): the heads of a whole layout are one run, however many they are
         if not self.heads:
             raise KVABIError("shard.heads: a shard holds at least one head")
-        bad = [h for h in self.heads if h >= self.of]
-        if bad:
-            raise KVABIError(f"shard.heads: head {bad[0]} out of range [0, {self.of}) "
-                             f"(shard.of = {self.of})")
-        if len(set(self.heads)) != len(self.heads):
-            dup = next(h for h in self.heads if self.heads.count(h) > 1)
+        if self.heads.max >= self.of:
+            bad = next(f + n - 1 for f, n in self.heads.runs if f + n - 1 >= self.of)
+            raise KVABIError(f"shard.heads: head {max(bad, self.of)} out of range "
+                             f"[0, {self.of}) (shard.of = {self.of})")
+        dup = self.heads.repeated()
+        if dup is not None:
             raise KVABIError(f"shard.heads: head {dup} appears twice")
         if self.rank >= self.ranks:
             raise KVABIError(f"shard.rank: {self.rank} out of range [0, {self.ranks}) "
@@ -81,7 +93,7 @@ class Shard:
     @property
     def is_whole(self) -> bool:
         """Holds every head, in order (what a layout without a shard holds)."""
-        return len(self.heads) == self.of and self.heads == tuple(range(self.of))
+        return self.heads.runs == ((0, self.of),)
 
     @property
     def is_standard(self) -> bool:
@@ -89,16 +101,15 @@ class Shard:
         split for ``ranks`` and ``of``).  Never builds more heads than this shard holds
         (``of`` may come from an untrusted descriptor)."""
         want = split_heads(self.rank, self.ranks, self.of)
-        return want is not None and len(want) == len(self.heads) and \
-            self.heads == tuple(want)
+        return want is not None and self.heads == want
 
     def local(self, head: int) -> int:
         """The local index of global ``head`` (KVABIError when this shard lacks it)."""
-        try:
-            return self.heads.index(head)
-        except ValueError:
+        i = self.heads.find(head)
+        if i is None:
             raise KVABIError(f"shard.heads: global head {head} is not held (this shard holds "
-                             f"{list(self.heads)})") from None
+                             f"{_show_heads(self.heads)})")
+        return i
 
     # -- JSON --------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -170,10 +181,10 @@ def check_group(shards, field: str = "sources", *, standard: bool = True) -> tup
             said = _show_heads(want) if want is not None else "no even split"
             raise KVABIError(f"{field}[{i}].shard.heads: rank {i} of {s.ranks} holds "
                              f"{said} of {s.of} heads, it says {_show_heads(s.heads)}")
-    held = sorted(set().union(*(s.heads for s in shards)))
-    if len(held) != first.of:  # the first head missing, without counting up to `of`
-        gap = [i for i, h in enumerate(held) if h != i]
-        missing = gap[0] if gap else len(held)
+    # every head held: the union of the ranks' runs, O(runs) (never a set of heads)
+    held = merged(r for s in shards for r in s.heads.runs)
+    if held != [(0, first.of)]:
+        missing = 0 if held[0][0] else held[0][1]
         raise KVABIError(f"{field}: global head {missing} of {first.of} is held by no rank")
     return shards
 
@@ -193,9 +204,9 @@ def split_heads(rank: int, ranks: int, heads: int) -> range | None:
 
 def _show_heads(heads) -> str:
     """Heads for a message: the list, or its ends where it is long."""
-    h = list(heads[:9]) if len(heads) > 8 else list(heads)
-    return str(h) if len(heads) <= 8 else f"[{h[0]}, {h[1]}, ..., {heads[-1]}] " \
-        f"({len(heads)} heads)"
+    if len(heads) <= 8:
+        return str(list(heads))
+    return f"[{heads[0]}, {heads[1]}, ..., {heads[-1]}] ({len(heads)} heads)"
 
 
 def shard_field(x):

@@ -170,11 +170,16 @@ def dtype_class(dt) -> str:
     except (KeyError, TypeError):
         pass
     name = str(dt).replace("torch.", "")
-    if getattr(dt, "kind", None) in ("c", "b", "U", "S", "O") or "complex" in name or \
+    kind = getattr(dt, "kind", None)  # numpy and jax dtypes; ml_dtypes' are kind "V"
+    if kind in ("c", "b", "U", "S", "O", "M", "m") or "complex" in name or \
             name.endswith("bool"):
         c = "other"
-    else:
-        c = "float" if name.startswith(("float", "bfloat")) else "real"
+    elif name.startswith(("float", "bfloat")):
+        c = "float"
+    elif kind is None or kind in ("i", "u") or name.startswith(("int", "uint")):
+        c = "real"
+    else:  # void, records, anything else numpy can hold: not numbers
+        c = "other"
     try:
         if len(_DTYPE_CLASS) < 256:
             _DTYPE_CLASS[dt] = c

@@ -39,6 +39,9 @@ class StepPlan:
     #: for MLA, query, output) and the layout's layer count
     shapes: tuple = attrs.field(init=False, repr=False)
     num_layers: int = attrs.field(init=False, repr=False)
+    #: the seal of ``prepared`` (:class:`kvabi.prepared_seal.Seal`), set by
+    #: ``Backend.plan``: checked at every use of the plan
+    _seal: object = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self):
         t, h, s = self.meta.num_tokens, self.spec.num_kv_heads, self.spec

@@ -25,8 +25,9 @@ class TPView:
 
     model: ModelKV = attrs.field()
     tp_size: int = attrs.field(converter=lambda v: as_int(v, "tp_size", lo=1))
-    # per rank, per group: (local spec, shard); computed once
-    _ranks: tuple = attrs.field(init=False, repr=False, eq=False)
+    # (rank, group) -> (local spec, shard), made on first use: the view of rank r costs
+    # O(groups), never O(tp_size) (a size a caller may have read from a file)
+    _memo: dict = attrs.field(init=False, repr=False, eq=False, factory=dict)
 
     @model.validator
     def _check_model(self, _attribute, value):
@@ -34,17 +35,22 @@ class TPView:
             raise KVABIError(f"model: must be a kvabi.ModelKV, got {type(value).__name__}")
 
     def __attrs_post_init__(self):
-        ranks = []
-        for r in range(self.tp_size):
-            row = []
-            for gi, g in enumerate(self.model.groups):
-                try:
-                    shard = Shard.tp(r, self.tp_size, g.spec.num_kv_heads)
-                except KVABIError as e:
-                    raise KVABIError(f"model.groups[{gi}].spec.num_kv_heads: {e}") from None
-                row.append((attrs.evolve(g.spec, num_kv_heads=len(shard.heads)), shard))
-            ranks.append(tuple(row))
-        object.__setattr__(self, "_ranks", tuple(ranks))
+        for gi in range(self.num_groups):  # every group splits over tp_size ranks
+            self._make(0, gi)
+
+    def _make(self, rank: int, group: int) -> tuple[KVSpec, Shard]:
+        got = self._memo.get((rank, group))
+        if got is None:
+            g = self.model.groups[group]
+            try:
+                shard = Shard.tp(rank, self.tp_size, g.spec.num_kv_heads)
+            except KVABIError as e:
+                raise KVABIError(f"model.groups[{group}].spec.num_kv_heads: {e}") from None
+            got = (attrs.evolve(g.spec, num_kv_heads=len(shard.heads)), shard)
+            if len(self._memo) >= 4096:
+                self._memo.clear()
+            self._memo[(rank, group)] = got
+        return got
 
     @property
     def num_groups(self) -> int:
@@ -53,7 +59,7 @@ class TPView:
     def _at(self, rank, group) -> tuple[KVSpec, Shard]:
         rank = as_int(rank, "rank", lo=0, hi=self.tp_size - 1)
         group = as_int(group, "group", lo=0, hi=self.num_groups - 1)
-        return self._ranks[rank][group]
+        return self._make(rank, group)
 
     def shard(self, rank: int, group: int = 0) -> Shard:
         """The heads rank ``rank`` holds of KV group ``group``."""

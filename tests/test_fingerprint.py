@@ -11,6 +11,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from kvabi import KVABIError, KVSpec, Layout
+from kvabi.fingerprint import canonical
 from kvabi.presets import PRESETS, preset_names
 from kvabi.shard import Shard, shard_of
 
@@ -37,7 +38,7 @@ def test_presets_placing_bytes_alike_share_it():
     assert placement(a) == placement(b) and a.fingerprint() == b.fingerprint()
     c = Layout.preset("flashinfer.NHD", spec, 5, 2)
     assert c.fingerprint() != a.fingerprint()
-    assert a.fingerprint().startswith("kv2:") and len(a.fingerprint()) == 36
+    assert a.fingerprint().startswith("kv3:") and len(a.fingerprint()) == 36
     # the form moves no byte: the same placement stated by components shares it
     assert a.component_form().fingerprint() == a.fingerprint()
     assert attrs.evolve(a, shard=Shard.tp(1, 2, 4)).component_form().fingerprint() == \
@@ -66,8 +67,13 @@ def test_known_value():
     text = ('{"axes":["L","B","N","H","E"],"components":['
             '{' + steps + ',"name":"key","offset":0,"plane":0,"plane_step":1},'
             '{' + steps + ',"name":"value","offset":4096,"plane":0,"plane_step":1}],'
-            '"heads":[0,1],"of":2,"sizes":[2,8,16,2],"v":"kv2"}')
-    assert lay.fingerprint() == "kv2:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+            '"heads":[[0,2]],"of":2,"sizes":[2,8,16,2],"v":"kv3"}')
+    assert lay.fingerprint() == "kv3:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+    # heads as runs of consecutive heads: [first, count] each
+    for heads, runs in (([5, 6], "[[5,2]]"), ([6, 5], "[[6,1],[5,1]]")):
+        odd = attrs.evolve(lay, shard=Shard(heads=heads, of=8, rank=0, ranks=1))
+        assert f'"heads":{runs},"of":8' in json.dumps(
+            canonical(odd), sort_keys=True, separators=(",", ":"))
 
 
 # -- mutated descriptors -----------------------------------------------------------------------

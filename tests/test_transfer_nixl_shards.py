@@ -219,7 +219,7 @@ def test_a_shard_lying_about_its_heads(groups, decode_agents):
 def test_a_fingerprint_that_is_not_its_descriptors(groups, decode_agents):
     d = json.loads(groups[2].messages("gqa")[1])
     d["layout"]["shard"]["heads"] = [0, 1]  # the descriptor changed, its label did not
-    with pytest.raises(KVABIError, match="fingerprint: the message says kv2:"):
+    with pytest.raises(KVABIError, match="fingerprint: the message says kv3:"):
         decode_agents[0].connect(json.dumps(d), timeout=5)
 
 

@@ -116,19 +116,20 @@ def assign(sources: Sequence[Shard], dst: Shard) -> tuple[HeadRun, ...]:
     ``k`` that do, spreading destinations over replicas); otherwise each head comes from
     the source of the previous head when it holds it, else from the ``dst.rank % k``-th of
     its ``k`` holders.  KVABIError naming the head when no source holds it."""
+    # per destination head (the local, trusted count) its holders, each found in O(runs):
+    # never a table of every source head (a peer states those)
     where = {}  # global head -> [(source, local index)]
-    for i, s in enumerate(sources):
-        for j, h in enumerate(s.heads):
-            where.setdefault(h, []).append((i, j))
     for h in dst.heads:
-        if h not in where:
+        where[h] = [(i, j) for i, j in ((i, s.heads.find(h)) for i, s in enumerate(sources))
+                    if j is not None]
+        if not where[h]:
             raise KVABIError(f"dst_layout.shard.heads: global head {h} is held by no source "
                              f"rank")
-    whole = [i for i, s in enumerate(sources) if set(dst.heads) <= set(s.heads)]
+    whole = [i for i, s in enumerate(sources) if dst.heads.issubset(s.heads)]
     pick = []
     if whole:
         i = whole[dst.rank % len(whole)]
-        pick = [(i, sources[i].heads.index(h)) for h in dst.heads]
+        pick = [(i, sources[i].heads.find(h)) for h in dst.heads]
     else:
         prev = None
         for h in dst.heads:

@@ -15,6 +15,7 @@ import inspect
 import attrs
 import numpy as np
 
+from kvabi.frozen import FrozenDict
 from kvabi.tensors import to_torch, torch_dtype
 
 from .flashinfer_args import append_args, flashinfer_args, paged_kv_tensors
@@ -27,15 +28,16 @@ WORKSPACE_BYTES = 128 << 20
 
 @attrs.frozen(eq=False)
 class FlashInferSteps:
-    """What the FlashInfer adapter prepares for a step."""
+    """What the FlashInfer adapter prepares for a step (read-only while the plan is used:
+    ``specs/security.md`` 2.5)."""
 
     kv_layout: str
     torch_dtype: object
     #: ``append_paged_kv_cache``'s index tensors on the device, built once per step
-    append: dict
-    #: wrapper for per-call sinks? -> (translated args, planned wrapper, run kwargs as
-    #: tensors); the plan's own in ``prepare``, the one for per-call sinks on first use
-    planned: dict = attrs.field(factory=dict)
+    append: FrozenDict
+    #: the plan's wrapper: (translated args, planned wrapper, run kwargs as tensors); the
+    #: one for per-call sinks is made on first use (``Backend.prepared_for``)
+    planned: tuple
 
 
 class FlashInferBackend(LibraryBackend):
@@ -69,27 +71,28 @@ class FlashInferBackend(LibraryBackend):
     def prepare(self, plan) -> FlashInferSteps:
         kv_layout = nhd_or_hnd(plan.layout)
         dev = self.device()
-        append = {k: to_torch(v, dev) if isinstance(v, np.ndarray) else v
-                  for k, v in append_args(plan.meta, plan.spec, kv_layout).items()}
-        steps = FlashInferSteps(kv_layout, torch_dtype(plan.spec.dtype), append)
-        self._planned(plan, steps, False)  # FlashInfer's plan, at kvabi's plan time
-        return steps
+        append = FrozenDict({k: to_torch(v, dev) if isinstance(v, np.ndarray) else v
+                             for k, v in append_args(plan.meta, plan.spec, kv_layout).items()})
+        dt = torch_dtype(plan.spec.dtype)
+        # FlashInfer's plan, at kvabi's plan time
+        return FlashInferSteps(kv_layout, dt, append, self._plan(plan, kv_layout, dt, False))
 
     def _planned(self, plan, steps, call_sinks: bool):
         """The wrapper planned for the step (and for per-call sinks: the prefill wrapper),
         translated and planned once per step."""
-        hit = steps.planned.get(call_sinks)
-        if hit is not None:
-            return hit
-        if call_sinks and steps.planned[False][0]["wrapper"] == "prefill":
-            hit = steps.planned[True] = steps.planned[False]
-            return hit
+        if not call_sinks or steps.planned[0]["wrapper"] == "prefill":
+            return steps.planned
+        return self.prepared_for(plan, "call_sinks", lambda: self._plan(
+            plan, steps.kv_layout, steps.torch_dtype, True))
+
+    def _plan(self, plan, kv_layout: str, dt, call_sinks: bool) -> tuple:
+        """(translated args, planned wrapper, run kwargs as tensors) of the step."""
         import torch
 
         spec, hq = plan.spec, plan.num_q_heads
         # Per-call sinks: plan as if sinks were given (zeros stand in; run gets the real ones).
         sinks = plan.sinks if not call_sinks or plan.sinks is not None else np.zeros(hq)
-        args = flashinfer_args(plan.meta, spec, steps.kv_layout, num_qo_heads=hq,
+        args = flashinfer_args(plan.meta, spec, kv_layout, num_qo_heads=hq,
                                scale=plan.scale, softcap=plan.softcap, sinks=sinks)
         lib, dev = self.lib(), self.device()
         if self._workspace is None:
@@ -97,15 +100,13 @@ class FlashInferBackend(LibraryBackend):
         cls = (lib.BatchDecodeWithPagedKVCacheWrapper if args["wrapper"] == "decode"
                else lib.BatchPrefillWithPagedKVCacheWrapper)
         wrapper = cls(self._workspace, args["kv_layout"])
-        dt = steps.torch_dtype
         # Index arrays stay on the host for plan (FlashInfer copies them itself).
         kw = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
               for k, v in args["plan"].items()}
         wrapper.plan(**kw, q_data_type=dt, kv_data_type=dt)
-        run = {k: to_torch(v, dev) if isinstance(v, np.ndarray) else v
-               for k, v in args["run"].items()}
-        steps.planned[call_sinks] = (args, wrapper, run)
-        return steps.planned[call_sinks]
+        run = FrozenDict({k: to_torch(v, dev) if isinstance(v, np.ndarray) else v
+                          for k, v in args["run"].items()})
+        return FrozenDict(args), wrapper, run
 
     # -- per layer ---------------------------------------------------------------------
     def write(self, plan, cache, key, value, layer):

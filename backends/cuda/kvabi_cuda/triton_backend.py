@@ -25,8 +25,9 @@ class TritonSteps:
     device and the index width (int64 where the layout or the step can pass int32).
 
     Query tiles depend on the GQA group size and the tile shape: built in ``prepare`` for
-    the plan's query heads, and on first use for another tile shape.  Nothing here depends
-    on the layer: per-layer sinks come with each call."""
+    the plan's query heads (``block_q``), and per call for another tile shape (never
+    kept: what ``prepare`` returns is read-only, ``specs/security.md`` 2.5).  Nothing here
+    depends on the layer: per-layer sinks come with each call."""
 
     idx64: bool
     slots: object  # [T] int64
@@ -34,19 +35,19 @@ class TritonSteps:
     context_lens: object  # [R] index dtype
     query_start_loc: object  # [R + 1] index dtype
     sinks: object | None  # the plan's sinks, [Hq] float32 on the device
-    _tiles: dict = attrs.field(factory=dict, init=False)
+    block_q: int = 0  # the tile height ``query_tiles`` holds
+    query_tiles: tuple = ()  # the query tiles of ``block_q``
 
     def tiles(self, meta, block_q: int):
-        t = self._tiles.get(block_q)
-        if t is None:
-            from .triton_attention import query_tiles
+        if block_q == self.block_q:
+            return self.query_tiles
+        from .triton_attention import query_tiles
 
-            dev = self.slots.device
-            tiles = query_tiles(meta.query_start_loc, block_q, index_dtype(self.idx64))
-            packed = to_torch(np.concatenate(tiles), dev)  # one host-to-device copy
-            n = len(tiles[0])
-            t = self._tiles[block_q] = (packed[:n], packed[n:2 * n], packed[2 * n:])
-        return t
+        dev = self.slots.device
+        tiles = query_tiles(meta.query_start_loc, block_q, index_dtype(self.idx64))
+        packed = to_torch(np.concatenate(tiles), dev)  # one host-to-device copy
+        n = len(tiles[0])
+        return packed[:n], packed[n:2 * n], packed[2 * n:]
 
 
 class TritonBackend(Backend):
@@ -117,8 +118,8 @@ class TritonBackend(Backend):
             wide, slots=to_torch(np.asarray(meta.slot_mapping, np.int64), dev),
             block_table=views[0], context_lens=views[1], query_start_loc=views[2],
             sinks=None if plan.sinks is None else torch.tensor(
-                plan.sinks, dtype=torch.float32, device=dev))
-        steps._tiles[bq] = tuple(views[3:])
+                plan.sinks, dtype=torch.float32, device=dev),
+            block_q=bq, query_tiles=tuple(views[3:]))
         return steps
 
     def _block_sizes(self, meta, spec, hq: int):

@@ -182,12 +182,12 @@ def test_triton_builds_query_tiles_at_plan_time():
     layout = step.layout()
     plan = TRITON.plan(step.meta, step.spec, layout, num_q_heads=step.num_q_heads)
     steps = plan.prepared
-    assert len(steps._tiles) == 1
-    (bq, tiles), = steps._tiles.items()
+    bq, tiles = steps.block_q, steps.query_tiles
+    assert bq > 0 and len(tiles) == 3
     cache = TRITON.allocate(layout)
     q = fill_layer(TRITON, step, cache, layout, 1)
     out = TRITON.attention(plan, cache, query=arr(TRITON, q), layer=1)
-    assert list(steps._tiles) == [bq] and steps._tiles[bq] is tiles  # reused, not rebuilt
+    assert steps.tiles(step.meta, bq) is tiles  # reused, not rebuilt
     a = step.meta.num_actual_tokens
     _close(step, host(out)[:a], reference_layer(step, 1)[0])
 

@@ -247,7 +247,7 @@ def test_triton_plan_for_a_huge_layout_indexes_in_int64():
         [1, 2], [5, 16], [[(1 << 20) - 1, 0], [7, (1 << 20) - 2]], 16, num_blocks=1 << 20)
     plan = TRITON.plan(meta, spec, huge, num_q_heads=16).prepared
     assert plan.idx64 and plan.block_table.dtype == torch.int64
-    assert all(t.dtype == torch.int64 for t in plan._tiles[next(iter(plan._tiles))])
+    assert all(t.dtype == torch.int64 for t in plan.query_tiles)
     assert plan.block_table[0, 0] == (1 << 20) - 1 and plan.block_table[1, 1] == (1 << 20) - 2
     small = TRITON.plan(meta.__class__.from_lengths([1], [3], [[0]], 16, num_blocks=4), spec,
                         _huge(4, spec), num_q_heads=16).prepared

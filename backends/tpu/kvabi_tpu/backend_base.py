@@ -180,10 +180,9 @@ class TPUBackendBase(kvabi.Backend):
     def _layer_planes(self, cache, plan, layer) -> tuple[int, ...]:
         """Indices of ``layer``'s planes in ``cache``; refuses planes consumed by an
         earlier write."""
-        steps = plan.prepared
-        idx = steps.planes_of_layer.get(layer)
-        if idx is None:
-            idx = steps.planes_of_layer[layer] = steps.fmt.plane_indices(plan.layout, layer)
+        fmt = plan.prepared.fmt
+        idx = self.prepared_for(plan, ("planes", layer),
+                                lambda: tuple(fmt.plane_indices(plan.layout, layer)))
         for i in idx:
             if cache[i].is_deleted():
                 raise KVABIError(f"cache[{i}]: this jax array was consumed by an earlier "

@@ -78,8 +78,6 @@ class TPUSteps:
     #: the :class:`~kvabi_tpu.step_buckets.Bucket` fixing every shape of this step (limits
     #: declared by ``warmup``), or None: each count padded to its own power of two
     bucket: object = None
-    #: per-layer plane indices, filled on first use (layout-specific, not layer state)
-    planes_of_layer: dict = attrs.field(factory=dict)
 
 
 def write_slots(meta, layout, padded_tokens: int) -> tuple[np.ndarray, np.ndarray]:

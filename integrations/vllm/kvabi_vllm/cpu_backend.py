@@ -85,9 +85,10 @@ class CpuVllmSteps:
     cache itself and ``hidden`` indexes its value rows
     (:func:`~kvabi_vllm.cpu_layout.value_rows`); ``slot_mapping``: the step's slots (int64,
     -1 for padding) for the kernels' own write.  ``sched``: the kernels' scheduler
-    metadata for the plan's query heads per compute dtype (the cache dtype; for fp8 codes
-    the query's, float32 scheduled here, others on first use).  Frozen: nothing here can
-    be rebound after ``plan`` (the kernels index the cache through ``entries`` and
+    metadata for the plan's query heads computing in ``sched_dtype`` (the cache dtype; for
+    fp8 codes the query's: float32 here, others made on first use through
+    ``Backend.prepared_for``).  Frozen, and read-only while the plan is used (the base
+    class seals every tensor: the kernels index the cache through ``entries`` and
     ``table``).
     """
 
@@ -107,7 +108,8 @@ class CpuVllmSteps:
     partial: PartialRows | None  # value rows some queries see and others do not
     #: the plan's sinks as float32 (the kernels' ``s_aux``), or None
     s_aux: torch.Tensor | None
-    sched: dict = attrs.field(factory=dict)
+    sched_dtype: object = None
+    sched: torch.Tensor | None = None
 
 
 class CpuVllmBackend(kvabi.Backend):
@@ -221,17 +223,26 @@ class CpuVllmBackend(kvabi.Backend):
         slots = meta.slot_mapping
         written = np.nonzero(slots >= 0)[0]
         t = torch.from_numpy
-        steps = CpuVllmSteps(
-            choose_isa(spec.head_dim, bs), native, int(qsl[-1]),
-            t(meta.query_start_loc.astype(np.int32)), t(meta.seq_lens.astype(np.int32)),
+        isa, qsl32, seq32 = choose_isa(spec.head_dim, bs), t(qsl.astype(np.int32)), \
+            t(meta.seq_lens.astype(np.int32))
+        # fp8 codes: the kernels compute in the query's dtype, float32 most likely
+        dt = torch.float32 if spec.is_quantized else kvabi.tensors.torch_dtype(spec.dtype)
+        return CpuVllmSteps(
+            isa, native, int(qsl[-1]), qsl32, seq32,
             t(entries), t(table), t(rows) if len(rows) else None,
             t(written), t(slots[written] // bs), t(slots[written] % bs),
             t(slots.astype(np.int64)), native and values_in_kernel_order(layout), partial,
-            None if plan.sinks is None else t(plan.sinks.astype(np.float32)))
-        # fp8 codes: the kernels compute in the query's dtype, float32 most likely
-        _schedule(plan, steps, torch.float32 if spec.is_quantized else
-                  kvabi.tensors.torch_dtype(spec.dtype))
-        return steps
+            None if plan.sinks is None else t(plan.sinks.astype(np.float32)),
+            dt, _schedule(plan, isa, qsl32, seq32, dt))
+
+    def _sched(self, plan, dtype):
+        """The scheduler metadata computing in ``dtype``: the plan's own, or made once per
+        plan and dtype (sealed with the plan: ``Backend.prepared_for``)."""
+        p = plan.prepared
+        if dtype == p.sched_dtype:
+            return p.sched
+        return self.prepared_for(plan, ("sched", dtype), lambda: _schedule(
+            plan, p.isa, p.query_start_loc, p.seq_lens, dtype))
 
     # -- per layer ------------------------------------------------------------------------
     def write(self, plan, cache, key, value, layer, scales=None):
@@ -285,7 +296,7 @@ class CpuVllmBackend(kvabi.Backend):
                 scale=plan.scale, causal=True, alibi_slopes=None,
                 sliding_window=spec.window if spec.kind == "sliding_window" else -1,
                 block_table=p.table, softcap=plan.softcap or 0.0,
-                scheduler_metadata=_schedule(plan, p, wdt), s_aux=s_aux,
+                scheduler_metadata=self._sched(plan, wdt), s_aux=s_aux,
                 k_scale=scales[0], v_scale=scales[1],
                 kv_cache_dtype=FP8.get(spec.dtype, "auto"))
             if poisoned is not None:  # what the poison they see gives those queries
@@ -334,19 +345,15 @@ def _poisoned(plan, rows):
     return poisoned_queries(plan, p.partial, rows, plan.num_q_heads)
 
 
-def _schedule(plan, steps: CpuVllmSteps, dtype):
-    """The kernels' scheduler metadata for the plan's query heads computing in ``dtype``
-    (once per plan and dtype)."""
-    md = steps.sched.get(dtype)
-    if md is None:
-        spec = plan.spec
-        md = steps.sched[dtype] = _ops().cpu_attn_get_scheduler_metadata(
-            num_reqs=plan.meta.num_reqs, num_heads=plan.num_q_heads,
-            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, seq_lens=steps.seq_lens,
-            dtype=dtype, query_start_loc=steps.query_start_loc, causal=True,
-            sliding_window_size=spec.window if spec.kind == "sliding_window" else -1,
-            isa=steps.isa, enable_kv_split=False)
-    return md
+def _schedule(plan, isa: str, query_start_loc, seq_lens, dtype):
+    """The kernels' scheduler metadata for the plan's query heads computing in ``dtype``."""
+    spec = plan.spec
+    return _ops().cpu_attn_get_scheduler_metadata(
+        num_reqs=plan.meta.num_reqs, num_heads=plan.num_q_heads,
+        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, seq_lens=seq_lens,
+        dtype=dtype, query_start_loc=query_start_loc, causal=True,
+        sliding_window_size=spec.window if spec.kind == "sliding_window" else -1,
+        isa=isa, enable_kv_split=False)
 
 
 def query_dtype(x):
