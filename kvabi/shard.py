@@ -15,7 +15,7 @@ import attrs
 
 from functools import lru_cache
 
-from .coerce import INT64_MAX, as_int
+from .coerce import INT64_MAX, as_bool, as_int
 from .errors import KVABIError
 from .head_runs import HeadRuns, merged
 
@@ -160,6 +160,10 @@ def check_group(shards, field: str = "sources", *, standard: bool = True) -> tup
     their count is not ``ranks``, a head is held by no rank, or (``standard``) a rank holds
     other heads than the tensor-parallel split gives it (:meth:`Shard.tp`): a peer that lies
     about its heads."""
+    standard = as_bool(standard, "standard")  # the string "false" is not False
+    if isinstance(shards, (str, bytes, Mapping)):
+        raise KVABIError(f"{field}: must be a list of Shards, one per rank, got "
+                         f"{type(shards).__name__}")
     shards = tuple(shards)
     if not shards:
         raise KVABIError(f"{field}: no ranks")

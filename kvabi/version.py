@@ -14,7 +14,8 @@ from .errors import KVABIError
 ABI_VERSION = (2, 0)
 
 #: (major, minor) of the descriptor JSON and the handshake message (``kvabi_abi``); 2.0:
-#: components in the descriptor. Readers take this major and every 1.x message.
+#: components in the descriptor. Descriptor readers take this major and every 1.x
+#: descriptor; handshake readers this major only (a 1.x message has no fingerprint).
 WIRE_VERSION = (2, 0)
 
 

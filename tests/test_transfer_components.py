@@ -158,12 +158,12 @@ def test_other_quantization_is_refused_by_field(src, dst, field):
         plan_transfer(Layout.preset(src, SPEC, 2), Layout.preset(dst, spec, 2), [0], [0])
 
 
-def _per_block_scales():
+def _per_block_scales(blocks: int = 2):
     """fp8 keys and values with one float32 scale per (block, head) after each block."""
     n, h, d = 4, 2, 8
     blk = 2 * n * h * d + 2 * h * 4
     base = {"B": blk, "H": n * d}
-    return Layout(sizes={"B": 2, "N": n, "H": h}, components=[
+    return Layout(sizes={"B": blocks, "N": n, "H": h}, components=[
         Component(name="key", dtype="float8_e4m3fn", count=d,
                   strides={**base, "N": d, "E": 1}),
         Component(name="value", dtype="float8_e4m3fn", count=d, offset=n * h * d,
@@ -196,3 +196,19 @@ def test_per_block_scales_move_with_whole_blocks_only():
     check_moved(a, a, [0], np.arange(4, 8), np.arange(4), bufs, dbufs, before)
     with pytest.raises(KVABIError, match=r"^src_slots: key_scale is per block"):
         plan_transfer(a, a, [4, 5], [0, 1])
+
+
+@pytest.mark.parametrize("sb,db", [([0, 0], [1, 2]), ([2, 0, 2], [1, 3, 0]),
+                                   ([1, 1, 1], [0, 2, 3])])
+def test_per_block_scales_move_with_repeated_source_blocks(sb, db):
+    """Repeated source blocks are allowed (transfer.md, Slots): each copy is whole."""
+    a = _per_block_scales(4)
+    bufs, planes = buffers(a, np.random.default_rng(4))
+    dbufs, dplanes = buffers(a)
+    before = [x.copy() for x in dbufs]
+    plan = plan_block_transfer(a, a, sb, db)
+    execute(plan, KVCache.wrap(a, planes), KVCache.wrap(a, dplanes))
+    s = (np.array(sb)[:, None] * 4 + np.arange(4)).ravel()
+    t = (np.array(db)[:, None] * 4 + np.arange(4)).ravel()
+    check_moved(a, a, [0], s, t, bufs, dbufs, before)
+    assert len(plan) <= 4 * len(sb)  # whole blocks: a few regions per copy, not per token

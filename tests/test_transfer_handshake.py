@@ -103,7 +103,9 @@ def _mutate(path, value):
     (("kvabi_abi",), [3, 0], "kvabi_abi: the peer speaks ABI 3.0"),
     (("kvabi_abi",), [1], r"kvabi_abi: must be \[major, minor\]"),
     (("kvabi_abi",), [True, 1], r"kvabi_abi: must be \[major, minor\]"),
-    (("kvabi_abi",), [1, 0], "kvabi_abi: the handshake message exists since ABI 1.1"),
+    (("kvabi_abi",), [1, 0], r"kvabi_abi: the peer speaks ABI 1.0; this reader speaks 2.x"),
+    (("kvabi_abi",), [1, 1], r"kvabi_abi: the peer speaks ABI 1.1; this reader speaks 2.x "
+                             r"\(a handshake of another major is refused"),
     (("message",), "something.else", "message: must be"),
     (("agent", "zone"), "eu", "agent.zone: unknown field"),
     (("planes", "numa"), 0, r"planes.numa: unknown field"),

@@ -95,7 +95,7 @@ BOTH_ACCEPT = {
                                              (("agent", "zone"), "eu")),
     "newer minor, unknown plane field": edit((("kvabi_abi",), NEWER),
                                              (("planes", "numa"), 0)),
-    "a 1.x message (read by a 2.0 reader)": edit((("kvabi_abi",), [1, 2])),
+    "a 1.x descriptor inside a 2.0 message": edit((("layout", "kvabi_abi"), [1, 1])),
 }
 
 BOTH_REFUSE = {
@@ -111,6 +111,8 @@ BOTH_REFUSE = {
     "unknown agent field": edit((("agent", "zone"), "eu")),
     "unknown plane field": edit((("planes", "numa"), 0)),
     "ABI 1.0 (no handshake then)": edit((("kvabi_abi",), [1, 0])),
+    "a 1.x message (another major)": edit((("kvabi_abi",), [1, 2])),
+    "a 1.1 message": edit((("kvabi_abi",), [1, 1])),
     "ABI 3.0": edit((("kvabi_abi",), [3, 0])),
     "ABI 0.9": edit((("kvabi_abi",), [0, 9])),
     "ABI [1]": edit((("kvabi_abi",), [1])),
@@ -157,7 +159,7 @@ BOTH_REFUSE = {
 #: refused by the parser for a rule the schema's description lists as beyond a schema
 BEYOND_SCHEMA = {
     "port written 5600.0": (edit((("agent", "port"), 5600.0)), "4.0"),
-    "ABI minor written 1.0": (edit((("kvabi_abi",), [1, 1.0])), "4.0"),
+    "ABI minor written 1.0": (edit((("kvabi_abi",), [2, 1.0])), "4.0"),
     "plane count": (edit((("planes", "address"), valid()["planes"]["address"][:1])),
                     "plane count"),
     "sizes list of another length": (edit((("planes", "nbytes"), [PLANE] * 3)),
@@ -308,7 +310,7 @@ def test_the_schema_closes_the_readers_own_minor():
     schema's bound moves with WIRE_VERSION (a minor bump that forgets it fails here)."""
     from kvabi import WIRE_VERSION
 
-    bound = SCHEMA["if"]["properties"]["kvabi_abi"]["anyOf"][1]["prefixItems"][1]["maximum"]
+    bound = SCHEMA["if"]["properties"]["kvabi_abi"]["prefixItems"][1]["maximum"]
     assert bound == WIRE_VERSION[1]
 
 

@@ -14,6 +14,7 @@ layer and K/V.
 from __future__ import annotations
 
 import json
+import re
 
 import attrs
 import numpy as np
@@ -32,6 +33,7 @@ from .execute import byte_view
 CHUNK = 16
 #: version of the sum; both sides must agree
 VERSION = "kvsum1"
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -44,14 +46,17 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def _weights(layer: int, kv: int, chunk: int, words: int) -> np.ndarray:
-    """Odd weights [chunk, words] of (layer, kv, token in chunk, word); ``kv`` 0 and 1 are
-    the keys (an MLA latent) and values, ``kv`` >= 2 a component of its own (a scale, the
-    rope part), whose counters start at ``kv << 56``."""
+def _weights(layer: int, kv: int, chunk: int, words: int, rows: int) -> np.ndarray:
+    """Odd weights [rows, words] of (layer, kv, token in chunk, word) for the first
+    ``rows`` tokens of a chunk (never more than the tokens summed: ``chunk`` may be any
+    size a peer states); ``kv`` 0 and 1 are the keys (an MLA latent) and values, ``kv`` >=
+    2 a component of its own (a scale, the rope part), whose counters start at ``kv <<
+    56``.  Counters wrap mod 2^64."""
     base = (layer * 2 + kv) * chunk * words if kv < 2 else \
         (kv << 56) + layer * chunk * words
-    ctr = np.arange(base, base + chunk * words, dtype=np.uint64).reshape(chunk, words)
-    return _mix(ctr) | np.uint64(1)
+    with np.errstate(over="ignore"):
+        ctr = np.uint64(base % 2**64) + np.arange(rows * words, dtype=np.uint64)
+    return _mix(ctr.reshape(rows, words)) | np.uint64(1)
 
 
 def _index(name: str) -> int:
@@ -64,10 +69,11 @@ def _index(name: str) -> int:
     return 2 + NAMES.index(name)
 
 
-def _component_rows(cache: KVCache, c, layer: int, blocks, offs) -> np.ndarray:
+def _component_rows(cache: KVCache, c, layer: int, blocks, offs, planes: dict) -> np.ndarray:
     """The bytes of component ``c`` at (``layer``, token i at ``blocks[i]``,
     ``offs[i]``) for every local head: [T, H, record bytes] (a component without an H
-    stride: its one record under every head)."""
+    stride: its one record under every head).  ``planes``: each plane's bytes, seen once
+    per call (a jax plane, which has no strided views, is read through numpy)."""
     lay = cache.layout
     heads = lay.size("H")
     h = np.arange(heads if c.varies("H") else 1)
@@ -76,7 +82,9 @@ def _component_rows(cache: KVCache, c, layer: int, blocks, offs) -> np.ndarray:
                                     token=offs[:, None, None], head=h[None, :, None],
                                     index=np.arange(c.units)[None, None, :] * per)
     p = int(np.ravel(plane)[0])  # one plane per (component, layer)
-    flat = byte_view(to_numpy(cache[p]), lay, p)
+    flat = planes.get(p)
+    if flat is None:
+        flat = planes[p] = byte_view(to_numpy(cache[p]), lay, p)
     off = np.broadcast_to(off, (blocks.size, h.size, c.units))
     rows = flat[off[..., None] + np.arange(c.unit)].reshape(blocks.size, h.size, -1)
     return np.broadcast_to(rows, (blocks.size, heads, rows.shape[-1]))
@@ -110,15 +118,23 @@ class KVChecksums:
         layers = int_array(d.get("layers"), "checksums.layers", lo=0)
         tokens = as_int(d.get("tokens"), "checksums.tokens", lo=0)
         chunk = as_int(d.get("chunk"), "checksums.chunk", lo=1)
+        for name, a in (("heads", heads), ("layers", layers)):
+            u, c = np.unique(a, return_counts=True)
+            if (c > 1).any():
+                raise KVABIError(f"checksums.{name}: {int(u[c > 1][0])} appears twice")
         rows = d.get("values")
-        n = -(-tokens // chunk)
+        n = -(-tokens // chunk)  # rows and sums are bounded by the text's size, checked
         if not isinstance(rows, list) or len(rows) != n or not all(
                 isinstance(r, list) and len(r) == heads.size for r in rows):
             raise KVABIError(f"checksums.values: must be {n} rows of {heads.size} sums")
-        try:
-            vals = np.array([[int(v, 16) for v in r] for r in rows], np.uint64)
-        except (TypeError, ValueError, OverflowError):
-            raise KVABIError("checksums.values: must be 64-bit hex strings") from None
+        # exactly what to_json writes: 16 lowercase hex digits (int() would also take
+        # '1_0', ' 10 ', '+10', '0x10': two readers of one text must not disagree)
+        for r in rows:
+            for v in r:
+                if not (isinstance(v, str) and _HEX16.fullmatch(v)):
+                    raise KVABIError(f"checksums.values: must be 64-bit sums as 16 "
+                                     f"lowercase hex digits, got {v!r:.40}")
+        vals = np.array([[int(v, 16) for v in r] for r in rows], np.uint64)
         return cls(tuple(heads.tolist()), tuple(layers.tolist()), tokens, chunk,
                    frozen_array(vals.reshape(n, heads.size)))
 
@@ -136,25 +152,31 @@ def kv_checksums(cache: KVCache, slots, *, layers=None, chunk: int = CHUNK) -> K
     chunk = as_int(chunk, "chunk", lo=1)
     n, t = -(-slots.size // chunk), slots.size
     heads = lay.size("H")
-    row = lay.size("D") * lay.itemsize
-    wtype = np.uint32 if row % 4 == 0 else np.uint8
-    words = row // np.dtype(wtype).itemsize
     acc = np.zeros((n, heads), np.uint64)
     blocks, offs = slots // bs, slots % bs
+    # Rows per chunk summed: the chunk, or the tokens when they fit in one (memory and time
+    # in the tokens summed, never in a chunk size a peer states).
+    rows = chunk if n > 1 else t
 
     def add(x, layer, kv):  # x: [T, H, row bytes]
         row = x.shape[-1]
         wtype = np.uint32 if row % 4 == 0 else np.uint8
         words = row // np.dtype(wtype).itemsize
-        b = np.zeros((n * chunk, heads, row), np.uint8)
-        b[:t] = x
-        w = b.view(wtype).reshape(n, chunk, heads, words).astype(np.uint64)
+        b = x
+        if n * rows != t:  # a last partial chunk: padded with zero words
+            b = np.zeros((n * rows, heads, row), np.uint8)
+            b[:t] = x
+        w = np.ascontiguousarray(b).view(wtype).reshape(n, rows, heads, words).astype(
+            np.uint64)
         with np.errstate(over="ignore"):
-            acc[...] += np.einsum("cthw,tw->ch", w, _weights(layer, kv, chunk, words),
+            acc[...] += np.einsum("cthw,tw->ch", w, _weights(layer, kv, chunk, words, rows),
                                   dtype=np.uint64)
 
-    fast = lay.is_axis_form and not any(c.units != c.count for c in lay.components)
-    for layer in layers:
+    # jax planes have no strided views: read as bytes, like component layouts
+    fast = lay.is_axis_form and not any(c.units != c.count for c in lay.components) and \
+        cache.framework != "jax"
+    planes: dict = {}
+    for layer in layers if t else ():
         if fast:  # the views of the axis form: no gather of offsets
             row = lay.size("D") * lay.itemsize
             for kv in range(2 if lay.has_kv else 1):
@@ -164,22 +186,40 @@ def kv_checksums(cache: KVCache, slots, *, layers=None, chunk: int = CHUNK) -> K
             continue
         for c in lay.components:
             if c.varies("N"):  # per-block records are not summed per token
-                add(_component_rows(cache, c, layer, blocks, offs), layer, _index(c.name))
-    return KVChecksums(shard_of(lay).heads, layers, t, chunk, frozen_array(acc))
+                add(_component_rows(cache, c, layer, blocks, offs, planes), layer,
+                    _index(c.name))
+    return KVChecksums(tuple(shard_of(lay).heads), layers, t, chunk, frozen_array(acc))
+
+
+def check_same_sums(got: KVChecksums, expected: KVChecksums, heads, source: str) -> None:
+    """KVABIError unless ``expected`` (what ``source`` sent) sums what ``got`` sums (the
+    same layers, tokens and chunk) for every global head of ``heads``, which both hold:
+    checked before any byte of a pull moves."""
+    for f in ("layers", "tokens", "chunk"):
+        if getattr(got, f) != getattr(expected, f):
+            raise KVABIError(f"checksums.{f}: {source} summed {getattr(expected, f)}, the "
+                             f"pull {getattr(got, f)}")
+    sent, summed = set(expected.heads), set(got.heads)
+    for h in heads:
+        if h not in sent:
+            raise KVABIError(f"checksums.heads: {source} sent no sums of global head {h}")
+        if h not in summed:
+            raise KVABIError(f"heads: the pull summed no global head {h}")
 
 
 def check_checksums(got: KVChecksums, expected: KVChecksums, heads, source: str) -> None:
     """KVABIError naming the first global head of ``heads`` and token chunk where ``got``
     differs from ``expected`` (what ``source`` sent), or where they sum different things."""
-    for f in ("layers", "tokens", "chunk"):
-        if getattr(got, f) != getattr(expected, f):
-            raise KVABIError(f"checksums.{f}: {source} summed {getattr(expected, f)}, the "
-                             f"pull {getattr(got, f)}")
+    for name, x in (("got", got), ("expected", expected)):
+        if not isinstance(x, KVChecksums):
+            raise KVABIError(f"{name}: must be KVChecksums (KVChecksums.from_json reads a "
+                             f"peer's), got {type(x).__name__}")
+    check_same_sums(got, expected, heads, source)
+    mine = {h: i for i, h in enumerate(got.heads)}
+    theirs = {h: i for i, h in enumerate(expected.heads)}
     for h in heads:
-        if h not in expected.heads:
-            raise KVABIError(f"checksums.heads: {source} sent no sums of global head {h}")
-        a = got.values[:, got.heads.index(h)]
-        b = expected.values[:, expected.heads.index(h)]
+        a = got.values[:, mine[h]]
+        b = expected.values[:, theirs[h]]
         bad = np.flatnonzero(a != b)
         if bad.size:
             c = int(bad[0])
@@ -187,3 +227,45 @@ def check_checksums(got: KVChecksums, expected: KVChecksums, heads, source: str)
             raise KVABIError(f"checksum: global head {h}, tokens {c * got.chunk}..{hi} differ "
                              f"from {source}'s ({bad.size} of {a.size} chunks); the "
                              f"destination slots hold wrong data and must not be used")
+
+
+def peer_sums(checksums, runs, dst_layout, dst_slots, layers) -> tuple:
+    """The checksums a pull between shardings compares (``NixlAgent.pull_shards``), checked
+    before any READ: one per peer rank (a :class:`KVChecksums`, or its JSON text, read as
+    untrusted), each rank read from summing the pull's layers, tokens and chunk and the
+    heads ``runs`` read from it.  Returns them as KVChecksums; KVABIError naming
+    ``checksums[i]`` otherwise."""
+    from ..shard import shard_of
+
+    if isinstance(checksums, (str, bytes)) or not isinstance(checksums, (list, tuple)):
+        raise KVABIError(f"checksums: one per peer rank, got {type(checksums).__name__}")
+    out = []
+    for i, c in enumerate(checksums):
+        if isinstance(c, (str, bytes)):
+            try:
+                c = KVChecksums.from_json(c)
+            except KVABIError as e:
+                raise KVABIError(f"checksums[{i}].{str(e).removeprefix('checksums.')}") \
+                    from None
+        elif not isinstance(c, KVChecksums):
+            raise KVABIError(f"checksums[{i}]: must be KVChecksums or its JSON text, got "
+                             f"{type(c).__name__}")
+        out.append(c)
+    lay = dst_layout
+    t = int_array(dst_slots, "dst_slots").size
+    lays = tuple(range(lay.num_layers)) if layers is None else tuple(
+        int_array(layers, "layers", lo=0, hi=lay.num_layers - 1).tolist())
+    heads = shard_of(lay).heads
+    read = sorted({r.source for r in runs})
+    if not read:
+        return tuple(out)
+    chunk = as_int(out[read[0]].chunk, f"checksums[{read[0]}].chunk", lo=1)
+    pull = KVChecksums(tuple(heads), lays, t, chunk, np.zeros((0, len(heads)), np.uint64))
+    for r in runs:
+        src = out[r.source]
+        try:
+            check_same_sums(pull, src, heads[r.dst_first:r.dst_first + r.count],
+                            f"rank {r.source}")
+        except KVABIError as e:
+            raise KVABIError(f"checksums[{r.source}]: {e}") from None
+    return tuple(out)

@@ -38,11 +38,10 @@ MAX_DEPTH = 8
 MAX_PLANES = 4096
 #: largest user-space address we accept (x86-64 and arm64 user space is below 2**57)
 MAX_ADDRESS = 2**62
-#: the first minor version of the handshake message (ABI 1.0 had none)
-FIRST_MINOR = 1
-#: the majors a reader of this version takes (2.0: the layout may hold components; a 1.x
-#: message carries a 1.x descriptor, which the layout reader still takes)
-READS = (1, WIRE_VERSION[0])
+#: the majors a reader of this version takes: its own only.  A 1.x message carried no
+#: fingerprint and its planes as a list (``specs/versioning.md``); the layout descriptor
+#: inside a message may still be a 1.x descriptor, which the layout reader takes.
+READS = (WIRE_VERSION[0],)
 # matched whole (fullmatch): ``$`` would also match before a final "\n"
 _NAME = re.compile(r"[A-Za-z0-9_.:@\-]{1,128}")
 _HOST = re.compile(r"[A-Za-z0-9_.:\-\[\]]{1,255}")
@@ -203,18 +202,17 @@ def _planes(p, layout: Layout, closed: bool) -> np.ndarray:
 def parse_handshake(text) -> Handshake:
     """Validate an untrusted handshake message (str or bytes); KVABIError names the field.
 
-    Refuses a major version other than 1 and this one; a newer minor version's unknown
-    fields are ignored, this version's (and every 1.x) messages must not carry any.
+    Refuses a major version other than this one (1.x messages included); a newer minor
+    version's unknown fields are ignored, this version's (and older minors') messages must
+    not carry any.
     """
     d = loads(text, what="handshake", max_bytes=MAX_HANDSHAKE_BYTES, max_depth=MAX_DEPTH)
     _obj(d, "handshake", ("kvabi_abi",))
     ver = wire_version(d["kvabi_abi"])
     if ver[0] not in READS:
         raise KVABIError(f"kvabi_abi: the peer speaks ABI {ver[0]}.{ver[1]}; this reader "
-                         f"speaks {' and '.join(f'{m}.x' for m in READS)}")
-    if ver[0] == 1 and ver[1] < FIRST_MINOR:
-        raise KVABIError(f"kvabi_abi: the handshake message exists since ABI "
-                         f"1.{FIRST_MINOR}, the peer says {ver[0]}.{ver[1]}")
+                         f"speaks {' and '.join(f'{m}.x' for m in READS)} (a handshake of "
+                         f"another major is refused: 1.x messages carry no fingerprint)")
     # A message of our own or an older minor holds only the fields we know, at every level;
     # a newer minor's unknown fields are ignored.
     closed = tuple(ver) <= WIRE_VERSION

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from ..coerce import as_bool
 from ..component import DATA, NAMES
 from ..errors import KVABIError
 from ..layout import Layout
@@ -210,10 +211,13 @@ def _same_components(a: Layout, b: Layout) -> str:
     return out
 
 
-def _differences(local: Layout, remote: tuple) -> tuple[str, ...]:
+def _differences(local: Layout, remote: tuple, read: list) -> tuple[str, ...]:
+    """Why reading the remote ranks ``read`` is a relayout (compared with the first one
+    read: the ranks of one engine share the block size and, but for the heads, the
+    placement)."""
     out = []
-    r = remote[0]
-    if len(remote) != 1 or shard_of(r).heads != shard_of(local).heads:
+    r = remote[read[0]]
+    if len(read) != 1 or shard_of(r).heads != shard_of(local).heads:
         out.append("shard")
     if r.size("N") != local.size("N"):
         out.append("sizes.N")
@@ -262,6 +266,7 @@ def negotiate(local, remote, *, standard: bool = True) -> Negotiation:
     its own choosing names them in its shard.  Raises :class:`Refused` naming every field
     that makes the data differ, or a KVABIError naming a field of an inconsistent remote
     group, before any plan exists."""
+    standard = as_bool(standard, "standard")  # the string "false" is not False
     mine, abi, model = _side(local, "local")
     if isinstance(remote, (Layout, Handshake)):
         remote = [remote]
@@ -292,9 +297,12 @@ def negotiate(local, remote, *, standard: bool = True) -> Negotiation:
     bad = run_problems(srcs, mine, runs)
     if bad:
         raise Refused([(f"components.{n}", why) for n, why in bad])
-    same = len(srcs) == 1 and _same_blocks(srcs[0], mine)
+    # "same": one remote rank holds the local heads (whatever the group's size) and
+    # places every block's bytes alike
+    read = sorted({r.source for r in runs})
+    same = len(read) == 1 and _same_blocks(srcs[read[0]], mine)
     return Negotiation(kind="same" if same else "relayout", local=mine, remote=srcs,
-                       runs=runs, differences=() if same else _differences(mine, srcs))
+                       runs=runs, differences=() if same else _differences(mine, srcs, read))
 
 
 __all__ = ["Cost", "HeadRun", "KINDS", "Negotiation", "Refused", "negotiate"]

@@ -36,7 +36,7 @@ from .handshake import (Handshake, check_agent_name, check_host, check_port, mak
 from .nixl_progress import create_agent
 from .pattern import plane_sizes
 from ..shard import shard_of
-from .checksum import check_checksums, kv_checksums
+from .checksum import check_checksums, kv_checksums, peer_sums
 from .kv_scales import check_same_scales
 from .plan import TransferPlan, plan_transfer
 from .shards import ShardPlan, plan_shard_transfer
@@ -173,9 +173,11 @@ class _Read:
 def _guarded_staged(staged, guard):
     """``staged`` as a pull with ``guard`` needs it: staged (its READ must not land in
     ``dst``); KVABIError when asked unstaged."""
+    if staged is not None:  # "false" is not False: refused by name, never read as true
+        staged = as_bool(staged, "staged")
     if guard is None:
         return staged
-    if staged is not None and as_bool(staged, "staged") is False:
+    if staged is False:
         raise KVABIError("staged: a guarded pull is staged (its READ must not land in dst)")
     return True
 
@@ -411,15 +413,16 @@ class NixlAgent:
             raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
         plan = plan_shard_transfer([p.layout for p in peers], dst.layout, src_slots,
                                    dst_slots, layers=layers, standard=standard)
-        if checksums is not None and (not isinstance(checksums, (list, tuple)) or
-                                      len(checksums) != len(peers)):
-            raise KVABIError(f"checksums: one per peer rank ({len(peers)}), got "
-                             f"{type(checksums).__name__}")
+        if checksums is not None:  # every argument checked before any READ
+            if not isinstance(checksums, (list, tuple)) or len(checksums) != len(peers):
+                raise KVABIError(f"checksums: one per peer rank ({len(peers)}), got "
+                                 f"{type(checksums).__name__}")
+            checksums = peer_sums(checksums, plan.runs, dst.layout, dst_slots, layers)
         dst = self.pull_shard_plan(peers, plan, dst, timeout=timeout, notify=notify,
                                    staged=staged, kv_scales=kv_scales)
-        if checksums is not None:
+        if checksums is not None and plan.runs:
             got = kv_checksums(dst, dst_slots, layers=layers,
-                               chunk=getattr(checksums[0], "chunk", 16))
+                               chunk=checksums[plan.runs[0].source].chunk)
             for run in plan.runs:
                 heads = shard_of(dst.layout).heads[run.dst_first:run.dst_first + run.count]
                 check_checksums(got, checksums[run.source], heads,

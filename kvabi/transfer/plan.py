@@ -252,15 +252,20 @@ def _slots(x, field, layout: Layout) -> np.ndarray:
 
 def _runs(s, t, bs_s, bs_t):
     """Maximal runs of consecutive source slots going to consecutive destination slots,
-    inside one block of each layout: (src start, dst start, length), sorted by source."""
-    o = np.lexsort((t, s))
+    inside one block of each layout: (src start, dst start, length), sorted by source.
+
+    Slots are grouped by diagonal (``t - s``) first: a repeated source (one block copied
+    to two destinations) is then two whole runs, not runs of one token each."""
+    o = np.lexsort((s, t - s))
     s, t = s[o], t[o]
     brk = np.ones(len(s), bool)
     brk[1:] = ((s[1:] != s[:-1] + 1) | (t[1:] != t[:-1] + 1)
                | (s[1:] % bs_s == 0) | (t[1:] % bs_t == 0))
     starts = np.flatnonzero(brk)
     lengths = np.diff(np.r_[starts, len(s)])
-    return s[starts], t[starts], lengths
+    rs, rt = s[starts], t[starts]
+    k = np.lexsort((rt, rs))
+    return rs[k], rt[k], lengths[k]
 
 
 def _inner_first(c, counts):

@@ -32,10 +32,11 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from ..coerce import as_bool
 from ..errors import KVABIError
 from ..layout import Layout, check_layout
 from ..shard import Shard, check_group, shard_of
-from .execute import execute
+from .execute import _handle, check_in_use, execute
 from .plan import (TransferPlan, _made, check_token_data, granularity, merge_regions,
                    plan_block_transfer, plan_transfer)
 
@@ -57,10 +58,39 @@ class ShardPlan:
     :class:`~kvabi.transfer.TransferPlan` (source: that rank's layout) writing disjoint
     bytes of ``dst_layout``.  ``runs``: which heads come from where."""
 
-    src_layouts: tuple = attrs.field()
+    src_layouts: tuple = attrs.field(converter=tuple)
     dst_layout: Layout = attrs.field()
-    parts: tuple = attrs.field()  # ((source index, TransferPlan), ...) by source index
-    runs: tuple = attrs.field()
+    parts: tuple = attrs.field(converter=tuple)  # ((source index, TransferPlan), ...)
+    runs: tuple = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self):
+        """A plan names only sources it has, each part moving from that source's layout
+        into the destination's (what execution trusts: no index out of range, no part of
+        other layouts)."""
+        for i, s in enumerate(self.src_layouts):
+            check_layout(s, f"src_layouts[{i}]")
+        check_layout(self.dst_layout, "dst_layout")
+        seen = set()
+        for k, part in enumerate(self.parts):
+            if not (isinstance(part, tuple) and len(part) == 2):
+                raise KVABIError(f"parts[{k}]: must be (source index, TransferPlan), got "
+                                 f"{part!r:.80}")
+            i, p = part
+            if type(i) is not int or not 0 <= i < len(self.src_layouts) or i in seen:
+                raise KVABIError(f"parts[{k}]: source {i!r} is not one of the "
+                                 f"{len(self.src_layouts)} sources (or appears twice)")
+            seen.add(i)
+            if not isinstance(p, TransferPlan):
+                raise KVABIError(f"parts[{k}]: must hold a TransferPlan, got "
+                                 f"{type(p).__name__}")
+            if p.src_layout is not self.src_layouts[i] and p.src_layout != self.src_layouts[i]:
+                raise KVABIError(f"parts[{k}].src_layout: is not src_layouts[{i}]")
+            if p.dst_layout is not self.dst_layout and p.dst_layout != self.dst_layout:
+                raise KVABIError(f"parts[{k}].dst_layout: is not the plan's dst_layout")
+        for k, r in enumerate(self.runs):
+            if not isinstance(r, HeadRun) or r.source not in seen:
+                raise KVABIError(f"runs[{k}]: must be a HeadRun of a source the parts read, "
+                                 f"got {r!r:.80}")
 
     @property
     def sources(self) -> tuple[int, ...]:
@@ -195,6 +225,7 @@ def check_runs(src_layouts, dst_layout: Layout, runs) -> None:
 
 def _check(src_layouts, dst_layout: Layout, standard: bool):
     """The checked sources (a tuple) and their shards, and the destination's shard."""
+    standard = as_bool(standard, "standard")  # the string "false" is not False
     if isinstance(src_layouts, Layout) or not isinstance(src_layouts, Sequence) or \
             isinstance(src_layouts, (str, bytes)):
         raise KVABIError(f"src_layouts: must be a list of Layouts, one per source rank, got "
@@ -278,7 +309,8 @@ def plan_tp_transfer(src_layouts, dst_layouts, src_blocks, dst_blocks, *, layers
     """Whole blocks from every rank of one engine to every rank of another: one
     :class:`ShardPlan` per destination rank (``dst_layouts`` in rank order, checked as a
     group like the sources)."""
-    if isinstance(dst_layouts, Layout) or not isinstance(dst_layouts, Sequence):
+    standard = as_bool(standard, "standard")
+    if isinstance(dst_layouts, (Layout, str, bytes)) or not isinstance(dst_layouts, Sequence):
         raise KVABIError(f"dst_layouts: must be a list of Layouts, one per destination rank, "
                          f"got {type(dst_layouts).__name__}")
     dsts = tuple(check_layout(d, f"dst_layouts[{i}]") for i, d in enumerate(dst_layouts))
@@ -297,6 +329,13 @@ def execute_shards(plan: ShardPlan, srcs, dst):
             len(srcs) != len(plan.src_layouts):
         raise KVABIError(f"srcs: one cache per source rank ({len(plan.src_layouts)}), got "
                          f"{len(srcs) if isinstance(srcs, Sequence) else type(srcs).__name__}")
+    # Every side of every part checked before any byte moves: a bad second source must
+    # not leave the first one's bytes written.
+    d = _handle(dst, plan.dst_layout, "dst")
+    handles = {i: _handle(srcs[i], part.src_layout, f"srcs[{i}]") for i, part in plan.parts}
     for i, part in plan.parts:
-        dst = execute(part, srcs[i], dst)
+        check_in_use(handles[i], d, part.regions)
+        part.check()
+    for i, part in plan.parts:
+        dst = execute(part, handles[i], dst)
     return dst
