@@ -68,8 +68,18 @@ class KVCache(tuple):
         naming the plane and what is wrong).  A KVCache of the same layout is returned
         as it is."""
         _check_layout(layout)
-        if type(planes) is KVCache and (planes.layout is layout or planes.layout == layout):
-            return planes
+        if type(planes) is KVCache:
+            if planes.layout is layout or planes.layout == layout:
+                return planes
+            # a handle states which bytes it holds: planes of the right shapes whose
+            # layout places other heads or another order (N and H of one size) are not
+            # these bytes (a plain list of planes states nothing and is taken as given)
+            mine, theirs = layout.fingerprint(), planes.layout.fingerprint()
+            if mine != theirs:
+                raise KVABIError(f"cache: a KVCache of another layout ({theirs}, "
+                                 f"{planes.layout.name or 'custom'}) where {mine} "
+                                 f"({layout.name or 'custom'}) is expected: its bytes are "
+                                 f"placed otherwise or hold other heads")
         return cls(layout, tuple(planes) if isinstance(planes, (list, tuple)) else planes)
 
     @classmethod

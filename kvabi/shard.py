@@ -9,7 +9,7 @@ knows which global head every byte holds: local head ``h`` of the layout is glob
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import attrs
 
@@ -161,7 +161,7 @@ def check_group(shards, field: str = "sources", *, standard: bool = True) -> tup
     other heads than the tensor-parallel split gives it (:meth:`Shard.tp`): a peer that lies
     about its heads."""
     standard = as_bool(standard, "standard")  # the string "false" is not False
-    if isinstance(shards, (str, bytes, Mapping)):
+    if isinstance(shards, (str, bytes, Mapping)) or not isinstance(shards, Iterable):
         raise KVABIError(f"{field}: must be a list of Shards, one per rank, got "
                          f"{type(shards).__name__}")
     shards = tuple(shards)

@@ -259,3 +259,31 @@ def test_1x_backends_and_backends_running_their_own_boundary_are_refused(tmp_pat
     finally:
         registry.reset()
         sys.path.remove(str(Path(__file__).parent / "plugins"))
+
+
+_NOT_NUMBERS = {"str": np.full((3, 2, 64), "a"), "object": np.full((3, 2, 64), None, object),
+                "datetime": np.zeros((3, 2, 64), "datetime64[s]"),
+                "void": np.zeros((3, 2, 64), "V4"), "complex": np.zeros((3, 2, 64), complex),
+                "bool": np.zeros((3, 2, 64), bool), "text": "abc", "bytes": b"abc"}
+
+
+@pytest.mark.parametrize("name", [n for n in kvabi.backend_names()
+                                  if kvabi.get_backend(n).available()[0]])
+def test_arrays_of_no_numbers_are_refused_by_their_field_in_every_framework(name):
+    """key, value and query that hold no real numbers are refused naming the argument,
+    before a framework converts them (jax raised TypeError, torch named ``array``)."""
+    be = kvabi.get_backend(name)
+    spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=64, dtype="float32")
+    layout = Layout.preset(be.preferred_layouts(spec)[0], spec, 8, 1)
+    meta = CommonAttentionMetadata.from_lengths([3], [0], [[0, 1]], 16)
+    plan = be.plan(meta, spec, layout, num_q_heads=2)
+    cache = be.allocate(layout)
+    ok = np.zeros((3, 2, 64), np.float32)
+    for label, bad in _NOT_NUMBERS.items():
+        for field, call in (
+                ("key", lambda: be.write_kv(plan, cache, key=bad, value=ok)),
+                ("value", lambda: be.write_kv(plan, cache, key=ok, value=bad)),
+                ("query", lambda: be.attention(plan, cache, query=bad))):
+            with pytest.raises(KVABIError, match=f"^{field}: ") as e:
+                call()
+            assert "integers" not in str(e.value), (label, str(e.value))

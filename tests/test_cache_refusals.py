@@ -254,3 +254,28 @@ def test_check_unchanged_takes_a_list_of_plane_indices(planes):
     with pytest.raises(KVABIError, match="^planes: must be a list of plane indices"):
         KVCache.allocate(CROSS).check_unchanged(planes)
     KVCache.allocate(CROSS).check_unchanged(np.array([0]))
+
+
+def test_a_handle_of_other_bytes_is_not_rewrapped():
+    """A KVCache states its layout: one whose planes have the right shapes but whose bytes
+    are placed otherwise (NHD against HND with N == H) or hold other heads (another rank's
+    shard) is refused; one of the same placement (another name, the component form) is
+    taken, and so are plain planes (they state nothing)."""
+    import attrs
+
+    from kvabi.shard import Shard
+
+    spec = KVSpec("full", block_size=4, num_kv_heads=4, head_dim=8, dtype="float32")
+    nhd, hnd = (Layout.preset(n, spec, 3, 2) for n in ("flashinfer.NHD", "flashinfer.HND"))
+    cache = KVCache.allocate(nhd, "numpy")
+    assert [p.shape for p in cache] == [p.shape for p in KVCache.allocate(hnd, "numpy")]
+    with pytest.raises(KVABIError, match=r"^cache: a KVCache of another layout"):
+        KVCache.wrap(hnd, cache)
+    assert KVCache.wrap(hnd, list(cache)).layout == hnd
+    half = attrs.evolve(spec, num_kv_heads=2)
+    r0, r1 = (attrs.evolve(Layout.preset("flashinfer.NHD", half, 3, 2), shard=Shard.tp(r, 2, 4))
+              for r in range(2))
+    with pytest.raises(KVABIError, match=r"^cache: a KVCache of another layout"):
+        KVCache.wrap(r1, KVCache.allocate(r0, "numpy"))
+    renamed = attrs.evolve(nhd, name="renamed")
+    assert KVCache.wrap(renamed, cache).layout == renamed

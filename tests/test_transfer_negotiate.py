@@ -43,6 +43,30 @@ def test_same_bytes(a, b):
     assert len(plan) == 2 * n.cost().regions
 
 
+@pytest.mark.parametrize("name", ["flashinfer.HND", "vllm.LBHNC", "vllm.cpu",
+                                  "vllm.int8_per_token_head"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_same_bytes_on_one_rank_of_a_group(name, tp):
+    """"same" when one remote rank holds the local heads and places blocks alike, whatever
+    the group's size (transfer.md, *Negotiation*): rank r of a group against the group."""
+    group = ranks(name, tp)
+    for r in range(tp):
+        n = negotiate(group[r], group)
+        assert n.kind == "same" and n.differences == () and n.sources == (r,)
+        assert n.cost().staging_bytes == 0 and not n.staged
+        plan = plan_shard_block_transfer(group, group[r], [1, 2], [0, 2])
+        assert plan.sources == (r,) and len(plan) == 2 * n.cost().regions
+    # another block count on the local side: still the same placement
+    mine = lay(name, blocks=4, num_kv_heads=len(Shard.tp(1, tp, 4).heads),
+               shard=Shard.tp(1, tp, 4))
+    assert negotiate(mine, group).kind == "same"
+    # the heads of two ranks (a local rank of a smaller group): a relayout across ranks
+    two = lay(name, num_kv_heads=len(Shard.tp(0, tp // 2, 4).heads),
+              shard=Shard.tp(0, tp // 2, 4))
+    n = negotiate(two, group)
+    assert n.kind == "relayout" and "shard" in n.differences and n.sources == (0, 1)
+
+
 @pytest.mark.parametrize("a,b,why", [
     (lay("flashinfer.HND"), lay("flashinfer.NHD"), ("order",)),
     (lay("vllm.LBHNC"), lay("vllm.LBHNC", block_size=32), ("sizes.N",)),

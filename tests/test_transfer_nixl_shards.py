@@ -302,3 +302,48 @@ def test_a_peer_killed_before_and_during_a_pull(groups, decode_agents):
         _, dst = guarded_cache(lay)
         agent.pull_shards(peers, dst, src_slots, dst_slots, timeout=PULL_TIMEOUT)
     assert time.monotonic() - t1 < PULL_TIMEOUT + 5
+
+
+def test_every_pull_argument_is_checked_before_any_read(groups, decode_agents):
+    """A bad argument is refused by name before any READ: the destination's bytes (and
+    the guards around them) are untouched.  The checksums' JSON text is taken as well as
+    KVChecksums, and read as untrusted."""
+    group, agent = groups[2], decode_agents[0]
+    peers = [agent.connect(m, timeout=30) for m in group.messages("gqa")]
+    lay, dst_slots = _dst("gqa", 0, 1)
+    texts = [r["gqa"]["sums"] for r in group.ranks]
+    other_chunk = KVChecksums.from_json(texts[1])
+    other_chunk = attrs.evolve(other_chunk, chunk=other_chunk.chunk * 2)
+    bad = {
+        "checksums[0]": dict(checksums=[7, texts[1]]),
+        "checksums[1].values": dict(checksums=[texts[0], texts[1].replace(
+            json.loads(texts[1])["values"][0][0], "0x" + "0" * 14, 1)]),
+        "checksums[1]: checksums.chunk": dict(checksums=[texts[0], other_chunk]),
+        "checksums:": dict(checksums=texts[0]),
+        "standard": dict(standard="false"),
+        "staged": dict(staged="false"),
+        "timeout": dict(timeout="10"),
+        "peers[0].kv_scales": dict(kv_scales=[[1.0, 1.0]] * LAYERS),
+    }
+    for field, kw in bad.items():
+        bufs, dst = guarded_cache(lay)
+        before = [b.copy() for b in bufs]
+        kw = dict(dict(timeout=PULL_TIMEOUT), **kw)
+        with pytest.raises(KVABIError, match="^" + field.replace("[", r"\[").replace(
+                "]", r"\]")):
+            agent.pull_shards(peers, dst, slots(CASES["gqa"][3], 8, 0), dst_slots, **kw)
+        assert all(np.array_equal(a, b) for a, b in zip(bufs, before)), field
+    from kvabi.transfer import plan_shard_transfer
+
+    bufs, dst = guarded_cache(lay)
+    before = [b.copy() for b in bufs]
+    plan = plan_shard_transfer([p.layout for p in peers], lay, slots(CASES["gqa"][3], 8, 0),
+                               dst_slots)
+    with pytest.raises(KVABIError, match="^guard: must be a context manager"):
+        agent.pull_shard_plan(peers, plan, dst, timeout=PULL_TIMEOUT, guard="held")
+    assert all(np.array_equal(a, b) for a, b in zip(bufs, before))
+    bufs, dst = guarded_cache(lay)
+    before = [b.copy() for b in bufs]
+    agent.pull_shards(peers, dst, slots(CASES["gqa"][3], 8, 0), dst_slots,
+                      timeout=PULL_TIMEOUT, checksums=texts)  # the text, read and compared
+    check_rank(bufs, before, lay, content("gqa"), range(LAYERS), dst_slots)

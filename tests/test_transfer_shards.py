@@ -217,3 +217,47 @@ def test_checksums_agree_across_layouts_and_shards_and_see_one_byte():
         check_checksums(kv_checksums(cache, d_slots, chunk=8), sums[1], (2, 3), "rank 1")
     with pytest.raises(KVABIError, match="checksums.values"):
         KVChecksums.from_json(sums[0].to_json().replace('"chunk": 4', '"chunk": 2'))
+
+
+# -- execute_shards checks every side before any byte moves ------------------------------------
+def _two_source_case():
+    srcs = rank_layouts("flashinfer.NHD", "full", 4, 2, 4, 7)
+    dst = rank_layouts("flashinfer.HND", "full", 4, 1, 4, 6)[0]
+    plan = plan_shard_block_transfer(srcs, dst, [1, 2], [0, 3])
+    assert plan.sources == (0, 1)
+    rng = np.random.default_rng(5)
+    src_caches = [guarded_cache(s, rng)[1] for s in srcs]
+    bufs, dst_cache = guarded_cache(dst)
+    return plan, srcs, dst, src_caches, bufs, dst_cache
+
+
+def test_execute_shards_refuses_a_bad_second_source_before_writing_the_first():
+    plan, srcs, dst, src_caches, bufs, dst_cache = _two_source_case()
+    before = [b.copy() for b in bufs]
+    bad = [np.zeros(3, np.float16)] * srcs[1].num_planes  # planes of another shape
+    with pytest.raises(KVABIError, match=r"^srcs\[1\]: "):
+        execute_shards(plan, [src_caches[0], bad], dst_cache)
+    assert all(np.array_equal(a, b) for a, b in zip(bufs, before)), \
+        "the first source's bytes were written before the second was refused"
+    with pytest.raises(KVABIError, match=r"^srcs\[1\]: "):
+        execute_shards(plan, [src_caches[0], src_caches[0]], dst_cache)  # rank 0's layout
+    assert all(np.array_equal(a, b) for a, b in zip(bufs, before))
+    execute_shards(plan, src_caches, dst_cache)
+    assert not all(np.array_equal(a, b) for a, b in zip(bufs, before))
+
+
+def test_a_shard_plan_names_only_sources_it_has():
+    from kvabi.transfer import ShardPlan
+
+    plan, srcs, dst, src_caches, bufs, dst_cache = _two_source_case()
+    part = plan.parts[1][1]
+    with pytest.raises(KVABIError, match=r"^parts\[0\]: source 5 is not one of the 2"):
+        ShardPlan(srcs, dst, ((5, part),), ())
+    with pytest.raises(KVABIError, match=r"^parts\[0\]\.src_layout: is not src_layouts\[0\]"):
+        ShardPlan(srcs, dst, ((0, part),), ())
+    with pytest.raises(KVABIError, match=r"^parts\[1\]: source 1 .*appears twice"):
+        ShardPlan(srcs, dst, (plan.parts[1], plan.parts[1]), ())
+    with pytest.raises(KVABIError, match=r"^runs\[0\]"):
+        ShardPlan(srcs, dst, plan.parts[:1], plan.runs[1:])
+    with pytest.raises(KVABIError, match=r"^parts: must be a list"):
+        ShardPlan(srcs, dst, 7, ())

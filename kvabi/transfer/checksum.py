@@ -214,6 +214,7 @@ def check_checksums(got: KVChecksums, expected: KVChecksums, heads, source: str)
         if not isinstance(x, KVChecksums):
             raise KVABIError(f"{name}: must be KVChecksums (KVChecksums.from_json reads a "
                              f"peer's), got {type(x).__name__}")
+    heads = int_array(heads, "heads", lo=0).reshape(-1).tolist()
     check_same_sums(got, expected, heads, source)
     mine = {h: i for i, h in enumerate(got.heads)}
     theirs = {h: i for i, h in enumerate(expected.heads)}

@@ -26,7 +26,7 @@ from ..coerce import as_int, int_array
 from ..version import WIRE_VERSION, wire_version
 from ..errors import KVABIError
 from ..frozen import frozen_array
-from ..layout import Layout
+from ..layout import Layout, check_layout
 from ..safe_json import loads
 from .kv_scales import parse_kv_scales, scales_to_json
 
@@ -83,10 +83,20 @@ def make_handshake(*, agent_name: str, host: str, port: int, memory: str, layout
     ``model``: the model's identity, which a peer of another model refuses; ``kv_scales``:
     per layer ``(k_scale, v_scale)`` of a per-tensor quantized cache
     (:mod:`kvabi.transfer.kv_scales`)."""
+    # every argument named before anything is written (port 1.5 is not port 1)
+    check_agent_name(agent_name)
+    check_host(host)
+    port = check_port(port)
+    if not isinstance(memory, str) or memory not in MEMORY_TYPES:
+        raise KVABIError(f"memory: must be one of {', '.join(MEMORY_TYPES)}, got "
+                         f"{memory!r:.80}")
+    check_layout(layout, "layout")
+    if metadata is not None and not isinstance(metadata, (bytes, bytearray)):
+        raise KVABIError(f"metadata: must be bytes, got {type(metadata).__name__}")
     msg = {
         "kvabi_abi": list(WIRE_VERSION),
         "message": MESSAGE,
-        "agent": {"name": agent_name, "host": host, "port": int(port)},
+        "agent": {"name": agent_name, "host": host, "port": port},
         "memory": memory,
         "layout": layout.to_dict(),
         "fingerprint": layout.fingerprint(),
@@ -148,8 +158,14 @@ def check_port(v, field: str = "agent.port") -> int:
 def _planes_json(planes) -> dict:
     """The compact ``planes`` object: every address; ``nbytes`` and ``device`` as one
     number when all planes share it (a 64-layer model's planes in ~1 KiB)."""
-    rows = np.asarray([[int(a), int(n), int(d)] for a, n, d in planes],
-                      np.int64).reshape(-1, 3)
+    if isinstance(planes, (str, bytes)) or not isinstance(planes, (list, tuple, np.ndarray)):
+        raise KVABIError(f"planes: must be a list of (address, nbytes, device), got "
+                         f"{type(planes).__name__}")
+    rows = int_array(planes, "planes", lo=0, ndim=2) if len(planes) else \
+        np.zeros((0, 3), np.int64)
+    if rows.shape != (len(planes), 3):
+        raise KVABIError(f"planes: must be (address, nbytes, device) rows, got shape "
+                         f"{rows.shape}")
     out = {"address": rows[:, 0].tolist()}
     for k, col in (("nbytes", 1), ("device", 2)):
         v = rows[:, col]

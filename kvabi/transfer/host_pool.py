@@ -37,6 +37,10 @@ def cross_layer_twin(layout: Layout, num_blocks: int, num_layers: int | None = N
     contiguous range of it in the same byte order, so copies between the two move whole
     blocks.  A component layout's twin: ``B``, then ``L``, then each component's bytes of
     that (block, layer), dense, in the device's order of its axes."""
+    check_layout(layout, "layout")
+    num_blocks = as_int(num_blocks, "num_blocks", lo=1)
+    if num_layers is not None:
+        num_layers = as_int(num_layers, "num_layers", lo=1)
     if not layout.is_axis_form:
         return _component_twin(layout, num_blocks, num_layers)
     order = ("B",) + tuple(layout.planes) + tuple(a for a in layout.order if a != "B")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..coerce import as_int
 from ..errors import KVABIError
 from ..quant import as_scale
 
@@ -19,22 +20,26 @@ from ..quant import as_scale
 MAX_LAYERS = 65536
 
 
-def scales_to_json(kv_scales) -> list[list[float]]:
+def scales_to_json(kv_scales, what: str = "kv_scales") -> list[list[float]]:
     """``[[k_scale, v_scale], ...]`` of a sequence of per-layer pairs, each the float32 it
     is used as (KVABIError naming ``kv_scales[i]``)."""
+    if not isinstance(kv_scales, (list, tuple)):
+        raise KVABIError(f"{what}: must be a list of (k_scale, v_scale) pairs, one per "
+                         f"layer, got {type(kv_scales).__name__}")
     out = []
     for i, pair in enumerate(kv_scales):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise KVABIError(f"kv_scales[{i}]: must be a pair [k_scale, v_scale], got "
+            raise KVABIError(f"{what}[{i}]: must be a pair [k_scale, v_scale], got "
                              f"{pair!r:.60}")
-        out.append([as_scale(pair[0], f"kv_scales[{i}].k_scale"),
-                    as_scale(pair[1], f"kv_scales[{i}].v_scale")])
+        out.append([as_scale(pair[0], f"{what}[{i}].k_scale"),
+                    as_scale(pair[1], f"{what}[{i}].v_scale")])
     return out
 
 
 def parse_kv_scales(value, num_layers: int) -> tuple[tuple[float, float], ...]:
     """An untrusted handshake's ``kv_scales``: a list of ``num_layers`` pairs of positive
     float32 normal numbers; KVABIError naming the field otherwise."""
+    num_layers = as_int(num_layers, "num_layers", lo=1)
     if not isinstance(value, list):
         raise KVABIError(f"kv_scales: must be a list of [k_scale, v_scale] pairs, got "
                          f"{type(value).__name__}")
@@ -55,12 +60,16 @@ def check_same_scales(ours, theirs, what: str = "kv_scales") -> None:
     layer and scale that differ."""
     if ours is None and theirs is None:
         return
+    if ours is not None:
+        scales_to_json(ours, "kv_scales")  # both named before they are compared
+    if theirs is not None:
+        scales_to_json(theirs, what)
     if ours is None or theirs is None:
         who = "the peer's cache has none" if theirs is None else "this cache has none"
         raise KVABIError(f"{what}: one side stores codes under static scales and {who}: "
                          f"its bytes would be read as other values")
-    ours = np.asarray(scales_to_json(ours), np.float64)
-    theirs = np.asarray(scales_to_json(theirs), np.float64)
+    ours = np.asarray(scales_to_json(ours, "kv_scales"), np.float64)
+    theirs = np.asarray(scales_to_json(theirs, what), np.float64)
     if ours.shape != theirs.shape:
         raise KVABIError(f"{what}: the peer lists {len(theirs)} layers' scales, this cache "
                          f"{len(ours)}")

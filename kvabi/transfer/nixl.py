@@ -177,6 +177,8 @@ def _guarded_staged(staged, guard):
         staged = as_bool(staged, "staged")
     if guard is None:
         return staged
+    if not (hasattr(guard, "__enter__") and hasattr(guard, "__exit__")):  # before any READ
+        raise KVABIError(f"guard: must be a context manager, got {type(guard).__name__}")
     if staged is False:
         raise KVABIError("staged: a guarded pull is staged (its READ must not land in dst)")
     return True

@@ -58,10 +58,11 @@ class ShardPlan:
     :class:`~kvabi.transfer.TransferPlan` (source: that rank's layout) writing disjoint
     bytes of ``dst_layout``.  ``runs``: which heads come from where."""
 
-    src_layouts: tuple = attrs.field(converter=tuple)
+    src_layouts: tuple = attrs.field(converter=lambda v: _tuple(v, "src_layouts"))
     dst_layout: Layout = attrs.field()
-    parts: tuple = attrs.field(converter=tuple)  # ((source index, TransferPlan), ...)
-    runs: tuple = attrs.field(converter=tuple)
+    # ((source index, TransferPlan), ...)
+    parts: tuple = attrs.field(converter=lambda v: _tuple(v, "parts"))
+    runs: tuple = attrs.field(converter=lambda v: _tuple(v, "runs"))
 
     def __attrs_post_init__(self):
         """A plan names only sources it has, each part moving from that source's layout
@@ -109,6 +110,12 @@ class ShardPlan:
         return (f"ShardPlan(ranks {list(self.sources)} -> {self.dst_layout.name or 'custom'} "
                 f"{list(shard_of(self.dst_layout).heads)}: {len(self)} regions, "
                 f"{self.nbytes} bytes)")
+
+
+def _tuple(v, field: str) -> tuple:
+    if isinstance(v, (str, bytes, Layout)) or not isinstance(v, Sequence):
+        raise KVABIError(f"{field}: must be a list, got {type(v).__name__}")
+    return tuple(v)
 
 
 def head_window(layout: Layout, first: int, count: int) -> tuple[Layout, int]:
