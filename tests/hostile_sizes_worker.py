@@ -70,6 +70,20 @@ def run(case):
                                          case["dst_blocks"], standard=case.get("standard",
                                                                                False))
         return len(plan)
+    if op == "staging":  # what a staged pull of whole blocks would hold for the READ
+        from kvabi.transfer import plan_block_transfer
+        from kvabi.transfer.staging import block_staging_limit, stage, stage_blocks
+
+        remote = Layout.from_json(case["doc"])
+        plan = plan_block_transfer(remote, local_layout(case), case["src_blocks"],
+                                   case["dst_blocks"])
+        piece = stage_blocks(plan.pattern, remote, plan.dst_layout, [],
+                             most=block_staging_limit(plan.nbytes))
+        held = piece.nbytes if piece is not None else stage(plan.check().regions).nbytes
+        if held > 2 * block_staging_limit(plan.nbytes):
+            raise RuntimeError(f"staging would hold {held} bytes for a plan of "
+                               f"{plan.nbytes}")
+        return held
     if op == "check_group":
         shards = [shard_of(Layout.from_json(d)) for d in case["docs"]]
         return len(check_group(shards, standard=case.get("standard", False)))

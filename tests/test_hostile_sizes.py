@@ -120,6 +120,14 @@ CORPUS = [
          docs=[doc(sizes={"H": H24})], want="dst_layout.shard.of"),
     dict(name="plan_shard_blocks: block size 2**30", op="plan_shard_blocks",
          docs=[doc(sizes={"N": 2**30})], src_blocks=[0], dst_blocks=[0], want="dst_blocks"),
+    # a peer's strides put 2**40 bytes between its blocks (or inside one): a staged pull
+    # holds what the plan moves, not what the peer's blocks span
+    dict(name="staging: blocks 2**40 bytes apart", op="staging", src_blocks=[0, 1, 2],
+         dst_blocks=[0, 1, 2], doc=dict(doc(), strides={"B": 2**40, "KV": 4096, "H": 2048,
+                                                         "N": 128, "D": 2}), want="ok"),
+    dict(name="staging: heads 2**40 bytes apart", op="staging", src_blocks=[0, 1],
+         dst_blocks=[3, 1], doc=dict(doc(), strides={"B": 2**42, "KV": 2**41, "H": 2**40,
+                                                      "N": 128, "D": 2}), want="ok"),
     dict(name="group of one rank of 2**62 heads", op="check_group",
          docs=[doc(sizes={"H": 1}, shard={"heads": [0], "of": BIG, "rank": 0, "ranks": 1})],
          want="sources: global head 1 of"),

@@ -40,7 +40,8 @@ from .checksum import check_checksums, kv_checksums, peer_sums
 from .kv_scales import check_same_scales
 from .plan import TransferPlan, plan_transfer
 from .shards import ShardPlan, plan_shard_transfer
-from .staging import ALIGN, stage, stage_blocks, staging_pays, worth_staging
+from .staging import (ALIGN, block_staging_limit, stage, stage_blocks, staging_pays,
+                      worth_staging)
 
 log = logging.getLogger(__name__)
 
@@ -554,7 +555,8 @@ class NixlAgent:
         measured slower on a loaded 2-core machine: loopback transports copy inside the
         post.)"""
         h = peer.handshake
-        piece = stage_blocks(plan.pattern, plan.src_layout, plan.dst_layout, self._templates)
+        piece = stage_blocks(plan.pattern, plan.src_layout, plan.dst_layout, self._templates,
+                             most=block_staging_limit(plan.nbytes))
         if piece is None:
             return None
         lay, n = piece.layout, piece.layout.plane_nbytes

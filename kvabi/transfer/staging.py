@@ -31,6 +31,11 @@ ALIGN = 64
 TEMPLATES = 8
 #: a plan whose regions average fewer bytes than this is pulled staged by default
 STAGE_BELOW = 64 << 10
+#: whole source blocks are staged only up to this many times the bytes a plan moves (or
+#: :data:`BLOCK_STAGING_FLOOR`): a peer's layout states its block's bytes (strides,
+#: padding, heads this rank does not read), which must not size what the receiver holds
+BLOCK_STAGING_FACTOR = 64
+BLOCK_STAGING_FLOOR = 64 << 20
 
 
 @attrs.frozen(eq=False)
@@ -99,16 +104,26 @@ def cut_layout(src: Layout, n: int):
         return None
 
 
-def stage_blocks(pat, src: Layout, dst: Layout, templates: list) -> BlockStaging | None:
+def block_staging_limit(nbytes: int) -> int:
+    """The most staging bytes a whole-block staged pull of a plan moving ``nbytes`` may
+    hold (:data:`BLOCK_STAGING_FACTOR`)."""
+    return max(BLOCK_STAGING_FACTOR * int(nbytes), BLOCK_STAGING_FLOOR)
+
+
+def stage_blocks(pat, src: Layout, dst: Layout, templates: list,
+                 most: int | None = None) -> BlockStaging | None:
     """The staged pull of the whole-block move ``pat`` (a BlockPattern or GroupedPattern)
     from ``src`` to ``dst``; None when the source layout cannot be cut down to the blocks
-    touched (then stage its regions).  ``templates``: the caller's list of templates kept
+    touched, or those blocks hold more than ``most`` bytes (then stage its regions, whose
+    spans are bounded by the plan's).  ``templates``: the caller's list of templates kept
     (see :func:`_template`)."""
     bs = src.size("N")
     blocks, inv = np.unique(pat.src_slots // bs, return_inverse=True)
     lay = cut_layout(src, int(blocks.size))
     if lay is None or lay.num_planes != src.num_planes:
         return None
+    if most is not None and sum(lay.plane_sizes) > most:
+        return None  # checked before any template or staging memory exists
     slots = inv.reshape(-1) * bs + pat.src_slots % bs
     pull = plan_from_template(src, lay, blocks, np.arange(blocks.size),
                               _template(templates, src, lay, pat.layers), pat.layers)
