@@ -35,6 +35,7 @@ A backend author writes those three (and describes the backend: ``available``,
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Literal, overload
 
@@ -57,6 +58,66 @@ BOUNDARY = ("plan", "write_kv", "attention", "refusals", "check_supported")
 
 # plan -> the backend that made it: a copy or a rebuilt plan is in no backend's table
 _ISSUED: "weakref.WeakKeyDictionary[StepPlan, Backend]" = weakref.WeakKeyDictionary()
+#: no plan has passed yet (``None`` is a plan nobody made)
+_NO_PLAN = object()
+
+
+def _spec_of(spec, optional: bool = False):
+    if not (isinstance(spec, KVSpec) or (optional and spec is None)):
+        raise KVABIError(f"spec: must be a kvabi.KVSpec, got {type(spec).__name__}")
+
+
+def _layout_of(layout):
+    from .layout import Layout
+
+    if not isinstance(layout, Layout):
+        raise KVABIError(f"layout: must be a kvabi.Layout, got {type(layout).__name__}")
+
+
+def _checked_args(name: str, f):
+    """``f`` (a backend's own ``capabilities``, ``preferred_layouts``, ``layout_refusals``,
+    ``allocate`` or ``warmup``) behind the checks of its arguments: a backend author's
+    code gets a KVSpec and a Layout, a caller a KVABIError naming the argument."""
+    if name == "capabilities":
+        def checked(self, spec=None, *args, **kwargs):
+            _spec_of(spec, optional=True)
+            return f(self, spec, *args, **kwargs)
+    elif name == "preferred_layouts":
+        def checked(self, spec, *args, **kwargs):
+            _spec_of(spec)
+            return f(self, spec, *args, **kwargs)
+    elif name == "allocate":
+        def checked(self, layout, *args, **kwargs):
+            _layout_of(layout)
+            return f(self, layout, *args, **kwargs)
+    elif name == "layout_refusals":
+        def checked(self, spec, layout, *args, **kwargs):
+            _spec_of(spec)
+            _layout_of(layout)
+            return f(self, spec, layout, *args, **kwargs)
+    else:  # warmup
+        def checked(self, spec, layout, limits, *args, num_q_heads=None, progress=None,
+                    **kwargs):
+            from .step_limits import StepLimits
+
+            _spec_of(spec)
+            _layout_of(layout)
+            if not isinstance(limits, StepLimits):
+                raise KVABIError(f"limits: must be a kvabi.StepLimits, got "
+                                 f"{type(limits).__name__}")
+            if num_q_heads is not None:
+                check_num_q_heads(num_q_heads, spec)
+            if progress is not None and not callable(progress):
+                raise KVABIError(f"progress: must be callable, got {type(progress).__name__}")
+            return f(self, spec, layout, limits, *args, num_q_heads=num_q_heads,
+                     progress=progress, **kwargs)
+    checked = functools.wraps(f)(checked)
+    checked._kvabi_checked = True
+    return checked
+
+
+#: a backend's own methods whose arguments the base class checks first
+_ARG_CHECKED = ("capabilities", "preferred_layouts", "layout_refusals", "allocate", "warmup")
 
 
 class Backend:
@@ -76,6 +137,15 @@ class Backend:
     abi_version: tuple[int, int] = ABI_VERSION
     #: the framework of the backend's arrays: "numpy", "torch" or "jax"
     framework: str = "numpy"
+
+    def __init_subclass__(cls, **kwargs):
+        """A backend's own descriptive methods get their arguments checked by name first
+        (``specs/security.md`` section 2: bad input is a KVABIError naming the field)."""
+        super().__init_subclass__(**kwargs)
+        for name in _ARG_CHECKED:
+            f = cls.__dict__.get(name)
+            if callable(f) and not getattr(f, "_kvabi_checked", False):
+                setattr(cls, name, _checked_args(name, f))
 
     # -- what the backend says about itself ----------------------------------------------
     def available(self) -> tuple[bool, str]:
@@ -194,7 +264,7 @@ class Backend:
         the first time, its result sealed like ``plan.prepared`` (read-only, checked at
         every return) and kept with the plan, out of callers' reach.  ``plan`` must be
         one this backend made."""
-        if plan is not self.__dict__.get("_kvabi_plan") and (
+        if plan is not self.__dict__.get("_kvabi_plan", _NO_PLAN) and (
                 type(plan) is not StepPlan or _ISSUED.get(plan) is not self):
             raise KVABIError(f"plan: must come from {self.name}.plan(), got "
                              f"{type(plan).__name__}")
@@ -276,7 +346,7 @@ class Backend:
         backend's framework and kind of device.  The last plan that passed is remembered
         (held, so its address cannot be reused; a plan is small): every layer of a step
         passes the same one.  The cache is not held (it may be all of a device's memory)."""
-        if plan is not self.__dict__.get("_kvabi_plan"):
+        if plan is not self.__dict__.get("_kvabi_plan", _NO_PLAN):
             if type(plan) is not StepPlan or _ISSUED.get(plan) is not self:
                 got = type(plan).__name__ if type(plan) is not StepPlan else \
                     f"a plan of {plan.backend!r} not made by this backend object"
@@ -359,3 +429,9 @@ class Backend:
 def _describe(layout) -> str:
     return f"{layout.name or 'custom'} of {layout.num_blocks} blocks and " \
            f"{layout.num_layers} layers"
+
+
+# the base class's own defaults get the same checks as a subclass's overrides
+for _name in _ARG_CHECKED:
+    setattr(Backend, _name, _checked_args(_name, Backend.__dict__[_name]))
+del _name

@@ -57,10 +57,7 @@ def normal_tensors():
     torch = sys.modules.get("torch")
     if torch is None or not torch.is_inference_mode_enabled():
         return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode(False))
-    stack.enter_context(torch.no_grad())
-    return stack
+    return torch.inference_mode(False)
 
 
 class Seal:
@@ -79,48 +76,49 @@ class Seal:
 
     # -- sealing ---------------------------------------------------------------------------
     def add(self, obj, path: str) -> None:
-        """Seal ``obj`` and everything it holds (``path``: its name in messages)."""
+        """Seal ``obj`` and everything it holds (``path``: its name in messages).  On the
+        path of every step: types are classified once, leaves (numbers, strings) skipped
+        by exact type before anything else is asked of them."""
         torch = sys.modules.get("torch")
+        tensor = torch.Tensor if torch is not None else ()
         seen: set[int] = set()
-        counters = {id(t): None for t, _, _ in self._counters}
+        counters = {id(t): paths for t, _, paths in self._counters}
         todo = [(obj, path)]
         while todo:
             x, where = todo.pop()
-            if id(x) in seen or x is None or isinstance(x, (str, bytes, int, float, complex)):
+            tx = type(x)
+            if tx in _LEAVES or id(x) in seen:
                 continue
             seen.add(id(x))
             if len(seen) > MAX_OBJECTS:
                 raise KVABIError(f"{path}: holds more than {MAX_OBJECTS} objects (a step's "
                                  f"prepared data is a few arrays)")
-            if isinstance(x, np.ndarray):
-                self._seal_numpy(x, where)
-            elif torch is not None and isinstance(x, torch.Tensor):
+            kind = _KINDS.get(tx)
+            if kind is None:
+                kind = _KINDS[tx] = _kind(tx, tensor)
+            if kind is _TENSOR:
                 self._seal_torch(x, where, counters)
-            elif type(x).__module__.split(".")[0] in ("jax", "jaxlib"):
-                continue  # immutable
-            elif isinstance(x, tuple):
-                todo += [(v, f"{where}[{i}]") for i, v in enumerate(x)]
-            elif isinstance(x, FrozenDict):
-                todo += [(v, f"{where}[{k!r}]") for k, v in x.items()]
-            elif isinstance(x, dict):
-                self._mutable.append((x, tuple(x.items()), where))
-                todo += [(v, f"{where}[{k!r}]") for k, v in x.items()]
-            elif isinstance(x, list):
+            elif kind is _ARRAY:
+                self._seal_numpy(x, where)
+            elif kind is _TUPLE:
+                todo += [(v, f"{where}[{i}]") for i, v in enumerate(x)
+                         if type(v) not in _LEAVES]
+            elif kind is _FROZEN_MAP or kind is _MAP:
+                if kind is _MAP:  # entries can be added, removed, rebound: keep them
+                    self._mutable.append((x, tuple(x.items()), where))
+                todo += [(v, f"{where}[{k!r}]") for k, v in x.items()
+                         if type(v) not in _LEAVES]
+            elif kind is _LIST:
                 self._mutable.append((x, tuple(x), where))
-                todo += [(v, f"{where}[{i}]") for i, v in enumerate(x)]
-            elif attrs.has(type(x)):
-                names = [f.name for f in attrs.fields(type(x))]
-                self._fields(x, names, type(x).__setattr__ is _FROZEN_SETATTR, where, todo)
-            elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-                names = [f.name for f in dataclasses.fields(x)]
-                self._fields(x, names, x.__dataclass_params__.frozen, where, todo)
-            # anything else is the backend's own (a library's planned wrapper)
-
-    def _fields(self, x, names, frozen: bool, where: str, todo: list) -> None:
-        values = tuple(getattr(x, n, _MISSING) for n in names)
-        if not frozen:  # its attributes can be rebound: keep what they were
-            self._mutable.append((x, tuple(zip(names, values)), where))
-        todo += [(v, f"{where}.{n.lstrip('_')}") for n, v in zip(names, values)]
+                todo += [(v, f"{where}[{i}]") for i, v in enumerate(x)
+                         if type(v) not in _LEAVES]
+            elif kind is not _OPAQUE:  # a class's fields: (names, shown names, frozen)
+                names, shown, frozen = kind
+                values = tuple(getattr(x, n, _MISSING) for n in names)
+                if not frozen:  # its attributes can be rebound: keep what they were
+                    self._mutable.append((x, tuple(zip(names, values)), where))
+                todo += [(v, f"{where}.{n}") for n, v in zip(shown, values)
+                         if type(v) not in _LEAVES]
 
     def _seal_numpy(self, a: np.ndarray, where: str) -> None:
         if a.dtype.hasobject:
@@ -135,21 +133,27 @@ class Seal:
             b = b.base
 
     def _seal_torch(self, t, where: str, counters: dict) -> None:
-        if t.is_inference():  # no version counter: compared with a copy
+        owner = t._base
+        owner = t if owner is None else owner  # views share their base's counter
+        paths = counters.get(id(owner))
+        if paths is not None:  # another view of a storage already sealed: named with it
+            paths.append(where)
+            return
+        try:
+            version = owner._version
+        except RuntimeError:  # an inference tensor has no counter: compared with a copy
             self._clones.append((t, t.clone(), where))
             return
-        owner = t._base if t._base is not None else t  # views share its counter
-        if id(owner) not in counters:
-            counters[id(owner)] = None
-            self._counters.append((owner, owner._version, where))
+        counters[id(owner)] = paths = [where]
+        self._counters.append((owner, version, paths))
 
     # -- checking --------------------------------------------------------------------------
     def check(self) -> None:
         """KVABIError naming the first prepared array or container that changed since it
         was sealed."""
-        for t, v, where in self._counters:
-            if t._version != v:
-                raise _changed(where, "written")
+        for t, v, paths in self._counters:
+            if t._version != v:  # views of one storage share the counter: all named
+                raise _changed(", ".join(sorted(paths)), "written")
         for a, where in self._numpy:
             if a.flags.writeable:
                 raise _changed(where, "made writable")
@@ -183,6 +187,40 @@ class Seal:
         value, seal = hit
         seal.check()
         return value
+
+
+#: types whose objects hold nothing to seal (exact types: a lookup, not an isinstance,
+#: which asks a tensor for its ``__class__``)
+_LEAVES = frozenset((str, bytes, int, bool, float, complex, type(None)))
+# how the walk treats a type, found once per type
+_TENSOR, _ARRAY, _TUPLE, _LIST, _MAP, _FROZEN_MAP, _OPAQUE = (
+    "tensor", "array", "tuple", "list", "map", "frozen map", "opaque")
+_KINDS: dict = {}
+
+
+def _kind(t, tensor):
+    """What the walk does with objects of type ``t`` (``tensor``: torch.Tensor, or ())."""
+    if tensor and issubclass(t, tensor):
+        return _TENSOR
+    if issubclass(t, np.ndarray):
+        return _ARRAY
+    if issubclass(t, tuple):
+        return _TUPLE
+    if issubclass(t, FrozenDict):
+        return _FROZEN_MAP
+    if issubclass(t, dict):
+        return _MAP
+    if issubclass(t, list):
+        return _LIST
+    if t.__module__.split(".")[0] in ("jax", "jaxlib"):
+        return _OPAQUE  # immutable arrays
+    if attrs.has(t):
+        names = tuple(f.name for f in attrs.fields(t))
+        return names, tuple(n.lstrip("_") for n in names), t.__setattr__ is _FROZEN_SETATTR
+    if dataclasses.is_dataclass(t):
+        names = tuple(f.name for f in dataclasses.fields(t))
+        return names, names, bool(t.__dataclass_params__.frozen)
+    return _OPAQUE  # the backend's own (a library's planned wrapper)
 
 
 def _same_entries(c, entries) -> bool:

@@ -287,3 +287,31 @@ def test_arrays_of_no_numbers_are_refused_by_their_field_in_every_framework(name
             with pytest.raises(KVABIError, match=f"^{field}: ") as e:
                 call()
             assert "integers" not in str(e.value), (label, str(e.value))
+
+
+@pytest.mark.parametrize("name", [n for n in kvabi.backend_names()
+                                  if kvabi.get_backend(n).available()[0]])
+def test_a_backends_own_methods_get_their_arguments_checked_by_name(name):
+    """capabilities, preferred_layouts, layout_refusals, allocate and warmup are the
+    backend author's code; the base class names a bad argument before it runs (they
+    raised AttributeError on a string spec); a call before any plan with plan=None is a
+    refused plan, not an AttributeError."""
+    from kvabi import StepLimits
+
+    be = type(kvabi.get_backend(name))()
+    spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=64, dtype="float32")
+    layout = Layout.preset(be.preferred_layouts(spec)[0], spec, 4, 1)
+    limits = StepLimits(max_tokens=4, max_reqs=2, max_seq_len=32)
+    for field, call in (
+            ("spec", lambda: be.capabilities("full")),
+            ("spec", lambda: be.preferred_layouts(None)),
+            ("spec", lambda: be.layout_refusals({"kind": "full"}, layout)),
+            ("layout", lambda: be.layout_refusals(spec, "flashinfer.NHD")),
+            ("layout", lambda: be.allocate("flashinfer.NHD")),
+            ("limits", lambda: be.warmup(spec, layout, {"max_tokens": 4})),
+            ("plan", lambda: be.write_kv(None, None, key=np.zeros((1, 2, 64)))),
+            ("plan", lambda: be.attention(None, None, query=np.zeros((1, 2, 64))))):
+        with pytest.raises(KVABIError, match=f"^{field}: "):
+            call()
+    assert be.capabilities(None) is not None and be.refusals(spec, layout) == ()
+    be.warmup(spec, layout, limits, num_q_heads=2)

@@ -222,17 +222,20 @@ class CpuVllmBackend(kvabi.Backend):
             if len(pe) else None
         slots = meta.slot_mapping
         written = np.nonzero(slots >= 0)[0]
-        t = torch.from_numpy
-        isa, qsl32, seq32 = choose_isa(spec.head_dim, bs), t(qsl.astype(np.int32)), \
-            t(meta.seq_lens.astype(np.int32))
+        # the index arrays as views of two tensors: what the base class seals and checks
+        # at every call is one version counter per tensor (specs/security.md 2.5)
+        qsl32, seq32, table = _packed((qsl, meta.seq_lens, table), np.int32)
+        entries, written_t, blk, off, slot64, rows_t = _packed(
+            (entries, written, slots[written] // bs, slots[written] % bs, slots, rows),
+            np.int64)
+        isa = choose_isa(spec.head_dim, bs)
         # fp8 codes: the kernels compute in the query's dtype, float32 most likely
         dt = torch.float32 if spec.is_quantized else kvabi.tensors.torch_dtype(spec.dtype)
         return CpuVllmSteps(
-            isa, native, int(qsl[-1]), qsl32, seq32,
-            t(entries), t(table), t(rows) if len(rows) else None,
-            t(written), t(slots[written] // bs), t(slots[written] % bs),
-            t(slots.astype(np.int64)), native and values_in_kernel_order(layout), partial,
-            None if plan.sinks is None else t(plan.sinks.astype(np.float32)),
+            isa, native, int(qsl[-1]), qsl32, seq32, entries, table,
+            rows_t if len(rows) else None, written_t, blk, off, slot64,
+            native and values_in_kernel_order(layout), partial,
+            None if plan.sinks is None else torch.from_numpy(plan.sinks.astype(np.float32)),
             dt, _schedule(plan, isa, qsl32, seq32, dt))
 
     def _sched(self, plan, dtype):
@@ -343,6 +346,18 @@ def _poisoned(plan, rows):
     if not len(p.entries) or p.partial is None:
         return None
     return poisoned_queries(plan, p.partial, rows, plan.num_q_heads)
+
+
+def _packed(arrays, dtype) -> list:
+    """``arrays`` as contiguous views of one torch tensor of ``dtype`` (one copy)."""
+    flat = np.concatenate([np.asarray(a).astype(dtype, copy=False).reshape(-1)
+                           for a in arrays])
+    buf, out, at = torch.from_numpy(flat), [], 0
+    for a in arrays:
+        n = int(np.asarray(a).size)
+        out.append(buf[at:at + n].view(np.shape(a)))
+        at += n
+    return out
 
 
 def _schedule(plan, isa: str, query_start_loc, seq_lens, dtype):
