@@ -19,7 +19,7 @@ import tracemalloc
 import numpy as np
 
 from kvabi import KVABIError, KVCache, KVSpec, Layout, ModelKV, TPView
-from kvabi.shard import check_group, shard_of
+from kvabi.model.shard import check_group, shard_of
 from kvabi.transfer import negotiate, plan_shard_block_transfer, plan_shard_transfer
 from kvabi.transfer.checksum import KVChecksums, kv_checksums
 from kvabi.transfer.handshake import parse_handshake

@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 import kvabi
 from kvabi import CommonAttentionMetadata, KVABIError, KVCache, KVSpec, Layout
-from kvabi.layout import MAX_BLOCK_REGIONS
-import kvabi.cache as cache_mod
+from kvabi.layout.descriptor import MAX_BLOCK_REGIONS
+import kvabi.memory.cache as cache_mod
 
 torch = pytest.importorskip("torch")
 
@@ -263,7 +263,7 @@ def test_a_handle_of_other_bytes_is_not_rewrapped():
     taken, and so are plain planes (they state nothing)."""
     import attrs
 
-    from kvabi.shard import Shard
+    from kvabi.model.shard import Shard
 
     spec = KVSpec("full", block_size=4, num_kv_heads=4, head_dim=8, dtype="float32")
     nhd, hnd = (Layout.preset(n, spec, 3, 2) for n in ("flashinfer.NHD", "flashinfer.HND"))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvabi import KVABIError, KVCache, KVSpec, Layout
-from kvabi.shard import Shard, check_group
+from kvabi.model.shard import Shard, check_group
 from kvabi.transfer import (HostPool, ShardPlan, TransferPlan, check_compatible,
                             cross_layer_twin, execute, execute_shards, negotiate,
                             plan_block_transfer, plan_shard_block_transfer,

@@ -18,8 +18,8 @@ import pytest
 
 import kvabi
 from kvabi import CommonAttentionMetadata, KVABIError, KVSpec, Layout
-from kvabi.frozen import is_frozen
-from kvabi.reference import ReferenceBackend
+from kvabi.util.frozen import is_frozen
+from kvabi.backend.reference import ReferenceBackend
 
 torch = pytest.importorskip("torch")
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvabi import KVCache, KVSpec, Layout
-from kvabi.tensors import convert
+from kvabi.util.tensors import convert
 from kvabi.transfer.checksum import kv_checksums
 from transfer_oracle import element_bytes
 

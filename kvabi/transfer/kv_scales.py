@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..coerce import as_int
-from ..errors import KVABIError
-from ..quant import as_scale
+from ..model.quant import as_scale
+from ..util.errors import KVABIError
+from ..util.coerce import as_int
 
 #: largest number of layers a handshake's kv_scales may list (as many as a layout's L)
 MAX_LAYERS = 65536
