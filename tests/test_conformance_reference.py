@@ -183,8 +183,10 @@ class IgnoresStrides(ReferenceBackend):
         layout = plan.layout
         plain = attrs.evolve(layout, strides=None, plane_bytes=None)
         isz = layout.itemsize
+        u = np.dtype(f"u{isz}")  # numpy cannot stride some ml_dtypes arrays directly
         planes = tuple(np.lib.stride_tricks.as_strided(
-            p, plain.plane_shape, [s * isz for s in plain.plane_strides]) for p in cache)
+            p.view(u), plain.plane_shape, [s * isz for s in plain.plane_strides]).view(p.dtype)
+            for p in cache)
         return attrs.evolve(plan, layout=plain), kvabi.KVCache(plain, planes, _checked=True)
 
     def write(self, plan, cache, **kw):

@@ -24,6 +24,7 @@ from ..layout import Layout
 from ..metadata import CommonAttentionMetadata
 from ..tensors import convert, to_numpy
 from .cases import AttentionCase, input_dtype, stored
+from .coverage import note
 from .measure import ConformanceFailure
 
 #: byte the cache is poisoned with before a case runs (finite in every cache dtype)
@@ -410,6 +411,8 @@ class Runner:
         s = sink_values
         if s is None and sinks and c.sinks:
             s = c.inputs().sinks
+        if not self.oracle:
+            note(spec or self.spec, self.layout)
         return self.backend.plan(meta, spec or self.spec, self.layout,
                                  num_q_heads=c.num_q_heads, scale=c.scale, softcap=c.softcap,
                                  sinks=self._x(s))
