@@ -11,7 +11,7 @@ from __future__ import annotations
 from .errors import KVABIError
 
 #: (major, minor) of the Python ABI: the Backend calls and hooks (``specs/versioning.md``).
-ABI_VERSION = (2, 0)
+ABI_VERSION = (2, 1)
 
 #: (major, minor) of the descriptor JSON and the handshake message (``kvabi_abi``); 2.0:
 #: components in the descriptor. Readers take this major and every 1.x message.

@@ -308,7 +308,7 @@ class NoEpsilon(ReferenceBackend):
         _, blk, off = plan.prepared.write_rows
         for name, x in (("key_scale", key), ("value_scale", value)):
             zero = ~np.abs(_rows(plan, x)).max(-1).astype(bool)  # [T', H] all-zero rows
-            sv = cache.component_view(name, layer)
+            sv = cache.component_view(layer, name)
             sv[blk[:, None].repeat(zero.shape[1], 1)[zero], off[:, None].repeat(
                 zero.shape[1], 1)[zero], np.nonzero(zero)[1], 0] = 0.0
         return cache

@@ -41,8 +41,8 @@ class _ScaleSwapper(ReferenceBackend):
     def write(self, plan, cache, key, value, layer, **scales):
         super().write(plan=plan, cache=cache, key=key, value=value, layer=layer, **scales)
         if plan.spec.quant == "per_token_head":
-            ks = cache.component_view("key_scale", layer)
-            vs = cache.component_view("value_scale", layer)
+            ks = cache.component_view(layer, "key_scale")
+            vs = cache.component_view(layer, "value_scale")
             k = np.array(ks)
             ks[...] = vs
             vs[...] = k

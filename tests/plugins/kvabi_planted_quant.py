@@ -102,7 +102,7 @@ class QuantBackend(ReferenceBackend):
             codes, s = self.store(x, spec.dtype, spec.quant, spec.rounding,
                                   None if scales is None else scales[kv])
             if s is not None:
-                cache.component_view(("key_scale", "value_scale")[kv], layer)[blk, off, :, 0] = s
+                cache.component_view(layer, ("key_scale", "value_scale")[kv])[blk, off, :, 0] = s
             view[blk, off] = codes
         return cache
 

@@ -217,7 +217,7 @@ def reference_bytes(inp, layout, spec):
     cache = ref.allocate(layout)
     cache[0].view(np.uint8)[...] = int(inp["fill"])
     for name in ("key_scale", "value_scale"):
-        cache.component_view(name, 0)[...] = 1.0
+        cache.component_view(0, name)[...] = 1.0
     slots = inp["slots"]
     real = slots >= 0
     n = spec.block_size

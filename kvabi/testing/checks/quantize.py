@@ -136,8 +136,8 @@ def _explain(case, got, want, layer, slot_mapping, k, v) -> str:
         at = f"{name} of layer {layer} slot"
         if spec.quant == "per_token_head":
             sname = f"{'key' if kv == 0 else 'value'}_scale"
-            gs = np.asarray(gh.component_view(sname, layer)[blk, off, :, 0], np.float32)
-            ws = np.asarray(wh.component_view(sname, layer)[blk, off, :, 0], np.float32)
+            gs = np.asarray(gh.component_view(layer, sname)[blk, off, :, 0], np.float32)
+            ws = np.asarray(wh.component_view(layer, sname)[blk, off, :, 0], np.float32)
             bad = np.argwhere(gs.view(np.uint32) != ws.view(np.uint32))
             if bad.size:
                 t, h = (int(a) for a in bad[0])
