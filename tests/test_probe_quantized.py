@@ -7,9 +7,14 @@ per (head, slot) of ``[B, H, N, 2 * (D + 4)]``); the reference backend's own ``w
 (the probe and the oracle agree on every preset the reference writes, every rounding); one
 written from DeepSeek's ``fp8_ds_mla`` definition (656 bytes a token: 512 e4m3 latent values
 in 4 tiles of 128, each tile's float32 scale = its absmax / 448, the values divided by it;
-then 64 bfloat16 rope values); and one with a scale per token shared by its heads.
+then 64 bfloat16 rope values); FlashInfer's two fp8 scale proposals (inline at byte D of a
+16-byte-padded slot, or a scale plane beside the data plane); and one with a scale per token
+shared by its heads.  vLLM's own Triton writer is probed in
+integrations/vllm/tests/test_quant_writers.py.
 """
 from __future__ import annotations
+
+import re
 
 import attrs
 import ml_dtypes
@@ -239,4 +244,43 @@ def test_a_backend_that_refuses_is_not_a_mismatch():
     planes, write = backend_writer(_Unquantized(), layout, spec)
     with pytest.raises(WriteRefused, match=r"^write_kv: planted.unquantized refused: .*quant "
                                            r"'per_token_head' not in \('none',\)"):
+        verify_quantized(layout, planes, write)
+
+
+def flashinfer_writer(kind, num_layers, fault=None):
+    """FlashInfer's fp8 HND cache with one float32 scale per (token, head), from its two
+    proposals: ``inline``, per layer ``[B, 2, H, N, D + 16]`` bytes with the scale at byte D
+    of each slot; ``plane``, per layer a data plane ``[B, 2, H, N, D]`` and a scale plane
+    ``[B, 2, H, N]`` float32.  Scales are absmax / 448, values divided, nearest e4m3."""
+    slot = D + 16 if kind == "inline" else D
+    data = [np.zeros((B, 2, H, N, slot), np.uint8) for _ in range(num_layers)]
+    scale = [np.zeros((B, 2, H, N), np.float32) for _ in range(num_layers)]
+    planes = data if kind == "inline" else [p for pair in zip(data, scale) for p in pair]
+
+    def write(layer, slots, key, value):
+        for kv, x in enumerate((key, value)):
+            s = (np.abs(x).max(axis=-1) / np.float32(448)).astype(np.float32)  # [T, H]
+            q = np.clip(x / s[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+            b, n = slots // N, slots % N
+            d = data[layer][b, kv, :, n]  # [T, H, slot] (advanced indexing: a copy)
+            d[..., :D] = q.view(np.uint8)
+            if kind == "inline":
+                at = D + 4 if fault == "scale_late" else D
+                d[..., at:at + 4] = s.view(np.uint8).reshape(len(slots), H, 4)
+            else:
+                scale[layer][b, kv if fault != "scale_kv" else 1 - kv, :, n] = s
+            data[layer][b, kv, :, n] = d
+    return planes, write
+
+
+@pytest.mark.parametrize("kind, name", [("inline", "flashinfer.HND.fp8_inline_scale"),
+                                        ("plane", "flashinfer.HND.fp8_scale_plane")])
+def test_flashinfer_fp8_scale_presets_against_a_writer_from_their_definition(kind, name):
+    spec = KVSpec("full", N, H, D, dtype="float8_e4m3fn", quant="per_token_head")
+    layout = Layout.preset(name, spec, B, 2)
+    planes, write = flashinfer_writer(kind, 2)
+    assert verify_quantized(layout, planes, write, samples=6)["key_scale"] == 6 * H
+    planes, write = flashinfer_writer(kind, 2, "scale_late" if kind == "inline" else "scale_kv")
+    with pytest.raises(KVABIError, match=r"^key_scale of layer \d, .* the scale .* is not at "
+                                         r"plane \d+, byte \d+, where " + re.escape(name)):
         verify_quantized(layout, planes, write)

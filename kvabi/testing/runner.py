@@ -208,11 +208,45 @@ def not_drawn(check: Check, backend, options: KitOptions, res: CheckResult) -> l
     for combo in combos:
         if combo in seen:
             continue
-        why = check.leaves_out(combo) if check.leaves_out else None
+        why = (check.leaves_out(combo) if check.leaves_out else None) or \
+            never_served(backend, combo)
         out.append(combo + (why or f"not drawn in {res.examples} examples (more with "
                                    f"--max-examples, or narrow with --dtype/--quant/"
                                    f"--rounding)",))
     return out
+
+
+def never_served(backend, combo) -> str | None:
+    """Why ``backend`` serves a claimed (dtype, quant, rounding) for no spec the kit draws,
+    judged on a typical spec of it (its first kind, block 16 or the closest claimed, 2 KV
+    heads, head dim 64 or the closest claimed): what ``capabilities(spec)`` refuses, or no
+    preferred layout holding it; None when it is served."""
+    import argparse
+
+    import attrs
+
+    from ..commands.backends import claimed_spec
+    from ..errors import KVABIError
+    from .checks.base import preferred_layouts
+
+    dtype, quant, rounding = combo
+    try:
+        caps = backend.capabilities(None)
+        kind = next((k for k in caps.kinds if k != "mla"), caps.kinds[0])
+        if quant == "per_token_head" and kind == "mla":
+            return None
+        spec = claimed_spec(backend, argparse.Namespace(kind=kind, dtype=dtype, block_size=None,
+                                                        kv_heads=2, head_dim=None))
+        spec = attrs.evolve(spec, quant=quant, rounding=rounding)
+        why = backend.capabilities(spec).refusals(spec)
+        if why:
+            return f"claimed by capabilities(None), refused by capabilities(spec): " \
+                   f"{'; '.join(why)}"
+        if not preferred_layouts(backend, spec, 4, 1):
+            return "no preferred layout holds it"
+    except (KVABIError, ValueError, TypeError):
+        return None
+    return None
 
 
 def dtype_of(params) -> str | None:
