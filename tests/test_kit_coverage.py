@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvabi import registry
-from kvabi.cli import main
+from kvabi.commands.cli import main
 from kvabi.testing import KitOptions, get_check, run_check
 from kvabi.testing.coverage import claimed_combos
 from kvabi.testing.pytest_plugin import _knobs, conformance_class

@@ -2,7 +2,7 @@
 default profile (``ci``: its seed, its 8 examples, its time budget), and names it.
 
 The planted backends (tests/plugins/kvabi_planted_quant.py) quantize with a recipe written
-from ``specs/semantics.md`` 11.1 independently of ``kvabi.quant``, each with one step
+from ``specs/semantics.md`` 11.1 independently of ``kvabi.model.quant``, each with one step
 changed: ties to even where nearest_away is claimed, half-away rounded exactly, ``x / s``
 instead of ``x * fl32(1 / s)`` (int8 and e4m3), saturation to [-127, 127], none, or after
 rounding, scales stored as bfloat16, computed through ``fl32(1 / QMAX)``, one per token, or

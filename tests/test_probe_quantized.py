@@ -23,10 +23,10 @@ import pytest
 
 import kvabi
 from kvabi import Component, KVABIError, KVSpec, Layout
-from kvabi.dtypes import numpy_dtype
+from kvabi.util.dtypes import numpy_dtype
 from kvabi.probe import WriteRefused, backend_writer, verify_quantized
 from kvabi.probe.quantized import EXPONENTS
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 
 B, H, N, D = 4, 2, 4, 16
 SPEC = KVSpec(kind="full", block_size=N, num_kv_heads=H, head_dim=D, dtype="float16")
@@ -94,7 +94,7 @@ def test_the_reference_writer_passes_on_every_quantized_preset_and_rounding(name
     a scale of 3 significant bits once fell under the 1e-6 floor (head_dim 64)."""
     ref = kvabi.get_backend("reference")
     for dtype in ("int8", "float8_e4m3fn"):
-        for rounding in kvabi.quant.FORMATS[dtype].roundings:
+        for rounding in kvabi.model.quant.FORMATS[dtype].roundings:
             spec = KVSpec(kind="full", block_size=16, num_kv_heads=2, head_dim=64,
                           dtype=dtype, quant="per_token_head", rounding=rounding)
             try:
@@ -109,7 +109,7 @@ def test_the_reference_writer_passes_on_every_quantized_preset_and_rounding(name
 
 
 def test_probe_codes_and_scales_are_the_oracles_and_decode_to_the_values():
-    """What the probe expects is what kvabi.quant stores, and code * scale gives back the
+    """What the probe expects is what kvabi.model.quant stores, and code * scale gives back the
     value written, exactly (an independent check of the expectation)."""
     from kvabi.probe.quantized import Part, expected, group_values
 

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.presets import preset_names
+from kvabi.layout.presets import preset_names
 from kvabi.probe import verify_layout
 from kvabi.testing.strategies import random_layouts
 from kvabi.testing.writers import layout_writer
-from kvabi.views import allocate_numpy
+from kvabi.memory.views import allocate_numpy
 
 L, B = 3, 6
 SPEC = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -147,7 +147,7 @@ def test_a_write_that_does_nothing():
 
 def _preset_specs():
     """Every preset with a spec it holds (the quantized ones keep their own dtypes)."""
-    from kvabi.presets import PRESETS
+    from kvabi.layout.presets import PRESETS
 
     specs = [KVSpec("full", 4, 2, 16, dtype="bfloat16"), KVSpec("full", 4, 2, 16, dtype="int8"),
              KVSpec("mla", 4, 1, 576, head_dim_v=512, dtype="bfloat16"),

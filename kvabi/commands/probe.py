@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 
-
-from ..dtypes import DTYPES
-from ..errors import KVABIError
-from ..argtypes import directory_arg, positive_int
-from ..quant import FORMATS, QUANT_MODES, ROUNDINGS
+from ..util.argtypes import directory_arg, positive_int
+from ..util.dtypes import DTYPES
+from ..util.errors import KVABIError
+from ..model.quant import FORMATS, QUANT_MODES, ROUNDINGS
 
 MATCH, MISMATCH, REFUSED = "match", "MISMATCH", "refused"
 
@@ -62,7 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def probe_backend(backend, spec, num_blocks: int, num_layers: int) -> list[dict]:
     """One row per preferred layout: declared, inferred, result (match, MISMATCH, refused),
     match, detail."""
-    from ..layout import Layout
+    from ..layout.descriptor import Layout
     from ..probe import (WriteRefused, backend_writer, infer_layout, placement_difference,
                          verify_quantized)
 
@@ -133,7 +132,7 @@ def _spec_for(backend, args):
 
 
 def run(args) -> int:
-    from ..registry import get_backend
+    from ..backend.registry import get_backend
 
     rows = []
     for name in args.names:
@@ -163,7 +162,7 @@ def run(args) -> int:
             elif r["result"] != MATCH:
                 print(f"{r['backend']} {r['layout']}: {r['detail']}")
         if args.draw:
-            from ..layout_map import text
+            from ..layout.byte_map import text
             from .layout import colour_wanted
 
             for r, d in zip(rows, drawings):
@@ -179,8 +178,8 @@ def run(args) -> int:
 def _drawing(row):
     """(declared map, landed map) of block 0 of layer 0 over the declared layout's bytes
     of it, or None where no layout was found."""
-    from ..layout_map import block_map
-    from ..layout_regions import block_cells
+    from ..layout.byte_map import block_map
+    from ..layout.regions import block_cells
 
     if "_layouts" not in row:
         return None
@@ -193,7 +192,7 @@ def _drawing(row):
 def _write_svgs(rows, drawings, folder):
     from pathlib import Path
 
-    from ..layout_map import svg
+    from ..layout.byte_map import svg
 
     for r, d in zip(rows, drawings):
         if d is not None:

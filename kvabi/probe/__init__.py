@@ -10,6 +10,8 @@ write produces (``specs/layout.md``, "Inference and verification").
 - :func:`placement_difference` says whether two layouts place every element alike;
 - :func:`backend_writer` makes a kvabi backend's ``write_kv`` the probe's ``write`` (its
   refusals raised as :class:`WriteRefused`).
+
+May import: util, model, layout, memory, step.
 """
 from .backend import WriteRefused, backend_writer
 from .compare import placement_difference, same_placement

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import KVCache
-from ..errors import KVABIError
-from ..metadata import CommonAttentionMetadata
-from ..tensors import FRAMEWORKS, convert
+from ..memory.cache import KVCache
+from ..step.metadata import CommonAttentionMetadata
+from ..util.tensors import FRAMEWORKS, convert
+from ..util.errors import KVABIError
 
 
 class WriteRefused(KVABIError):

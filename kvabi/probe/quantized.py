@@ -11,7 +11,7 @@ two of its own (distinct along the row's tiles, heads, K and V, and tokens, repe
 is ``QMAX * 2**e``, so ``absmax / QMAX`` is ``2**e`` whether divided or multiplied by
 ``fl32(1 / QMAX)``, above any floor (1e-6, the smallest normal); ``x / s`` and
 ``x * fl32(1 / s)`` are both ``q``, which every rounding keeps.  The expected codes and
-scales are not assumed but computed with :mod:`kvabi.quant` (the reference's own recipe),
+scales are not assumed but computed with :mod:`kvabi.model.quant` (the reference's own recipe),
 for every rounding of the format, which must agree: the probe and the oracle share one
 recipe.  Unquantized parts (DeepSeek's bfloat16 rope) carry marker values of their dtype.
 Only the sampled (layer, block) cells are touched: saved, poisoned, written, compared
@@ -22,11 +22,11 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from ..dtypes import numpy_dtype
-from ..errors import KVABIError
-from ..layout import Layout, check_layout
-from ..layout_regions import block_cells
-from ..quant import FORMATS, quantize_per_token_head
+from ..layout.descriptor import Layout, check_layout
+from ..layout.regions import block_cells
+from ..util.dtypes import numpy_dtype
+from ..util.errors import KVABIError
+from ..model.quant import FORMATS, quantize_per_token_head
 from .markers import Alphabet
 from .marking import Geometry, writer_call
 from .memory import POISON
@@ -99,7 +99,7 @@ def group_values(part: Part, groups: np.ndarray, rng, lead=None
 
 def expected(part: Part, x) -> tuple[np.ndarray, np.ndarray]:
     """(code bytes [rows, heads, count], scales [rows, heads, tiles]) of ``x`` [rows, heads,
-    count] by :mod:`kvabi.quant`, a scale per tile of each head (a scale shared by the
+    count] by :mod:`kvabi.model.quant`, a scale per tile of each head (a scale shared by the
     heads: of each tile over all heads, the same in every head's entry); the same for every
     rounding of the format, else the probe's values are wrong (an AssertionError, a bug of
     this module)."""

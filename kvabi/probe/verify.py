@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..coerce import as_int
-from ..dtypes import DTYPES
-from ..errors import KVABIError
-from ..layout import Layout, check_layout
+from ..layout.descriptor import Layout, check_layout
+from ..util.coerce import as_int
+from ..util.errors import KVABIError
+from ..util.dtypes import DTYPES
 from .markers import Alphabet
 from .marking import Geometry, Marked, gather, read_ids, scan, writer_call  # noqa: F401
 from .memory import plane_bytes
@@ -47,7 +47,7 @@ def sample_rows(geo: Geometry, samples: int, seed: int, avoid=()) -> Marked:
 def _cells(layout: Layout, rows: Marked):
     """[(plane, lo, hi)] covering each sampled (layer, block) cell with the padding that
     follows it, merged per plane."""
-    from ..layout_regions import block_cells
+    from ..layout.regions import block_cells
 
     return block_cells(layout, zip(rows.layer.tolist(), rows.block.tolist()))
 
@@ -176,7 +176,7 @@ def plane_span(layout: Layout, i: int) -> int:
     planes may differ: data planes and scale planes)."""
     if layout.is_axis_form:
         return layout._span()
-    from ..layout_check import planes_reached
+    from ..layout.check import planes_reached
 
     return max((p.component.offset + p.span for p in layout._chk.placed.values()
                 if i in planes_reached(p)), default=0)

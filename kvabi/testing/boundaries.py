@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import numpy_dtype
-from ..quant import FORMATS, SCALE_EPSILON, round_codes
+from ..util.dtypes import numpy_dtype
+from ..model.quant import FORMATS, SCALE_EPSILON, round_codes
 
 F32 = np.float32
 F32_MAX = float(np.finfo(np.float32).max)

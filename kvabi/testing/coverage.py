@@ -14,7 +14,7 @@ from collections import Counter
 
 import attrs
 
-from ..quant import FORMATS, QUANT_MODES, ROUNDINGS
+from ..model.quant import FORMATS, QUANT_MODES, ROUNDINGS
 
 _current: contextvars.ContextVar[set | None] = contextvars.ContextVar("kvabi_drawn",
                                                                       default=None)
@@ -54,11 +54,11 @@ def combo_label(dtype: str, quant: str, rounding: str) -> str:
 def quant_combos(dtypes, quants=QUANT_MODES, roundings=ROUNDINGS, kind=None
                  ) -> tuple[tuple[str, str, str], ...]:
     """Every valid (dtype, quant, rounding) of ``dtypes`` x ``quants`` x ``roundings``, in
-    the order of :data:`kvabi.dtypes.DTYPES` with quant none first (where shrinking goes):
+    the order of :data:`kvabi.util.dtypes.DTYPES` with quant none first (where shrinking goes):
     quant none with nearest_even for every dtype, each quantization a dtype takes with every
     rounding defined for it.  An MLA ``kind`` has no per-token-head cache
     (``specs/semantics.md`` section 11).  Quant none counts as nearest_even."""
-    from ..dtypes import DTYPES
+    from ..util.dtypes import DTYPES
 
     out = []
     for dt in (d for d in DTYPES if d in dtypes):
@@ -78,7 +78,7 @@ def claimed_combos(caps, *, dtypes=None, quants=None, roundings=None, kind=None
                    ) -> tuple[tuple[str, str, str], ...]:
     """:func:`quant_combos` of what ``caps`` claims (its dtypes, ``quant``, ``roundings``),
     narrowed by the options (None: no narrowing)."""
-    from ..dtypes import DTYPES
+    from ..util.dtypes import DTYPES
 
     def narrow(claimed, wanted):
         return tuple(x for x in claimed if wanted is None or x in wanted)

@@ -43,7 +43,7 @@ def pytest_configure(config):
     profile = config.getoption("kvabi_profile", None)
     seed = config.getoption("kvabi_seed", None)
     if profile or seed is not None:
-        from ..errors import KVABIError
+        from ..util.errors import KVABIError
         from .profiles import parse_seed, select
 
         try:
@@ -76,8 +76,8 @@ def conformance_class(name: str, **knobs) -> type:
 
 def _knobs(config) -> dict:
     """Class attributes from ``--kvabi-dtype/--kvabi-quant/--kvabi-rounding`` (checked)."""
-    from ..dtypes import DTYPES
-    from ..quant import QUANT_MODES, ROUNDINGS
+    from ..util.dtypes import DTYPES
+    from ..model.quant import QUANT_MODES, ROUNDINGS
 
     out = {}
     for what, attr, allowed in (("dtype", "dtypes", DTYPES), ("quant", "quants", QUANT_MODES),

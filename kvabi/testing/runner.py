@@ -76,7 +76,7 @@ class CheckResult:
 
 
 def reference_backend():
-    from ..registry import get_backend
+    from ..backend.registry import get_backend
 
     return get_backend("reference")
 
@@ -218,33 +218,33 @@ def not_drawn(check: Check, backend, options: KitOptions, res: CheckResult) -> l
 
 def never_served(backend, combo) -> str | None:
     """Why ``backend`` serves a claimed (dtype, quant, rounding) for no spec the kit draws,
-    judged on a typical spec of it (its first kind, block 16 or the closest claimed, 2 KV
-    heads, head dim 64 or the closest claimed): what ``capabilities(spec)`` refuses, or no
-    preferred layout holding it; None when it is served."""
-    import argparse
-
-    import attrs
-
-    from ..commands.backends import claimed_spec
-    from ..errors import KVABIError
+    judged on a typical spec of it (its first kind other than MLA, 2 KV heads, a block size
+    and head dim it claims, 16 and 64 when it takes any): what ``capabilities(spec)``
+    refuses, or no preferred layout holding it; None when it is served."""
+    from ..model.spec import KVSpec
+    from ..util.errors import KVABIError
     from .checks.base import preferred_layouts
 
     dtype, quant, rounding = combo
     try:
         caps = backend.capabilities(None)
-        kind = next((k for k in caps.kinds if k != "mla"), caps.kinds[0])
-        if quant == "per_token_head" and kind == "mla":
+        kind = next((k for k in caps.kinds if k != "mla"), None)
+        if kind is None:
             return None
-        spec = claimed_spec(backend, argparse.Namespace(kind=kind, dtype=dtype, block_size=None,
-                                                        kv_heads=2, head_dim=None))
-        spec = attrs.evolve(spec, quant=quant, rounding=rounding)
+        m = caps.block_size_multiple
+        sizes = [b for b in (caps.block_sizes or (16, 16 * m)) if b % m == 0]
+        dims = caps.head_dims or (64,)
+        extra = {"window": 4} if kind == "sliding_window" else \
+            {"chunk": 2 * sizes[0]} if kind == "chunked_local" else {}
+        spec = KVSpec(kind, block_size=sizes[0], num_kv_heads=2, head_dim=dims[0],
+                      dtype=dtype, quant=quant, rounding=rounding, **extra)
         why = backend.capabilities(spec).refusals(spec)
         if why:
             return f"claimed by capabilities(None), refused by capabilities(spec): " \
                    f"{'; '.join(why)}"
         if not preferred_layouts(backend, spec, 4, 1):
             return "no preferred layout holds it"
-    except (KVABIError, ValueError, TypeError):
+    except (KVABIError, ValueError, TypeError, IndexError):
         return None
     return None
 

@@ -2,7 +2,7 @@
 (tests/test_kit_quant_faults.py), importable by name so that a reproducer can rebuild them.
 
 The quantizer here is written from ``specs/semantics.md`` section 11.1 with numpy and
-ml_dtypes, not with ``kvabi.quant`` (the oracle the kit compares against): ``Correct`` is
+ml_dtypes, not with ``kvabi.model.quant`` (the oracle the kit compares against): ``Correct`` is
 that recipe and must pass; every other class overrides one step of it.  The same step
 functions serve :mod:`tests.test_kit_quant_faults`' sweep over many seeds.
 """
@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 import kvabi
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 
 F32 = np.float32
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}

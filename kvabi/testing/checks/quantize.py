@@ -19,8 +19,8 @@ import attrs
 import numpy as np
 from hypothesis import strategies as st
 
-from ...errors import KVABIError
-from ...layout import Layout
+from ...util.errors import KVABIError
+from ...layout.descriptor import Layout
 from ..boundaries import (code_alternatives, head_rows, matching, reciprocal, row_scale,
                           scale_alternatives, tensor_scales, tensor_values)
 from ..harness import Runner, StepData, _handle, cache_difference
