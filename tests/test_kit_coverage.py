@@ -115,3 +115,21 @@ def test_knobs_of_the_base_class_and_the_pytest_plugin():
     assert cls().kit_options().roundings == ("toward_zero",)
     with pytest.raises(pytest.UsageError, match="--kvabi-quant: 'per_row' is not one of"):
         _knobs(Config(kvabi_quant=["per_row"]))
+
+
+def test_quant_none_does_not_need_a_claimed_rounding():
+    """Capabilities.roundings are those of quantized caches: a backend that claims quant
+    none and per_tensor with toward_zero only (vLLM's CPU fp8 writer) still has every plain
+    dtype drawn; a rounding option keeps quant none only when it names nearest_even."""
+    import attrs
+
+    from kvabi.backend.capabilities import Capabilities
+
+    caps = Capabilities(dtypes=("float16", "float8_e5m2"), quant=("none", "per_tensor"),
+                        roundings=("toward_zero",))
+    assert claimed_combos(caps) == (("float16", "none", "nearest_even"),
+                                    ("float8_e5m2", "none", "nearest_even"),
+                                    ("float8_e5m2", "per_tensor", "toward_zero"))
+    assert claimed_combos(caps, roundings=("toward_zero",)) == (
+        ("float8_e5m2", "per_tensor", "toward_zero"),)
+    assert claimed_combos(attrs.evolve(caps, quant=("per_tensor",)), dtypes=("float16",)) == ()

@@ -54,15 +54,15 @@ def combo_label(dtype: str, quant: str, rounding: str) -> str:
 def quant_combos(dtypes, quants=QUANT_MODES, roundings=ROUNDINGS, kind=None
                  ) -> tuple[tuple[str, str, str], ...]:
     """Every valid (dtype, quant, rounding) of ``dtypes`` x ``quants`` x ``roundings``, in
-    the order of :data:`kvabi.util.dtypes.DTYPES` with quant none first (where shrinking goes):
-    quant none with nearest_even for every dtype, each quantization a dtype takes with every
-    rounding defined for it.  An MLA ``kind`` has no per-token-head cache
-    (``specs/semantics.md`` section 11).  Quant none counts as nearest_even."""
+    the order of :data:`kvabi.util.dtypes.DTYPES` with quant none first (where shrinking
+    goes): quant none (with its rounding, nearest_even) for every dtype when ``quants`` has
+    it, each quantization a dtype takes with every rounding of ``roundings`` defined for
+    it.  An MLA ``kind`` has no per-token-head cache (``specs/semantics.md`` section 11)."""
     from ..util.dtypes import DTYPES
 
     out = []
     for dt in (d for d in DTYPES if d in dtypes):
-        if "none" in quants and "nearest_even" in roundings:
+        if "none" in quants:
             out.append((dt, "none", "nearest_even"))
         fmt = FORMATS.get(dt)
         if fmt is None:
@@ -74,18 +74,28 @@ def quant_combos(dtypes, quants=QUANT_MODES, roundings=ROUNDINGS, kind=None
     return tuple(out)
 
 
-def claimed_combos(caps, *, dtypes=None, quants=None, roundings=None, kind=None
-                   ) -> tuple[tuple[str, str, str], ...]:
-    """:func:`quant_combos` of what ``caps`` claims (its dtypes, ``quant``, ``roundings``),
-    narrowed by the options (None: no narrowing)."""
+def narrowed(caps, *, dtypes=None, quants=None, roundings=None) -> tuple:
+    """(dtypes, quants, roundings) ``caps`` claims, narrowed by the options (None: no
+    narrowing).  ``Capabilities.roundings`` are those of quantized caches; a rounding
+    option narrows quantized caches and keeps quant none only if it names nearest_even
+    (quant none's)."""
     from ..util.dtypes import DTYPES
 
     def narrow(claimed, wanted):
         return tuple(x for x in claimed if wanted is None or x in wanted)
 
-    return quant_combos(narrow(caps.dtypes if caps.dtypes is not None else DTYPES, dtypes),
-                        narrow(getattr(caps, "quant", ("none",)), quants),
-                        narrow(getattr(caps, "roundings", ("nearest_even",)), roundings),
+    qs = narrow(getattr(caps, "quant", ("none",)), quants)
+    if roundings is not None and "nearest_even" not in roundings:
+        qs = tuple(q for q in qs if q != "none")
+    return (narrow(caps.dtypes if caps.dtypes is not None else DTYPES, dtypes), qs,
+            narrow(getattr(caps, "roundings", ("nearest_even",)), roundings))
+
+
+def claimed_combos(caps, *, dtypes=None, quants=None, roundings=None, kind=None
+                   ) -> tuple[tuple[str, str, str], ...]:
+    """:func:`quant_combos` of what ``caps`` claims (its dtypes, ``quant``, ``roundings``),
+    narrowed by the options (:func:`narrowed`)."""
+    return quant_combos(*narrowed(caps, dtypes=dtypes, quants=quants, roundings=roundings),
                         kind)
 
 
@@ -148,5 +158,5 @@ def summary(cov: Coverage | None) -> str:
             f"{lay} layout{'s' * (lay != 1)}")
 
 
-__all__ = ["Coverage", "claimed_combos", "collecting", "combo_label", "counts", "note",
-           "quant_combos", "summary"]
+__all__ = ["Coverage", "claimed_combos", "collecting", "combo_label", "counts", "narrowed",
+           "note", "quant_combos", "summary"]

@@ -173,10 +173,10 @@ def spec_strategy(backend, options: KitOptions, kinds=None, *, quants=None, **kw
     dims = _narrow(caps.head_dims, options.head_dims)
     if dims is not None and not dims:
         raise NotApplicable("no claimed head dim left by the options")
-    qs = _narrow(_narrow(getattr(caps, "quant", ("none",)), options.quants), quants)
-    rs = _narrow(getattr(caps, "roundings", ("nearest_even",)), options.roundings)
-    from ..coverage import quant_combos
+    from ..coverage import narrowed, quant_combos
 
+    _, qs, rs = narrowed(caps, quants=options.quants, roundings=options.roundings)
+    qs = _narrow(qs, quants)
     if not any(quant_combos(dts, qs, rs, k) for k in ks):
         raise NotApplicable(f"no claimed dtype/quant/rounding left: {backend.name} claims "
                             f"quant {', '.join(getattr(caps, 'quant', ('none',)))}, "
