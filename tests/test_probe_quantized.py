@@ -143,7 +143,8 @@ def ds_mla_writer(num_layers, fault=None):
             q = np.clip(tiles / scale[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
             rec = cache[layer, b, n]
             rec[:512] = q.view(np.uint8).ravel()
-            rec[512:528] = np.ascontiguousarray(scale[::-1] if fault == "scale_order" else scale).view(np.uint8)
+            stored = scale[::-1] if fault == "scale_order" else scale  # planted: tiles reversed
+            rec[512:528] = np.ascontiguousarray(stored).view(np.uint8)
             rope = key[i, 0, 512:].astype(ml_dtypes.bfloat16).view(np.uint8)
             if fault == "rope_shift":  # one element late: its first 2 bytes never written
                 rec[530:] = rope[:-2]

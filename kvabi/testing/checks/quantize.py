@@ -9,9 +9,10 @@ reference into the same poisoned cache, with keys and values on the recipe's bou
 scale codes differently, saturation edges, signed zeros, e4m3's subnormal grid, rows whose
 scale sits on its own rounding boundary or its 1e-6 floor.  A ``per_tensor`` cache is
 written under two pairs of static scales (keys and values: two generic ones, then one with
-a subnormal reciprocal and the smallest normal float32); a step with fewer places than values is written again with
-the next ones.  A wrong code or scale is reported with its input, the scale, the exact
-recipe's result and the known mistakes that store what the backend stored.
+a subnormal reciprocal and the smallest normal float32); a step with fewer places than
+values is written again with the next ones.  A wrong code or scale is reported with its
+input, the scale, the exact recipe's result and the known mistakes that store what the
+backend stored.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import attrs
 import numpy as np
 from hypothesis import strategies as st
 
-from ...util.errors import KVABIError
 from ...layout.descriptor import Layout
+from ...util.errors import KVABIError
 from ..boundaries import (code_alternatives, head_rows, matching, reciprocal, row_scale,
                           scale_alternatives, tensor_scales, tensor_values)
 from ..harness import Runner, StepData, _handle, cache_difference
