@@ -98,3 +98,33 @@ def test_identity_semantics():
     a = KVCache.allocate(CROSS)
     b = KVCache.wrap(CROSS, list(a))
     assert a == a and a != b and len({a, b}) == 2
+
+
+def test_component_view_takes_kv_views_order_and_the_old_one_with_a_warning():
+    """component_view(layer, name) as kv_view(layer, kv) (ABI 2.1); ABI 2.0's (name,
+    layer) gives the same view with a DeprecationWarning; keywords work; anything else is
+    refused by name."""
+    import warnings
+
+    import kvabi
+
+    spec = kvabi.KVSpec("full", 4, 2, 8, dtype="int8", quant="per_token_head",
+                        rounding="nearest_away")
+    cache = kvabi.KVCache.allocate(kvabi.Layout.preset("vllm.int8_per_token_head", spec, 3, 2))
+    new = cache.component_view(1, "value_scale")
+    assert cache.component_view(layer=1, name="value_scale") is new
+    assert new.shape == (3, 4, 2, 1) and new.dtype == np.float32
+    assert cache.kv_view(1, 1) is cache.component_view(1, "value")
+    with pytest.warns(DeprecationWarning, match=r"component_view\(name, layer\) is ABI 2\.0's "
+                                                r"order; ABI 2\.1 takes .*component_view\("
+                                                r"layer, name\)"):
+        old = cache.component_view("value_scale", 1)
+    assert old is new
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.component_view(0, "key")  # the new order warns nothing
+    with pytest.raises(KVABIError, match=r"^name: KVCache.component_view\(layer, name\) takes "
+                                         r"a component name"):
+        cache.component_view(0, 1)
+    with pytest.raises(KVABIError, match="^name: "):
+        cache.component_view(0)

@@ -183,8 +183,10 @@ class IgnoresStrides(ReferenceBackend):
         layout = plan.layout
         plain = attrs.evolve(layout, strides=None, plane_bytes=None)
         isz = layout.itemsize
+        u = np.dtype(f"u{isz}")  # numpy cannot stride some ml_dtypes arrays directly
         planes = tuple(np.lib.stride_tricks.as_strided(
-            p, plain.plane_shape, [s * isz for s in plain.plane_strides]) for p in cache)
+            p.view(u), plain.plane_shape, [s * isz for s in plain.plane_strides]).view(p.dtype)
+            for p in cache)
         return attrs.evolve(plan, layout=plain), kvabi.KVCache(plain, planes, _checked=True)
 
     def write(self, plan, cache, **kw):
@@ -306,7 +308,7 @@ class NoEpsilon(ReferenceBackend):
         _, blk, off = plan.prepared.write_rows
         for name, x in (("key_scale", key), ("value_scale", value)):
             zero = ~np.abs(_rows(plan, x)).max(-1).astype(bool)  # [T', H] all-zero rows
-            sv = cache.component_view(name, layer)
+            sv = cache.component_view(layer, name)
             sv[blk[:, None].repeat(zero.shape[1], 1)[zero], off[:, None].repeat(
                 zero.shape[1], 1)[zero], np.nonzero(zero)[1], 0] = 0.0
         return cache

@@ -83,8 +83,10 @@ def test_skeleton_is_refused_what_it_does_not_claim():
 def test_skeleton_follows_the_worked_example():
     source = (EXAMPLE / "kvabi_example_torch" / "backend.py").read_text()
     plugin = (EXAMPLE / "kvabi_example_torch" / "plugin.py").read_text()
-    for call in ("def prepare(self, plan):", "def write(self, plan, cache, key, value, layer):",
-                 "def attend(self, plan, cache, query, layer, sinks, out, return_lse):"):
+    for call in ("def prepare(self, plan):",
+                 "def write(self, plan, cache, key, value, layer, scales=None):",
+                 "def attend(self, plan, cache, query, layer, sinks, out, return_lse, "
+                 "scales=None):"):
         assert call in SECTION and call in source, call
     assert "@kvabi.hookimpl\ndef kvabi_backends():" in plugin
     assert "[project.entry-points.kvabi]" in (EXAMPLE / "pyproject.toml").read_text()

@@ -160,7 +160,7 @@ def test_packed_dtypes_index_bytes_low_nibble_first():
         [4, 4, 5, 5, 6, 6, 7, 7]
     with pytest.raises(KVABIError, match=r"^key\.count: must be even"):
         Component(name="key", dtype="int4", count=7, strides={"B": 4, "E": 1})
-    view = KVCache.allocate(lay).component_view("value", 0)
+    view = KVCache.allocate(lay).component_view(0, "value")
     assert view.shape == (2, 1, 1, 4) and view.dtype == np.uint8
 
 

@@ -34,7 +34,7 @@ def test_overhead_json_shape(capsys):
     assert doc["case"]["layers"] == 32 and doc["case"]["q_heads"] == 32
     assert set(doc["goals"]) == {"reference_layer_us", "view_lookup_us", "checks_pct"}
     (row,) = doc["results"]
-    assert KEYS <= set(row) and row["backend"] == "reference" and row["abi"] == "2.0"
+    assert KEYS <= set(row) and row["backend"] == "reference" and row["abi"] == ".".join(map(str, kvabi.ABI_VERSION))
     assert row["layout"] == "vllm.BLHNC" and row["dtype"] == "float32"
     assert row["view"] == "kv_view"
     for k in KEYS - {"backend", "abi", "framework", "dtype", "layout", "view"}:

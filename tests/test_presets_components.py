@@ -46,7 +46,7 @@ def check(layout, planes, want: dict) -> int:
     bad = 0
     for name, w in want.items():
         for layer in range(L):
-            v = cache.component_view(name, layer)
+            v = cache.component_view(layer, name)
             got = np.ascontiguousarray(v).view(np.uint8).reshape(w[layer].shape)
             bad += int(np.count_nonzero(got != w[layer]))
     return bad

@@ -143,3 +143,66 @@ def test_a_write_that_does_nothing():
     with pytest.raises(KVABIError, match=r"^key of layer 0, block 0, token 0, head 0, dim 0 is "
                        r"not where flash_attn puts it \(plane 0, byte 0: it holds no marker"):
         verify_layout(layout, planes, lambda *a: None)
+
+
+def _preset_specs():
+    """Every preset with a spec it holds (the quantized ones keep their own dtypes)."""
+    from kvabi.layout.presets import PRESETS
+
+    specs = [KVSpec("full", 4, 2, 16, dtype="bfloat16"), KVSpec("full", 4, 2, 16, dtype="int8"),
+             KVSpec("mla", 4, 1, 576, head_dim_v=512, dtype="bfloat16"),
+             KVSpec("mla", 4, 1, 16, dtype="float16")]
+    out = []
+    for name in PRESETS:
+        for spec in specs:
+            try:
+                out.append((name, Layout.preset(name, spec, 3, 2)))
+                break
+            except KVABIError:
+                continue
+    return out
+
+
+PRESET_LAYOUTS = _preset_specs()
+
+
+def _hostile_writers(layout, planes):
+    """Writers an engine might be: right, silent, scribbling, converting, raising, or
+    writing another preset's placement."""
+    mem = [np.asarray(p).reshape(-1).view(np.uint8) for p in planes]
+    right = layout_writer(layout, planes)
+    rng = np.random.default_rng(0)
+
+    def silent(*a):
+        pass
+
+    def scribbles(layer, slots, key, value):
+        for m in mem:
+            m[...] = rng.integers(0, 256, m.size, dtype=np.uint8)
+
+    def converts(layer, slots, key, value):
+        k = np.asarray(key).astype(np.float32) * 2
+        right(layer, slots, k.astype(np.asarray(key).dtype), value)
+
+    def corrupts(layer, slots, key, value):
+        k = np.array(key)
+        k.reshape(-1).view(np.uint8)[::5] ^= 0x5A
+        right(layer, slots, k, value)
+
+    def raises(*a):
+        raise ValueError("the kernel is not built for this shape")
+
+    return [right, silent, scribbles, converts, corrupts, raises]
+
+
+@pytest.mark.parametrize("name, layout", PRESET_LAYOUTS, ids=[n for n, _ in PRESET_LAYOUTS])
+def test_every_preset_gets_kvabi_errors_only(name, layout):
+    """Whatever the engine's write does, verify_layout passes or raises KVABIError (its
+    report names ids, even garbage ones, without an IndexError)."""
+    for i in range(6):
+        planes = allocate_numpy(layout)
+        write = _hostile_writers(layout, planes)[i]
+        try:
+            verify_layout(layout, planes, write, samples=4)
+        except KVABIError as e:
+            assert i > 0 or "which no marker spells" in str(e), f"{name}: {e}"

@@ -250,10 +250,11 @@ def test_backends_command_table_and_json(install, monkeypatch, capsys):
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["NAME", "AVAILABLE", "ABI"]
     abi = ".".join(map(str, kvabi.ABI_VERSION))
-    assert lines[1].split() == ["reference", "yes", abi, "all", "all", "any", "any", "yes",
-                                "yes"]
+    assert lines[1].split() == ["reference", "yes", abi, "all", "all",
+                                "none,per_tensor,per_token_head", "(even,away,toward_zero)",
+                                "any", "any", "yes", "yes"]
     fake = next(l for l in lines if l.startswith("fake.one"))
-    assert fake.split() == ["fake.one", "no", abi, "full", "float16", "64,128", "16",
+    assert fake.split() == ["fake.one", "no", abi, "full", "float16", "none", "64,128", "16",
                             "no", "no"]
     assert "fake: no such hardware" in out and "flashinfer.HND" in out
     assert "refused:" in out and "future.major (plugin future)" in out
@@ -298,7 +299,7 @@ def test_backends_command_survives_a_raising_backend(capsys, monkeypatch):
     registry.register(Plugin(Exploding(), Ranged()), name="boom")
     out = run_cmd([], capsys)
     ranged = next(l for l in out.splitlines() if l.startswith("ranged.dims")).split()
-    assert ranged[5:8] == ["8..256/8", "any", "(x256)"]
+    assert ranged[5:9] == ["none", "8..256/8", "any", "(x256)"]
     assert "boom.caps" in out and "capabilities() raised RuntimeError: caps exploded" in out
     assert "preferred_layouts() raised RuntimeError: layouts exploded" in out
 

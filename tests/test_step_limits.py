@@ -58,7 +58,7 @@ def test_check_names_the_exceeded_limit():
 
 def test_base_warmup_is_a_checked_no_op():
     ref = kvabi.get_backend("reference")
-    assert ref.abi_version == kvabi.ABI_VERSION == (2, 0)
+    assert ref.abi_version == kvabi.ABI_VERSION == (2, 1)
     layout = kvabi.Layout.preset("flashinfer.HND", SPEC, num_blocks=4)
     assert ref.warmup(SPEC, layout, StepLimits(8, 2, 16)) is None
     with pytest.raises(KVABIError, match="^limits: must be a kvabi.StepLimits, got dict"):

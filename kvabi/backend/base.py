@@ -24,10 +24,14 @@ Then it calls the backend's own small methods, by keyword, with checked argument
 
 - ``prepare(plan)``: what the backend precomputes for the step (index arrays on its
   device, a library's planned wrapper), attached to the plan as ``plan.prepared``;
-- ``write(plan, cache, key, value, layer)``: the new K/V into the cache; returns the cache;
-- ``attend(plan, cache, query, layer, sinks, out, return_lse)``: ``(output, lse or None)``;
-- for a ``per_tensor`` spec only (a backend that claims it in ``Capabilities.quant``), both
-  also get ``scales``: the checked ``(k_scale, v_scale)`` as float32 values.
+- ``write(plan, cache, key, value, layer, scales=None)``: the new K/V into the cache;
+  returns the cache;
+- ``attend(plan, cache, query, layer, sinks, out, return_lse, scales=None)``: ``(output,
+  lse or None)``;
+- ``scales``: for a ``per_tensor`` spec only (a backend that claims it in
+  ``Capabilities.quant``), the checked ``(k_scale, v_scale)`` as float32 values; None for
+  any other spec (a ``per_token_head`` cache holds its scales in the layout's
+  ``key_scale``/``value_scale`` components: ``cache.component_view(layer, name)``).
 
 A backend author writes those three (and describes the backend: ``available``,
 ``capabilities``, ``preferred_layouts``, optionally ``layout_refusals``, ``device``,
@@ -192,18 +196,28 @@ class Backend:
         layer.  The base class prepares nothing."""
         return None
 
-    def write(self, plan: StepPlan, cache: KVCache, key, value, layer: int) -> KVCache:
+    def write(self, plan: StepPlan, cache: KVCache, key, value, layer: int,
+              scales=None) -> KVCache:
         """Write ``key``/``value`` (checked, in the framework) at the plan's slot mapping
         (slot -1 skipped) into ``layer`` of ``cache`` (a checked handle of the plan's
-        layout); returns the cache (numpy, torch: in place; jax: a new handle)."""
+        layout); returns the cache (numpy, torch: in place; jax: a new handle).
+
+        A quantized spec (``specs/semantics.md`` section 11) stores codes: a ``per_tensor``
+        one under ``scales``, the layer's checked ``(k_scale, v_scale)`` as float32 values
+        (given only for a ``per_tensor`` spec, by a caller's ``write_kv(k_scale=,
+        v_scale=)``, 1.0 each by default); a ``per_token_head`` one computes a scale per
+        token and head and stores it in the layout's ``key_scale``/``value_scale``
+        components (``cache.component_view(layer, "key_scale")``)."""
         raise NotImplementedError
 
     def attend(self, plan: StepPlan, cache: KVCache, query, layer: int, sinks, out,
-               return_lse: bool) -> tuple[Any, Any]:
+               return_lse: bool, scales=None) -> tuple[Any, Any]:
         """``(output, lse)`` of ``query`` over ``layer`` of ``cache``; lse None unless
         ``return_lse``.  ``sinks``: float64 numpy [Hq] or None (this call's, else the
         plan's).  ``out``: a checked buffer or None; write the output there where the
-        framework allows (the base class copies it there otherwise)."""
+        framework allows (the base class copies it there otherwise).  ``scales``: as for
+        :meth:`write` (a ``per_tensor`` spec's ``(k_scale, v_scale)``, else None): attention
+        reads ``code * scale``, a ``per_token_head`` cache's scales from its components."""
         raise NotImplementedError
 
     # -- the boundary: run by the base class, never overridden ---------------------------

@@ -142,8 +142,8 @@ class ReferenceBackend(Backend):
             kq, ks = quantize_per_token_head(k, spec.dtype, spec.rounding, "key")
             vq, vs = quantize_per_token_head(v, spec.dtype, spec.rounding, "value")
             kview[blk, off], vview[blk, off] = kq, vq
-            cache.component_view("key_scale", layer)[blk, off, :, 0] = ks
-            cache.component_view("value_scale", layer)[blk, off, :, 0] = vs
+            cache.component_view(layer, "key_scale")[blk, off, :, 0] = ks
+            cache.component_view(layer, "value_scale")[blk, off, :, 0] = vs
             return cache
         if scales is None:
             dt = numpy_dtype(spec.dtype)
@@ -166,7 +166,7 @@ class ReferenceBackend(Backend):
         their row's stored scale."""
         spec, hq = plan.spec, plan.num_q_heads
         if spec.quant == "per_token_head":  # [B, N, H, 1] float32 views
-            scales = tuple(cache.component_view(n, layer)
+            scales = tuple(cache.component_view(layer, n)
                            for n in ("key_scale", "value_scale"))
         elif scales is None:
             scales = (1.0, 1.0)

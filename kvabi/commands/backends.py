@@ -133,6 +133,16 @@ def _summary(values, universe) -> str:
     return ",".join(str(x) for x in v) or "-"
 
 
+def _quant(caps: dict) -> str:
+    """The QUANT cell: the quantizations claimed, and for quantized ones the roundings
+    without their ``nearest_`` (``none,per_tensor (even,away)``)."""
+    quant = list(caps.get("quant") or ("none",))
+    text = ",".join(quant)
+    if any(q != "none" for q in quant):
+        text += f" ({','.join(r.replace('nearest_', '') for r in caps.get('roundings') or ())})"
+    return text
+
+
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
@@ -156,8 +166,8 @@ def run(args) -> int:
                           "backends": items, "refused": refused, "warnings": warned,
                           "disabled": disabled}, indent=2))
         return 0
-    rows = [["NAME", "AVAILABLE", "ABI", "KINDS", "DTYPES", "HEAD DIMS", "BLOCK SIZES",
-             "SOFTCAP", "SINKS"]]
+    rows = [["NAME", "AVAILABLE", "ABI", "KINDS", "DTYPES", "QUANT", "HEAD DIMS",
+             "BLOCK SIZES", "SOFTCAP", "SINKS"]]
     for d in items:
         c = d["capabilities"] or {}
         blocks = _summary(c.get("block_sizes"), ())
@@ -167,6 +177,7 @@ def run(args) -> int:
                      ".".join(map(str, d["abi_version"])),
                      _summary(c.get("kinds"), KINDS) if c else "?",
                      _summary(c.get("dtypes"), DTYPES) if c else "?",
+                     _quant(c) if c else "?",
                      _summary(c.get("head_dims"), ()) if c else "?",
                      blocks if c else "?",
                      ("yes" if c.get("softcap") else "no") if c else "?",

@@ -14,6 +14,7 @@ import sys
 
 from ..util.argtypes import directory_arg, float_arg, int_arg, output_file_arg, positive_int
 from ..util.dtypes import DTYPES
+from ..model.quant import QUANT_MODES, ROUNDINGS
 
 PROFILES = ("ci", "thorough", "quick")
 
@@ -51,6 +52,12 @@ def configure(parser) -> None:
                         type=_check_name, help="run only this check (repeatable)")
     parser.add_argument("--dtype", action="append", default=None, choices=DTYPES,
                         help="draw only this cache dtype (repeatable)")
+    parser.add_argument("--quant", action="append", default=None, choices=QUANT_MODES,
+                        help="draw only this quantization: none, per_tensor, per_token_head "
+                             "(repeatable)")
+    parser.add_argument("--rounding", action="append", default=None, choices=ROUNDINGS,
+                        help="draw only quantized caches of this rounding (repeatable; quant "
+                             "none counts as nearest_even)")
     parser.add_argument("--replay", default=None, metavar="DIR", type=directory_arg,
                         help="write the reproducer of each failure into DIR (default: "
                              "$KVABI_REPLAY_DIR, else a new temporary directory)")
@@ -88,7 +95,9 @@ def run(args) -> int:
             if not ok:
                 raise KVABIError(f"backend: {b.name!r} is unavailable here: {why}")
     checks = kit.CHECKS if not args.check else tuple(kit.get_check(c) for c in args.check)
-    options = kit.KitOptions(dtypes=tuple(args.dtype) if args.dtype else None)
+    options = kit.KitOptions(dtypes=tuple(args.dtype) if args.dtype else None,
+                             quants=tuple(args.quant) if args.quant else None,
+                             roundings=tuple(args.rounding) if args.rounding else None)
     print(f"kvabi conformance: profile {profile}, seed {seed} "
           f"(rerun with --seed {seed})", file=sys.stderr)
 
@@ -125,6 +134,8 @@ def run(args) -> int:
         return 1 if failed else 0
     print(report_table.table(results))
     print(report_table.LEGEND)
+    print("\nwhat each check drew (examples per kind, cache dtype/quant/rounding, layout):")
+    print(report_table.coverage_table(results))
     for r in results:
         if r.status in ("n/a", "skipped"):
             print(f"\n{r.backend} {r.check}: {r.status}: {r.message}")

@@ -20,7 +20,7 @@ from ..util.errors import FrozenError, KVABIError
 from ..util.tensors import framework, torch_dtype
 from .planes import (byte_span, check_plane, check_planes, check_torch, check_torch_devices,
                      plane_stamp)
-from .views import allocate_numpy, component_view, layer_view
+from .views import allocate_numpy, component_view, layer_and_name, layer_view
 
 
 class KVCache(tuple):
@@ -205,13 +205,17 @@ class KVCache(tuple):
             kv = as_int(kv, "kv")
         if not 0 <= kv < (2 if self.layout.has_kv else 1):
             raise KVABIError(f"kv: {kv} out of range [0, {2 if self.layout.has_kv else 1})")
-        return self.component_view(("key", "value")[kv] if self.layout.has_kv else "latent",
-                                   layer)
+        return self.component_view(layer, ("key", "value")[kv] if self.layout.has_kv
+                                   else "latent")
 
-    def component_view(self, name: str, layer: int):
+    def component_view(self, layer: int, name: str = None):
         """Strided ``[B, N, H, E]`` view of component ``name`` of ``layer`` in its own dtype
         (``kvabi.memory.views.component_view``: size 1 along axes it does not vary along; packed
-        dtypes as their bytes), numpy and torch planes, writes go through; cached."""
+        dtypes as their bytes), numpy and torch planes, writes go through; cached.  The
+        arguments go in ``kv_view``'s order, layer first (ABI 2.1); ABI 2.0's ``(name,
+        layer)`` is still taken, with a DeprecationWarning (a name is never a layer)."""
+        if type(name) is not str:
+            layer, name = layer_and_name(layer, name, "KVCache.component_view")
         if type(layer) is not int:
             layer = as_int(layer, "layer")
         hit = self._views.get((name, layer))
@@ -223,7 +227,7 @@ class KVCache(tuple):
             c = self.layout.component(name)
             i = c.plane + check_layer(layer, self.layout) * c.plane_strides.get("L", 0)
             self.check_unchanged((i,))  # before any view is made from the plane
-            v = component_view(self.layout, self, name, layer)
+            v = component_view(self.layout, self, layer, name)
             hit = self._views[(name, layer)] = (v, i, plane_stamp(v, self.framework))
         self._check_view(hit[1], hit[0], hit[2])
         return hit[0]

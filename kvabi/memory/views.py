@@ -96,12 +96,31 @@ def _byte_base(plane, nbytes: int) -> np.ndarray:
     return flat.view(np.uint8)[:nbytes]
 
 
-def component_view(layout, planes, name: str, layer: int):
+def layer_and_name(layer, name, where: str = "component_view") -> tuple:
+    """``(layer, name)`` of a ``component_view`` call: ``(layer, name)`` as ``kv_view``
+    takes ``(layer, kv)`` (ABI 2.1), or ABI 2.0's ``(name, layer)``, told apart by the
+    name being a string (a layer never is), with a DeprecationWarning (the old order goes
+    with ABI 3.0)."""
+    if isinstance(layer, str) and not isinstance(name, str):
+        import warnings
+
+        warnings.warn(f"{where}(name, layer) is ABI 2.0's order; ABI 2.1 takes "
+                      f"{where}(layer, name), as kv_view(layer, kv) (the old order goes in "
+                      f"3.0)", DeprecationWarning, stacklevel=3)
+        return name, layer
+    if not isinstance(name, str):
+        raise KVABIError(f"name: {where}(layer, name) takes a component name (key, value, "
+                         f"latent, rope, *_scale), got {name!r:.40}")
+    return layer, name
+
+
+def component_view(layout, planes, layer, name=None):
     """Strided view ``[B, N, H, E]`` (no copy) of component ``name`` of ``layer``: the
     component's dtype (``uint8`` bytes of two elements each for packed dtypes), size 1
     along the axes it does not vary along.  numpy arrays and torch tensors; writes go
-    through.  ``planes`` are already checked against ``layout``."""
-
+    through.  ``planes`` are already checked against ``layout``.  (ABI 2.0's order
+    ``(name, layer)`` is still taken: see :func:`layer_and_name`.)"""
+    layer, name = layer_and_name(layer, name)
     c = layout.component(name)
     layer = check_layer(layer, layout)
     ps = c.plane_strides.get("L")
@@ -135,4 +154,4 @@ def kv_view(layout, planes, layer: int, kv: int):
     layer: :func:`component_view` of that component."""
     kv = as_int(kv, "kv", lo=0, hi=1 if layout.has_kv else 0)
     name = ("key", "value")[kv] if layout.has_kv else "latent"
-    return component_view(layout, planes, name, layer)
+    return component_view(layout, planes, layer, name)

@@ -5,17 +5,19 @@ write produces (``specs/layout.md``, "Inference and verification").
   poisoned planes, reads the bytes back and fits the :class:`~kvabi.Layout` (a preset when
   one matches) that places every element there;
 - :func:`verify_layout` checks a declared layout with a few writes;
-- :func:`verify_quantized` checks where a quantizing write puts values and scales;
+- :func:`verify_quantized` checks where a quantizing write puts codes and scales (per
+  token and head, per token, or per tile of a token);
 - :func:`placement_difference` says whether two layouts place every element alike;
-- :func:`backend_writer` makes a kvabi backend's ``write_kv`` the probe's ``write``.
+- :func:`backend_writer` makes a kvabi backend's ``write_kv`` the probe's ``write`` (its
+  refusals raised as :class:`WriteRefused`).
 
 May import: util, model, layout, memory, step.
 """
-from .backend import backend_writer
+from .backend import WriteRefused, backend_writer
 from .compare import placement_difference, same_placement
 from .infer import infer_layout
 from .quantized import verify_quantized
 from .verify import verify_layout
 
-__all__ = ["backend_writer", "infer_layout", "placement_difference", "same_placement",
-           "verify_layout", "verify_quantized"]
+__all__ = ["WriteRefused", "backend_writer", "infer_layout", "placement_difference",
+           "same_placement", "verify_layout", "verify_quantized"]

@@ -7,24 +7,46 @@ import numpy as np
 from ..memory.cache import KVCache
 from ..step.metadata import CommonAttentionMetadata
 from ..util.tensors import FRAMEWORKS, convert
+from ..util.errors import KVABIError
 
 
-def backend_writer(backend, layout, spec, cache=None):
+class WriteRefused(KVABIError):
+    """The backend refused the probe's write with a KVABIError (it does not serve the spec
+    or the layout): nothing was verified, and nothing found wrong."""
+
+
+def backend_writer(backend, layout, spec, cache=None, *, scales=None):
     """``(planes, write)`` for the probe: the planes of ``cache`` (default: one the backend
     allocates for ``layout``) and a ``write`` that calls ``backend.write_kv`` with a plan of
-    one single-token request per slot (so any slot can be written).
+    one single-token request per slot (so any slot can be written); ``scales``: the
+    ``k_scale``/``v_scale`` keywords of a per-tensor cache.  A KVABIError of the backend's
+    (``plan``, ``allocate``, ``write_kv``) is raised as :class:`WriteRefused`.
 
     numpy and torch planes are the cache's own memory, written in place.  jax arrays are
     immutable: ``planes`` are numpy copies, and each write runs on jax copies of them and
     copies the result back (the cache given is never touched).
     """
-    cache = backend.allocate(layout) if cache is None else KVCache.wrap(layout, cache)
+    try:
+        cache = backend.allocate(layout) if cache is None else KVCache.wrap(layout, cache)
+    except WriteRefused:
+        raise
+    except KVABIError as e:
+        raise WriteRefused(f"allocate: {backend.name} refused {layout.name or 'the layout'}: "
+                           f"{e}") from e
     jax = cache.framework == "jax"
     planes = [np.array(p) for p in cache] if jax else list(cache)
     fw = backend.framework if backend.framework in FRAMEWORKS else "numpy"
     bs = spec.block_size
 
     def write(layer, slots, key, value):
+        try:
+            _write(layer, slots, key, value)
+        except WriteRefused:
+            raise
+        except KVABIError as e:
+            raise WriteRefused(f"write_kv: {backend.name} refused: {e}") from e
+
+    def _write(layer, slots, key, value):
         slots = np.asarray(slots, np.int64)
         meta = CommonAttentionMetadata.from_lengths(
             query_lens=np.ones(len(slots), np.int64), context_lens=slots % bs,
@@ -34,10 +56,10 @@ def backend_writer(backend, layout, spec, cache=None):
         v = None if value is None else convert(value, fw)
         if jax:
             handle = KVCache.wrap(layout, [convert(np.array(p), "jax") for p in planes])
-            new = backend.write_kv(plan, handle, key=k, value=v, layer=layer)
+            new = backend.write_kv(plan, handle, key=k, value=v, layer=layer, **(scales or {}))
             for dst, src in zip(planes, new):
                 dst[...] = np.asarray(src)
         else:
-            backend.write_kv(plan, cache, key=k, value=v, layer=layer)
+            backend.write_kv(plan, cache, key=k, value=v, layer=layer, **(scales or {}))
 
     return planes, write

@@ -77,7 +77,10 @@ class Marked:
                 "token": self.token[row], "head": head, "dim": dim}
 
     def name(self, i: int) -> str:
-        """``key of layer 0, block 5, token 3, head 1, dim 0`` for element id ``i``."""
+        """``key of layer 0, block 5, token 3, head 1, dim 0`` for element id ``i`` (an id
+        past the written ones, which garbage bytes may spell, is named as such)."""
+        if not 0 <= int(i) < self.count:
+            return f"marker id {int(i)} (no element written has it)"
         c = {k: int(v[0]) if np.ndim(v) else int(v) for k, v in self.coords([i]).items()}
         what = "latent" if self.geo.kvs == 1 else ("key", "value")[c["kv"]]
         return (f"{what} of layer {c['layer']}, block {c['block']}, token {c['token']}, "
@@ -96,7 +99,19 @@ class Marked:
             slots = self.block[rows] * g.block_size + self.token[rows]
             key = np.ascontiguousarray(vals[:, 0])
             value = np.ascontiguousarray(vals[:, 1]) if g.kvs == 2 else None
-            write(int(layer), slots.astype(np.int64), key, value)
+            writer_call(write, int(layer), slots.astype(np.int64), key, value)
+
+
+def writer_call(write, layer, slots, key, value) -> None:
+    """``write(layer, slots, key, value)``: the engine's own write; anything it raises but a
+    KVABIError becomes one naming ``write`` (with the engine's exception as its cause), so
+    a probe raises KVABIError only."""
+    try:
+        write(layer, slots, key, value)
+    except KVABIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the engine's failure is the probe's finding
+        raise KVABIError(f"write: the engine's write raised {type(e).__name__}: {e}") from e
 
 
 def read_ids(alphabet: Alphabet, round_words: list[np.ndarray]) -> np.ndarray:

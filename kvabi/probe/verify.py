@@ -12,8 +12,9 @@ import numpy as np
 from ..layout.descriptor import Layout, check_layout
 from ..util.coerce import as_int
 from ..util.errors import KVABIError
+from ..util.dtypes import DTYPES
 from .markers import Alphabet
-from .marking import Geometry, Marked, gather, read_ids, scan
+from .marking import Geometry, Marked, gather, read_ids, scan, writer_call  # noqa: F401
 from .memory import plane_bytes
 
 #: most tokens one verification writes (its cost and memory are bounded by the sample)
@@ -105,8 +106,10 @@ def _report(layout, rows, label, want_p, want_o, at_want, found_p, found_o, at_f
         held = at_want[i]
         now = "no marker (never written there, or the value was converted)" if held < 0 \
             else f"the {rows.name(held)}"
+        hint = "; a quantizing write converts every value: kvabi.probe.verify_quantized " \
+            "checks it" if any(n.endswith("_scale") for n in layout.component_names) else ""
         raise KVABIError(f"{rows.name(i)} is not where {label} puts it ({where}: it holds "
-                         f"{now}), nor anywhere else in the sampled blocks' bytes")
+                         f"{now}), nor anywhere else in the sampled blocks' bytes{hint}")
     # Every element is in place (so each wanted place was found); anything more found was
     # written where the layout pads.
     if len(found_o) == len(want_o):
@@ -148,6 +151,9 @@ def verify_layout(layout: Layout, planes, write, *, samples: int = 8, seed: int 
     """
     check_layout(layout)
     samples, seed, mem = probe_arguments(planes, write, samples, seed)
+    if layout.dtype not in DTYPES:
+        raise KVABIError(f"layout: {layout.name or 'the layout'} holds {layout.dtype}, which "
+                         f"no marker spells (verify_layout takes {', '.join(DTYPES)})")
     _check_sizes(layout, mem)
     rows = sample_rows(Geometry.of_layout(layout), samples, seed)
     check_marked(layout, mem, write, rows, layout.name or "the layout")
@@ -159,6 +165,18 @@ def _check_sizes(layout: Layout, mem) -> None:
                          f"planes, got {len(mem)} tensors")
     label = layout.name or "the layout"
     for i, m in enumerate(mem):
-        if m.nbytes < layout._span():
+        need = plane_span(layout, i)
+        if m.nbytes < need:
             raise KVABIError(f"planes[{i}]: spans {m.nbytes} bytes, but {label} addresses "
-                             f"{layout._span()}")
+                             f"{need}")
+
+
+def plane_span(layout: Layout, i: int) -> int:
+    """Bytes from plane ``i``'s first byte to the end of its furthest element (component
+    planes may differ: data planes and scale planes)."""
+    if layout.is_axis_form:
+        return layout._span()
+    from ..layout.check import planes_reached
+
+    return max((p.component.offset + p.span for p in layout._chk.placed.values()
+                if i in planes_reached(p)), default=0)

@@ -14,8 +14,8 @@ from .checks import (CHECK_NAMES, CHECKS, Check, KitOptions, NotApplicable, Refu
                      check_attention, check_cascade, check_foreign_layouts, check_hostile_cache,
                      check_huge_lengths, check_kv_sharing, check_kv_update_slices, check_layouts,
                      check_local_virtual_batches, check_pad, check_permute, check_poisoned_rows,
-                     check_prefill_skip, check_split_ubatches, check_unsupported, check_write_kv,
-                     get_check)
+                     check_prefill_skip, check_quantize, check_split_ubatches, check_unsupported,
+                     check_write_kv, get_check)
 from .conformance import BackendConformance
 from .measure import TOLERANCES, ConformanceFailure, lse_error, relative_l2, tolerance
 from .profiles import PROFILE_ENV, SEED_ENV, kit_profile, kit_seed, load_profile, register_profiles
@@ -27,7 +27,7 @@ __all__ = ["AttentionCase", "BackendConformance", "CHECKS", "CHECK_NAMES", "Chec
            "check_hostile_cache", "check_huge_lengths", "check_poisoned_rows",
            "check_foreign_layouts", "check_kv_sharing", "check_kv_update_slices",
            "check_layouts", "check_local_virtual_batches", "check_pad", "check_permute",
-           "check_prefill_skip", "check_split_ubatches", "check_unsupported",
+           "check_prefill_skip", "check_quantize", "check_split_ubatches", "check_unsupported",
            "check_write_kv", "get_check", "input_dtype", "kit_profile", "kit_seed", "load_profile", "lse_error",
            "register_profiles", "relative_l2", "run_backend", "run_check", "strategies",
            "tolerance"]

@@ -15,7 +15,8 @@ import attrs
 import numpy as np
 
 from ..layout.descriptor import Layout
-from ..model.quant import quant_format, quantize_per_tensor, quantize_per_token_head
+from ..model.quant import (SCALE_EPSILON, quant_format, quantize_per_tensor,
+                           quantize_per_token_head)
 from ..model.spec import KVSpec
 from ..step.metadata import CommonAttentionMetadata
 from ..util.dtypes import numpy_dtype
@@ -23,8 +24,9 @@ from ..util.dtypes import numpy_dtype
 #: standard deviation of query entries; with unit keys and scale 1/sqrt(D) the logits have
 #: about this spread, so softmax is neither uniform nor one-hot
 QUERY_STD = 2.0
-#: int8 caches hold small integers (no quantization scales in the ABI)
+#: int8 caches of quant none hold small integers
 INT8_RANGE = 3
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def input_dtype(cache_dtype: str) -> np.dtype:
@@ -43,26 +45,62 @@ def quant_values(rng: np.random.Generator, shape, spec: KVSpec, scale: float = 1
     """float32 values for a quantized cache whose dequantized values have about unit size:
     ``per_tensor`` values are ``scale`` times scaled values spread over the codes (about 2%
     saturating, 5% in float8's subnormal range); ``per_token_head`` rows have magnitudes
-    between 0.3 and 3 and about one row in 16 is all zero (the scale's epsilon)."""
-    qmax = quant_format(spec.dtype).qmax
+    between 0.3 and 3 and about one row in 16 is all zero (the scale's epsilon).  About a
+    quarter of the elements sit on the recipe's boundaries (ties, one ulp either side,
+    saturation edges, values a division by the scale codes differently:
+    :mod:`kvabi.testing.boundaries`), solved under their row's scale."""
+    from .boundaries import solve, targets
+
+    fmt = quant_format(spec.dtype)
+    qmax = fmt.qmax
+    shape = tuple(shape)
     if spec.quant == "per_tensor":
         y = rng.standard_normal(shape) * (qmax / 4)
         pick = rng.random(shape)
         y = np.where(pick < 0.02, y * 10, np.where(pick < 0.07, y * 1e-4, y))
-        return (y * scale).astype(np.float32)
-    rows = rng.uniform(0.3, 3.0, tuple(shape[:-1]) + (1,))
+        x = np.clip(y * scale, -F32_MAX, F32_MAX).astype(np.float32)
+        edge = rng.random(shape) < 0.25
+        if edge.any():
+            t = targets(spec.dtype, spec.rounding, rng)
+            t = t[np.abs(t) <= 2 * qmax]  # attention stays about unit size
+            hit, split = solve(t, np.float32(scale), spec.dtype, spec.rounding)
+            pool = np.concatenate([hit, split[np.isfinite(split)]])
+            x[edge] = rng.choice(pool, int(edge.sum()))
+        return x
+    rows = rng.uniform(0.3, 3.0, shape[:-1] + (1,))
     rows = np.where(rng.random(rows.shape) < 1 / 16, 0.0, rows)
-    return (rng.standard_normal(shape) * rows).astype(np.float32)
+    x = (rng.standard_normal(shape) * rows).astype(np.float32)
+    if not x.size:
+        return x
+    flat = x.reshape(-1, shape[-1])
+    amax = np.abs(flat).max(axis=1)
+    s = np.maximum((amax / np.float32(qmax)).astype(np.float32), SCALE_EPSILON)
+    top = (amax * (np.float32(1) / s)).astype(np.float32)
+    t = targets(spec.dtype, spec.rounding, rng)
+    t = t[np.abs(t) < qmax]
+    # a quarter of the elements: a target solved under its row's scale, kept where it
+    # leaves the row's absmax (so its scale) unchanged
+    edge = (rng.random(flat.shape) < 0.25) & (np.abs(flat) < amax[:, None])
+    r_i, c_i = np.nonzero(edge)
+    want = rng.choice(t, r_i.size)
+    hit, _ = solve(want, s[r_i], spec.dtype, spec.rounding)
+    ok = (np.abs(want) < top[r_i]) & (np.abs(hit) < amax[r_i])
+    flat[r_i[ok], c_i[ok]] = hit[ok]
+    return x
 
 
-def layer_scales(spec: KVSpec, seed: int, layer: int) -> dict:
+def layer_scales(spec: KVSpec, seed: int, layer: int, static=None) -> dict:
     """The static scales of ``layer`` as ``write_kv``/``attention`` keywords: for a
     ``per_tensor`` spec a float32 ``k_scale`` (and ``v_scale``, not for MLA) about
-    ``4 / QMAX`` (generic values, not powers of two), seeded per layer; else {}."""
+    ``4 / QMAX`` (generic values, not powers of two), seeded per layer, or ``static`` =
+    (k_scale, v_scale) for every layer; else {}."""
     if spec.quant != "per_tensor":
         return {}
-    qmax = quant_format(spec.dtype).qmax
-    ks, vs = np.random.default_rng([seed, 0x5CA1E, layer]).uniform(0.5, 2.0, 2) * 4 / qmax
+    if static is not None:
+        ks, vs = static
+    else:
+        qmax = quant_format(spec.dtype).qmax
+        ks, vs = np.random.default_rng([seed, 0x5CA1E, layer]).uniform(0.5, 2.0, 2) * 4 / qmax
     out = {"k_scale": float(np.float32(ks))}
     if not spec.is_mla:
         out["v_scale"] = float(np.float32(vs))
@@ -136,6 +174,8 @@ class AttentionCase:
     sinks: bool = False
     layer: int = 0
     seed: int = 0
+    #: (k_scale, v_scale) of every layer of a per_tensor cache instead of the seeded ones
+    static_scales: tuple | None = None
 
     @property
     def num_layers(self) -> int:
@@ -144,7 +184,7 @@ class AttentionCase:
     @functools.cached_property
     def _inputs(self) -> Inputs:
         return make_inputs(self.spec, self.layout, self.meta, self.num_q_heads, self.sinks,
-                           self.seed, self.layer)
+                           self.seed, self.layer, self.static_scales)
 
     def inputs(self) -> Inputs:
         return self._inputs
@@ -152,7 +192,8 @@ class AttentionCase:
     def scales(self, layer: int | None = None) -> dict:
         """The static scales of ``layer`` (default the case's) as call keywords ({} unless
         the spec is ``per_tensor``): see :func:`layer_scales`."""
-        return layer_scales(self.spec, self.seed, self.layer if layer is None else layer)
+        return layer_scales(self.spec, self.seed, self.layer if layer is None else layer,
+                            self.static_scales)
 
     def __repr__(self) -> str:
         s, m = self.spec, self.meta
@@ -167,6 +208,8 @@ class AttentionCase:
             opts.append(f"page_align={s.page_align}")
         if s.quant != "none":
             opts.append(f"quant={s.quant} rounding={s.rounding}")
+        if self.static_scales is not None and s.quant == "per_tensor":
+            opts.append(f"k_scale={self.static_scales[0]!r} v_scale={self.static_scales[1]!r}")
         lay = self.layout.name or (f"order={''.join(self.layout.order)} "
                                    f"planes={''.join(self.layout.planes) or '-'}")
         lines = [
@@ -199,9 +242,9 @@ def _query_std(spec: KVSpec) -> float:
 
 
 def make_inputs(spec: KVSpec, layout: Layout, meta: CommonAttentionMetadata, num_q_heads: int,
-                sinks: bool, seed: int, layer: int = 0) -> Inputs:
+                sinks: bool, seed: int, layer: int = 0, static_scales=None) -> Inputs:
     """Seeded arrays for a case; see :class:`Inputs` (``layer``: the case's, whose static
-    scales its step's key and value are drawn for)."""
+    scales its step's key and value are drawn for; ``static_scales``: every layer's)."""
     rng = np.random.default_rng(seed)
     dt = input_dtype(spec.dtype)
     h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
@@ -212,7 +255,8 @@ def make_inputs(spec: KVSpec, layout: Layout, meta: CommonAttentionMetadata, num
     def vals(shape, kv=0, at=layer):
         """Values of ``shape`` for K (``kv`` 0) or V (1) of layer ``at``."""
         if spec.is_quantized:
-            scale = layer_scales(spec, seed, at).get(("k_scale", "v_scale")[kv], 1.0)
+            scale = layer_scales(spec, seed, at, static_scales).get(
+                ("k_scale", "v_scale")[kv], 1.0)
             return quant_values(rng, shape, spec, scale)
         return exact_values(rng, shape, spec.dtype).astype(dt)
 

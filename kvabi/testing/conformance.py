@@ -42,10 +42,13 @@ class BackendConformance:
     #: the kit profile and seed (None: the selected ones, see kvabi.testing.profiles)
     profile: str | None = None
     seed: int | None = None
-    #: narrow the kinds / dtypes / head dims drawn (None: all the backend claims)
+    #: narrow the kinds / dtypes / head dims / quantizations / roundings drawn (None: all
+    #: the backend claims; a rounding narrows quantized caches, quant none is nearest_even)
     kinds: tuple[str, ...] | None = None
     dtypes: tuple[str, ...] | None = None
     head_dims: tuple[int, ...] | None = None
+    quants: tuple[str, ...] | None = None
+    roundings: tuple[str, ...] | None = None
     #: predicate on drawn KVSpecs (None: every claimed spec)
     specs = None
     #: page alignments drawn for specs
@@ -66,7 +69,7 @@ class BackendConformance:
 
     def kit_options(self) -> KitOptions:
         return KitOptions(kinds=self.kinds, dtypes=self.dtypes, head_dims=self.head_dims,
-                          specs=self.specs, page_aligns=tuple(self.page_aligns),
+                          quants=self.quants, roundings=self.roundings, specs=self.specs, page_aligns=tuple(self.page_aligns),
                           tolerances=self.tolerances)
 
     def _backend(self):

@@ -24,6 +24,7 @@ from ..util.dtypes import numpy_dtype
 from ..util.errors import KVABIError
 from ..util.tensors import convert, to_numpy
 from .cases import AttentionCase, input_dtype, stored
+from .coverage import note
 from .measure import ConformanceFailure
 
 #: byte the cache is poisoned with before a case runs (finite in every cache dtype)
@@ -146,7 +147,7 @@ def put_rows(cache, spec, layer: int, kv: int, slots, rows, scales: dict) -> Non
     else:
         view[slots // bs, slots % bs] = codes
     if row_scales is not None:
-        sview = cache.component_view(("key_scale", "value_scale")[kv], layer)
+        sview = cache.component_view(layer, ("key_scale", "value_scale")[kv])
         if isinstance(slots, slice):
             sview[...] = row_scales.reshape(sview.shape)
         else:
@@ -333,8 +334,8 @@ def cache_difference(layout: Layout, spec, got, want, step: StepData | None = No
                     facts.append(_attribute(layout, spec, got, want, layer, kv, int(s),
                                             step, dt, u))
         for name in (n for n in layout.component_names if n.endswith("_scale")):
-            a = np.ascontiguousarray(cg.component_view(name, layer)).view(np.uint8)
-            b = np.ascontiguousarray(cw.component_view(name, layer)).view(np.uint8)
+            a = np.ascontiguousarray(cg.component_view(layer, name)).view(np.uint8)
+            b = np.ascontiguousarray(cw.component_view(layer, name)).view(np.uint8)
             slots = np.nonzero((a != b).reshape(a.shape[0] * a.shape[1], -1).any(axis=1))[0]
             if len(slots):
                 parts.append(f"layer {layer} {name}: {len(slots)} slot(s) differ, first "
@@ -410,6 +411,8 @@ class Runner:
         s = sink_values
         if s is None and sinks and c.sinks:
             s = c.inputs().sinks
+        if not self.oracle:
+            note(spec or self.spec, self.layout)
         return self.backend.plan(meta, spec or self.spec, self.layout,
                                  num_q_heads=c.num_q_heads, scale=c.scale, softcap=c.softcap,
                                  sinks=self._x(s))

@@ -4,7 +4,9 @@
 each named backend to the session, as if a test file subclassed it.  ``--kvabi-profile``
 (or ``$KVABI_HYPOTHESIS_PROFILE``) picks the kit's profile (``ci``, the default,
 ``thorough``, ``quick``) and ``--kvabi-seed`` (or ``$KVABI_SEED``) its seed, for these tests
-and for ``BackendConformance`` subclasses alike.  The kit's settings never come from the
+and for ``BackendConformance`` subclasses alike; ``--kvabi-dtype``, ``--kvabi-quant`` and
+``--kvabi-rounding`` narrow what the ``--kvabi-backend`` tests draw (a subclass sets
+``dtypes``, ``quants``, ``roundings``).  The kit's settings never come from the
 Hypothesis profile loaded in the session, and the plugin loads none, so other projects'
 Hypothesis settings are left alone.  Nothing heavy is imported unless a kvabi option is
 given.
@@ -29,6 +31,12 @@ def pytest_addoption(parser):
     group.addoption("--kvabi-seed", default=None, metavar="SEED",
                     help="seed of the kvabi kit, an integer in [0, 2**32) (default: the "
                          "profile's; ci: 0); also $KVABI_SEED")
+    for what, values in (("dtype", "a cache dtype"), ("quant", "none, per_tensor or "
+                                                              "per_token_head"),
+                         ("rounding", "nearest_even, nearest_away or toward_zero")):
+        group.addoption(f"--kvabi-{what}", action="append", default=[], metavar=what.upper(),
+                        help=f"draw only this {what} ({values}; repeatable) in the tests "
+                             f"of --kvabi-backend")
 
 
 def pytest_configure(config):
@@ -55,14 +63,33 @@ def pytest_report_header(config):
     return None
 
 
-def conformance_class(name: str) -> type:
-    """A :class:`BackendConformance` subclass testing backend ``name``."""
+def conformance_class(name: str, **knobs) -> type:
+    """A :class:`BackendConformance` subclass testing backend ``name`` (``knobs``: class
+    attributes such as ``dtypes``, ``quants``, ``roundings``)."""
     from .conformance import BackendConformance
 
     ident = re.sub(r"\W", "_", name)
     return type(f"TestConformance_{ident}", (BackendConformance,),
                 {"backend_name": name, "__module__": __name__,
-                 "__doc__": f"kvabi conformance of backend {name!r}"})
+                 "__doc__": f"kvabi conformance of backend {name!r}", **knobs})
+
+
+def _knobs(config) -> dict:
+    """Class attributes from ``--kvabi-dtype/--kvabi-quant/--kvabi-rounding`` (checked)."""
+    from ..util.dtypes import DTYPES
+    from ..model.quant import QUANT_MODES, ROUNDINGS
+
+    out = {}
+    for what, attr, allowed in (("dtype", "dtypes", DTYPES), ("quant", "quants", QUANT_MODES),
+                                ("rounding", "roundings", ROUNDINGS)):
+        given = config.getoption(f"kvabi_{what}", None) or []
+        bad = [v for v in given if v not in allowed]
+        if bad:
+            raise pytest.UsageError(f"--kvabi-{what}: {bad[0]!r} is not one of "
+                                    f"{', '.join(allowed)}")
+        if given:
+            out[attr] = tuple(given)
+    return out
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -77,8 +104,9 @@ def pytest_collection_modifyitems(session, config, items):
     # The plugin module itself holds the generated classes; the Module collector imports
     # it by path, which resolves to this already-imported module.
     this = sys.modules[__name__]
+    knobs = _knobs(config)
     for name in dict.fromkeys(names):
-        cls = conformance_class(name)
+        cls = conformance_class(name, **knobs)
         setattr(this, cls.__name__, cls)
         collector = pytest.Class.from_parent(module, name=cls.__name__, obj=cls)
         items.extend(session.genitems(collector))

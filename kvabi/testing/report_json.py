@@ -20,7 +20,9 @@ def _num(x):
 
 def result_dict(r) -> dict:
     """One result: status, examples, worst error (the failing one for a failure),
-    tolerance, dtype, seed, duration, message, details and reproducer path."""
+    tolerance, dtype, seed, duration, message, details, reproducer path and coverage (what
+    the examples drew: kinds, dtype/quant/rounding, layouts, each drawn combination with
+    its examples, and the claimed ones not drawn with why)."""
     err = tol = dtype = None
     if r.status == FAILED and r.failing is not None:
         err, tol, dtype = r.failing
@@ -50,6 +52,7 @@ def result_dict(r) -> dict:
         "details": {k: _num(v) for k, v in r.details.items()},
         "example": r.example,
         "reproducer": r.reproducer or None,
+        "coverage": r.coverage.to_dict(),
     }
 
 

@@ -6,6 +6,8 @@ import xml.etree.ElementTree as ET
 from itertools import groupby
 from pathlib import Path
 
+from .coverage import combo_label
+from .coverage import counts as coverage_counts
 from .failure import failure_report
 from .report_table import examples_cell, worst_error
 from .runner import FAILED, NOT_APPLICABLE, SKIPPED
@@ -21,6 +23,16 @@ def _suite(backend: str, results, profile: str, seed: int) -> ET.Element:
     for r in results:
         case = ET.SubElement(suite, "testcase", classname=f"kvabi.conformance.{backend}",
                              name=r.check, time=f"{r.seconds:.3f}")
+        cov = r.coverage
+        drawn = (("drawn.kinds", coverage_counts(cov.kinds())),
+                 ("drawn.dtypes", coverage_counts(cov.combos())),
+                 ("drawn.layouts", coverage_counts(cov.layouts())),
+                 ("not_drawn", "; ".join(f"{combo_label(d, q, x)}: {why}"
+                                         for d, q, x, why in cov.not_drawn) or "-"))
+        if cov.drawn or cov.not_drawn:
+            cprops = ET.SubElement(case, "properties")
+            for k, v in drawn:
+                ET.SubElement(cprops, "property", name=k, value=v)
         counts["tests"] += 1
         total += r.seconds
         if r.status == FAILED:
@@ -33,7 +45,8 @@ def _suite(backend: str, results, profile: str, seed: int) -> ET.Element:
             ET.SubElement(case, "skipped", message=f"{r.status}: {r.message}")
         out = ET.SubElement(case, "system-out")
         out.text = (f"examples {examples_cell(r)}, refused {r.refused}, worst error "
-                    f"{worst_error(r)}, seed {r.seed}")
+                    f"{worst_error(r)}, seed {r.seed}"
+                    + "".join(f"\n{k}: {v}" for k, v in drawn if cov.drawn or cov.not_drawn))
     for k, v in counts.items():
         suite.set(k, str(v))
     suite.set("time", f"{total:.3f}")

@@ -2,12 +2,16 @@
 check, the failing example's error for a failed check, the worst passing one otherwise."""
 from __future__ import annotations
 
+from .coverage import counts, summary
 from .runner import FAILED, NOT_APPLICABLE, PASSED, SKIPPED
 
-HEADER = ["BACKEND", "CHECK", "EXAMPLES", "RESULT", "WORST ERROR", "SECONDS"]
+HEADER = ["BACKEND", "CHECK", "EXAMPLES", "RESULT", "WORST ERROR", "DRAWN", "SECONDS"]
+COVERAGE_HEADER = ["BACKEND", "CHECK", "KINDS", "DTYPE QUANT ROUNDING", "LAYOUTS"]
 LEGEND = ("(worst error: for a failed check the failing example's error, else the passing "
           "example closest to its tolerance; relative L2 of the output or absolute lse "
-          "error; n/m examples: the time budget stopped the check early)")
+          "error; n/m examples: the time budget stopped the check early; drawn: kinds, "
+          "cache dtype/quant/rounding combinations and layouts the examples asked the "
+          "backend for, listed below)")
 
 
 def worst_error(r) -> str:
@@ -52,5 +56,42 @@ def table(results) -> str:
     rows = [HEADER]
     for r in results:
         rows.append([r.backend, r.check, examples_cell(r), result_cell(r), worst_error(r),
-                     f"{r.seconds:.1f}"])
+                     summary(r.coverage), f"{r.seconds:.1f}"])
     return align(rows)
+
+
+def coverage_table(results) -> str:
+    """What each check drew: examples per kind, per cache dtype / quant / rounding (short
+    names: i8 int8, e4m3 float8_e4m3fn, tensor per_tensor, token-head per_token_head, away
+    nearest_away, ...) and per layout; then every claimed dtype / quant / rounding a check
+    did not draw, with the reason."""
+    rows = [COVERAGE_HEADER]
+    missing = []
+    for r in results:
+        cov = r.coverage
+        if not cov.drawn:
+            continue
+        rows.append([r.backend, r.check, counts(cov.kinds()), counts(cov.combos(), True),
+                     counts(cov.layouts())])
+        groups: dict = {}
+        for d, q, rnd, why in cov.not_drawn:
+            groups.setdefault(why, []).append(short(combo_text(d, q, rnd)))
+        for why, combos in groups.items():
+            missing.append(f"  {r.backend} {r.check}: {', '.join(combos)}: {why}")
+    out = align(rows) if len(rows) > 1 else "(no example ran)"
+    if missing:
+        out += "\nclaimed but not drawn:\n" + "\n".join(missing)
+    return out
+
+
+def short(label: str) -> str:
+    """A dtype/quant/rounding label in the short names of the coverage table."""
+    from .coverage import SHORT
+
+    return " ".join(SHORT.get(w, w) for w in label.split())
+
+
+def combo_text(dtype, quant, rounding) -> str:
+    from .coverage import combo_label
+
+    return combo_label(dtype, quant, rounding)

@@ -19,6 +19,8 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Unsatisfiable
 
 from .checks import CHECKS, Check, KitOptions, NotApplicable, Refused
+from .checks.base import claimed
+from .coverage import Coverage, collecting
 from .failure import failing_error
 from .measure import tolerance
 from .profiles import (MIN_EXAMPLES, kit_database, kit_examples, kit_profile, kit_seed,
@@ -64,6 +66,9 @@ class CheckResult:
     failing: tuple | None = None
     #: path of the standalone reproducer written for a failure, or ""
     reproducer: str = ""
+    #: what the check's examples asked the backend for, and the claimed quantizations it
+    #: left out (:class:`kvabi.testing.coverage.Coverage`)
+    coverage: Coverage = attrs.field(factory=Coverage)
 
     @property
     def failed(self) -> bool:
@@ -125,10 +130,12 @@ def run_check(check: Check, backend, reference=None, *, options: KitOptions = Ki
                 and repr(params) not in failing):
             return  # shrink budget spent: decline new candidates, replay known failures
         try:
-            err = check.function(backend, reference, params, options)
+            with collecting() as drawn:
+                err = check.function(backend, reference, params, options)
         except Exception:
             if not first_failure:  # the failing example counts; shrinking candidates not
                 res.examples += 1
+                res.coverage.add(drawn)
                 first_failure.append(time.perf_counter())
             failing.add(repr(params))
             # Hypothesis replays the minimal failing example last: keep the last one seen.
@@ -137,6 +144,7 @@ def run_check(check: Check, backend, reference=None, *, options: KitOptions = Ki
         if first_failure:
             return  # a shrinking candidate that passed: not one of the check's examples
         res.examples += 1
+        res.coverage.add(drawn)
         if isinstance(err, Refused):
             res.refused += 1
         res.worst = max(res.worst, float(err))
@@ -155,8 +163,10 @@ def run_check(check: Check, backend, reference=None, *, options: KitOptions = Ki
     try:
         with kit_storage():
             prop()
-    except Unsatisfiable as e:
-        res.status, res.message = NOT_APPLICABLE, f"no example could be drawn: {e}"
+    except Unsatisfiable:
+        res.status, res.message = NOT_APPLICABLE, (
+            f"no example could be drawn: every example {check.name} drew was one "
+            f"{backend.name} does not claim, or one the options leave out")
     except Exception as e:  # noqa: BLE001 - a backend may fail in any way
         if reraise:
             raise
@@ -170,6 +180,8 @@ def run_check(check: Check, backend, reference=None, *, options: KitOptions = Ki
         res.failing = failing_error(e, dtype_of(res.params), options.tolerances)
     finally:
         res.seconds = time.perf_counter() - t0
+    if res.examples and res.status == PASSED:
+        res.coverage.not_drawn = not_drawn(check, backend, options, res)
     if res.failed and res.params is not None and replay is not None:
         from .replay import replay_dir, write_reproducer
 
@@ -180,6 +192,61 @@ def run_check(check: Check, backend, reference=None, *, options: KitOptions = Ki
             res.reproducer = ""
             res.example += f"\n(no reproducer written: {type(e).__name__}: {e})"
     return res
+
+
+def not_drawn(check: Check, backend, options: KitOptions, res: CheckResult) -> list:
+    """[(dtype, quant, rounding, why)] the backend claims (and the options leave) that no
+    example of ``check`` asked for."""
+    if not check.claims:
+        return []
+    try:
+        combos = claimed(backend, options)
+    except Exception:  # noqa: BLE001 - capabilities failures are reported elsewhere
+        return []
+    seen = {(d, q, r) for (_, d, q, r, _) in res.coverage.drawn}
+    out = []
+    for combo in combos:
+        if combo in seen:
+            continue
+        why = (check.leaves_out(combo) if check.leaves_out else None) or \
+            never_served(backend, combo)
+        out.append(combo + (why or f"not drawn in {res.examples} examples (more with "
+                                   f"--max-examples, or narrow with --dtype/--quant/"
+                                   f"--rounding)",))
+    return out
+
+
+def never_served(backend, combo) -> str | None:
+    """Why ``backend`` serves a claimed (dtype, quant, rounding) for no spec the kit draws,
+    judged on a typical spec of it (its first kind other than MLA, 2 KV heads, a block size
+    and head dim it claims, 16 and 64 when it takes any): what ``capabilities(spec)``
+    refuses, or no preferred layout holding it; None when it is served."""
+    from ..model.spec import KVSpec
+    from ..util.errors import KVABIError
+    from .checks.base import preferred_layouts
+
+    dtype, quant, rounding = combo
+    try:
+        caps = backend.capabilities(None)
+        kind = next((k for k in caps.kinds if k != "mla"), None)
+        if kind is None:
+            return None
+        m = caps.block_size_multiple
+        sizes = [b for b in (caps.block_sizes or (16, 16 * m)) if b % m == 0]
+        dims = caps.head_dims or (64,)
+        extra = {"window": 4} if kind == "sliding_window" else \
+            {"chunk": 2 * sizes[0]} if kind == "chunked_local" else {}
+        spec = KVSpec(kind, block_size=sizes[0], num_kv_heads=2, head_dim=dims[0],
+                      dtype=dtype, quant=quant, rounding=rounding, **extra)
+        why = backend.capabilities(spec).refusals(spec)
+        if why:
+            return f"claimed by capabilities(None), refused by capabilities(spec): " \
+                   f"{'; '.join(why)}"
+        if not preferred_layouts(backend, spec, 4, 1):
+            return "no preferred layout holds it"
+    except (KVABIError, ValueError, TypeError, IndexError):
+        return None
+    return None
 
 
 def dtype_of(params) -> str | None:

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from ..layout.descriptor import Layout
 from ..layout.presets import preset_names
 from ..model.model_kv import ModelKV
-from ..model.quant import FORMATS, QUANT_MODES, ROUNDINGS
 from ..model.spec import KINDS, KVSpec, LayerKV
 from ..step.metadata import CommonAttentionMetadata
 from ..util.dtypes import DTYPE_BITS, DTYPES, itemsize
 from ..util.errors import KVABIError
+from .coverage import quant_combos
 
 #: head dims drawn when a backend accepts any
 SMALL_HEAD_DIMS = (4, 8, 16, 32)
@@ -61,12 +61,16 @@ def kv_specs(draw, kinds=KINDS, dtypes=DTYPES, head_dims=None, block_sizes=None,
     """
     kinds = _ordered(kinds, KINDS)
     dtypes = _ordered(dtypes, DTYPES)
-    if not kinds or not dtypes:
+    # every (dtype, quant, rounding) is equally likely: a quantized claim is drawn as often
+    # as a plain dtype (quant none first in each dtype: it shrinks there)
+    combos = {k: quant_combos(dtypes, quants, roundings, k) for k in kinds}
+    kinds = tuple(k for k in kinds if combos[k])
+    if not kinds:
         raise KVABIError("kinds/dtypes: nothing to draw from")
     dims = _ordered(head_dims if head_dims is not None else SMALL_HEAD_DIMS)
     sizes = block_size_choices(block_sizes, block_size_multiple)
     kind = draw(st.sampled_from(kinds))
-    dtype = draw(st.sampled_from(dtypes))
+    dtype, quant, rounding = draw(st.sampled_from(combos[kind]))
     bs = draw(st.sampled_from(sizes))
     d = draw(st.sampled_from(dims))
     extra: dict = {}
@@ -88,26 +92,10 @@ def kv_specs(draw, kinds=KINDS, dtypes=DTYPES, head_dims=None, block_sizes=None,
         else:
             extra["chunk"] = draw(st.one_of(multiple, anything))
     align = draw(st.sampled_from(_ordered(page_aligns)))
-    extra.update(_draw_quant(draw, kind, dtype, quants, roundings))
+    if quant != "none":
+        extra.update(quant=quant, rounding=rounding)
     return KVSpec(kind, block_size=bs, num_kv_heads=heads, head_dim=d, dtype=dtype,
                   page_align=align, **extra)
-
-
-def _draw_quant(draw, kind: str, dtype: str, quants, roundings) -> dict:
-    """``quant``/``rounding`` keywords of a spec: a granularity of ``quants`` that ``kind``
-    and ``dtype`` allow, with a rounding of ``roundings`` defined for the dtype (or none)."""
-    if dtype not in FORMATS:
-        return {}
-    fmt = FORMATS[dtype]
-    rounds = [r for r in _ordered(roundings, ROUNDINGS) if r in fmt.roundings]
-    modes = [q for q in _ordered(quants, QUANT_MODES) if q == "none" or
-             (rounds and not (q == "per_token_head" and kind == "mla"))]
-    if not modes:
-        return {}  # quant none: a backend that does not claim it drops it (spec filter)
-    quant = draw(st.sampled_from(modes))
-    if quant == "none":
-        return {}
-    return {"quant": quant, "rounding": draw(st.sampled_from(rounds))}
 
 
 def preset_layouts_for(spec: KVSpec, num_blocks: int, num_layers: int = 1,

@@ -14,7 +14,7 @@ from .errors import KVABIError
 __version__ = "0.1.0"
 
 #: (major, minor) of the Python ABI: the Backend calls and hooks (``specs/versioning.md``).
-ABI_VERSION = (2, 0)
+ABI_VERSION = (2, 1)
 
 #: (major, minor) of the descriptor JSON and the handshake message (``kvabi_abi``); 2.0:
 #: components in the descriptor. Descriptor readers take this major and every 1.x

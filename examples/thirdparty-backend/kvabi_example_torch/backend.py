@@ -6,10 +6,14 @@ cache handle, the shapes and dtypes), so none of them checks anything:
 
 - ``prepare(plan)`` once per step and KV group: everything that does not depend on the
   layer (returned, it becomes ``plan.prepared``);
-- ``write(plan, cache, key, value, layer)`` scatters the step's new keys and values to
-  their slots, in place;
-- ``attend(plan, cache, query, layer, sinks, out, return_lse)`` gathers each request's
-  visible blocks through the block table and computes a masked softmax.
+- ``write(plan, cache, key, value, layer, scales=None)`` scatters the step's new keys and
+  values to their slots, in place;
+- ``attend(plan, cache, query, layer, sinks, out, return_lse, scales=None)`` gathers each
+  request's visible blocks through the block table (``rows``: what a quantized subclass
+  dequantizes) and computes a masked softmax.
+
+``scales`` is a per_tensor cache's ``(k_scale, v_scale)``: kvabi passes it only to a
+backend that claims ``per_tensor`` (this one does not; ``quantized.py`` does).
 
 ``cache.kv_view(layer, kv)`` is a cached strided [blocks, block_size, heads, head_dim] view
 of the checked :class:`kvabi.KVCache` that works for any layout.
@@ -121,7 +125,9 @@ class TorchSDPABackend(kvabi.Backend):
                          t(slots[written] // bs), t(slots[written] % bs))
 
     # -- per layer --------------------------------------------------------------------
-    def write(self, plan, cache, key, value, layer):
+    def write(self, plan, cache, key, value, layer, scales=None):
+        # ``scales``: a per_tensor cache's (k_scale, v_scale); kvabi passes them only to a
+        # backend that claims per_tensor (this one does not, ``quantized.py`` does)
         spec, p = plan.spec, plan.prepared
         tok, blk, off = p.write_tokens, p.write_blocks, p.write_offsets
         kview = cache.kv_view(layer, 0)[..., :spec.head_dim]
@@ -130,7 +136,12 @@ class TorchSDPABackend(kvabi.Backend):
         vview[blk, off] = value[tok].to(vview.dtype)
         return cache
 
-    def attend(self, plan, cache, query, layer, sinks, out, return_lse):
+    def rows(self, plan, cache, layer, kv, blocks, dim, scales):
+        """float32 [blocks, N, H, dim] of the keys (``kv`` 0) or values of ``blocks``: the
+        values the cache stands for (a quantized backend dequantizes here)."""
+        return cache.kv_view(layer, kv).index_select(0, blocks)[..., :dim].float()
+
+    def attend(self, plan, cache, query, layer, sinks, out, return_lse, scales=None):
         spec, w, hq = plan.spec, plan.prepared, plan.num_q_heads
         h, d, dv = spec.num_kv_heads, spec.head_dim, spec.head_dim_v
         g = hq // h
@@ -141,8 +152,8 @@ class TorchSDPABackend(kvabi.Backend):
 
         def keys(kv, dim):
             # [R, blocks, N, H, D] -> [R, K, H, D]: one gather per request's blocks
-            x = cache.kv_view(layer, kv).index_select(0, w.key_blocks.reshape(-1))
-            x = x[..., :dim].reshape(r * width * bs, h, dim).float()
+            x = self.rows(plan, cache, layer, kv, w.key_blocks.reshape(-1), dim, scales)
+            x = x.reshape(r * width * bs, h, dim)
             # Zero, never multiply: rows outside the request can hold anything, NaN too.
             return x.index_fill_(0, w.key_invalid, 0.0).reshape(r, width * bs, h, dim)
 

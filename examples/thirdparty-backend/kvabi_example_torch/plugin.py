@@ -8,6 +8,8 @@ import kvabi
 
 @kvabi.hookimpl
 def kvabi_backends():
-    from .backend import TorchSDPABackend  # torch is imported only when backends are listed
+    # torch is imported only when backends are listed
+    from .backend import TorchSDPABackend
+    from .quantized import TorchQuantBackend
 
-    return [TorchSDPABackend()]
+    return [TorchSDPABackend(), TorchQuantBackend()]

@@ -26,9 +26,9 @@ class _VecBlocks(CpuVllmBackend):
                             head_dims=(32, 64, 128, 256))
 
 
-# fp8 caches (vec only) are written and laid out here too: write_kv and layouts
+# fp8 caches (vec only) are written and laid out here too: write_kv, quantize and layouts
 _KERNEL_CHECKS = ("attention", "poisoned_rows", "poisoned_per_query", "kv_sharing", "cascade",
-                  "pad", "write_kv", "layouts")
+                  "pad", "write_kv", "quantize", "layouts")
 
 
 class TestCpuVllmVecBlocks(BackendConformance):
@@ -49,12 +49,13 @@ def test_vec_blocks_claim_a_subset():
 
 class TestCpuVllmFp8(BackendConformance):
     """fp8 caches only (per-tensor scales drawn per layer, rounding toward zero), on the
-    ``vec`` block sizes: every written code byte for byte, attention within tolerance."""
+    ``vec`` block sizes: every written code byte for byte (``quantize``: at every boundary
+    of the recipe, under extreme scales too), attention within tolerance."""
 
     backend_name = "cpu.vllm"
     dtypes = ("float8_e4m3fn", "float8_e5m2")
-    skip_checks = tuple(c.name for c in CHECKS
-                        if c.name not in ("write_kv", "attention", "poisoned_rows", "layouts"))
+    skip_checks = tuple(c.name for c in CHECKS if c.name not in
+                        ("write_kv", "quantize", "attention", "poisoned_rows", "layouts"))
 
     def make_backend(self):
         return _VecBlocks()

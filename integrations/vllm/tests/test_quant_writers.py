@@ -217,7 +217,7 @@ def reference_bytes(inp, layout, spec):
     cache = ref.allocate(layout)
     cache[0].view(np.uint8)[...] = int(inp["fill"])
     for name in ("key_scale", "value_scale"):
-        cache.component_view(name, 0)[...] = 1.0
+        cache.component_view(0, name)[...] = 1.0
     slots = inp["slots"]
     real = slots >= 0
     n = spec.block_size
@@ -293,3 +293,22 @@ def test_vllm_cpu_fp8_preset_is_the_writers_bytes(kv_cache_dtype):
     np.testing.assert_array_equal(vllm_write(key, value, ks, vs), want)
     assert not np.array_equal(vllm_write(value, key, ks, vs), want)  # K and V swapped
     assert not np.array_equal(vllm_write(key, value, vs, ks), want)  # scales swapped
+
+
+# -- the probe, through vLLM's own writer ---------------------------------------------------------
+def test_probe_verifies_the_per_token_head_presets_through_vllms_writer(tmp_path):
+    """``kvabi.probe.verify_quantized`` with vLLM's interpreted Triton writer as the engine's
+    write (child process, ``vllm_triton_writer.py --probe``): the presets vLLM's caches are
+    pass, every code and scale where they say; the same record with K's and V's scales
+    exchanged is refused, naming the scale and where its bytes are."""
+    out = tmp_path / "probe.json"
+    subprocess.run([sys.executable, str(WRITER), "--probe", str(out)], check=True,
+                   timeout=600)
+    import json
+
+    res = json.loads(out.read_text())
+    for mode in ("int8_per_token_head", "fp8_per_token_head"):
+        assert res[mode] == {"checked": {"key": 6 * 2 * 32, "value": 6 * 2 * 32,
+                                         "key_scale": 6 * 2, "value_scale": 6 * 2}}, res[mode]
+        err = res[mode + "_scales_swapped"]["error"]
+        assert err.startswith("key_scale of layer 0, block ") and "its bytes are at" in err

@@ -16,7 +16,9 @@ from .hostile import (check_hostile_cache, check_huge_lengths, hostile_cache_str
 from .layouts import (check_foreign_layouts, check_layouts, foreign_layouts_strategy,
                       layouts_strategy)
 from .poison import check_poisoned_rows, poison_strategy
-from .poison_per_query import check_poisoned_per_query, poison_per_query_strategy
+from .poison_per_query import (PER_QUERY_QUANT, check_poisoned_per_query,
+                               poison_per_query_strategy)
+from .quantize import check_quantize, quantize_strategy
 from .refusal import check_unsupported, unsupported_strategy
 from .sharing import check_kv_sharing, sharing_strategy
 from .transforms import (cascade_strategy, check_cascade, check_local_virtual_batches, check_pad,
@@ -27,6 +29,10 @@ from .write import check_kv_update_slices, check_write_kv, update_slices_strateg
 CHECKS: tuple[Check, ...] = (
     Check("write_kv", "writes exactly the batch's slots, byte for byte", check_write_kv,
           write_strategy, exact=True),
+    Check("quantize", "every claimed dtype x quant x rounding stores the spec's codes and "
+          "scales at every boundary of its recipe", check_quantize, quantize_strategy,
+          exact=True, leaves_out=lambda c: None if c[1] != "none" else
+          "quantize checks quantized caches (write_kv the others)"),
     Check("attention", "output and lse equal the reference; attention only reads",
           check_attention, attention_strategy),
     Check("layouts", "preferred layouts byte-exact through the backend, JSON round trip",
@@ -34,7 +40,7 @@ CHECKS: tuple[Check, ...] = (
     Check("foreign_layouts", "other layouts computed right or refused", check_foreign_layouts,
           foreign_layouts_strategy),
     Check("unsupported", "specs outside the capabilities refused with KVABIError",
-          check_unsupported, unsupported_strategy),
+          check_unsupported, unsupported_strategy, claims=False),
     Check("kv_update_slices", "update slices applied == the backend's write",
           check_kv_update_slices, update_slices_strategy, exact=True),
     Check("prefill_skip", "prefill-skipped rows equal the full computation",
@@ -54,7 +60,8 @@ CHECKS: tuple[Check, ...] = (
     Check("poisoned_rows", "NaN/inf in rows no query may see change nothing",
           check_poisoned_rows, poison_strategy),
     Check("poisoned_per_query", "NaN/inf in rows some queries see change nothing for the "
-          "others", check_poisoned_per_query, poison_per_query_strategy),
+          "others", check_poisoned_per_query, poison_per_query_strategy,
+          leaves_out=lambda c: None if c[1] == "none" else PER_QUERY_QUANT),
     Check("hostile_cache", "caches that do not fit refused before any write",
           check_hostile_cache, hostile_cache_strategy),
     Check("foreign_framework", "a cache of another framework refused by name or converted",
@@ -80,6 +87,6 @@ __all__ = ["CHECKS", "CHECK_NAMES", "Check", "KitOptions", "NotApplicable", "Ref
            "check_kv_sharing", "check_kv_update_slices", "check_layouts",
            "check_hostile_cache", "check_huge_lengths", "check_local_virtual_batches",
            "check_pad", "check_permute", "check_poisoned_per_query", "check_poisoned_rows",
-           "check_prefill_skip",
+           "check_prefill_skip", "check_quantize",
            "check_split_ubatches", "check_unsupported", "check_write_kv", "get_check",
            "spec_strategy"]

@@ -87,15 +87,18 @@ def step_or_refusal(backend, case: AttentionCase, what: str):
 class KitOptions:
     """Knobs of one conformance run.
 
-    ``kinds``/``dtypes``/``head_dims`` narrow what is drawn (None: all the backend
-    claims); ``specs`` is a predicate on drawn specs; ``page_aligns`` the page alignments
-    drawn; ``tolerances`` overrides :data:`kvabi.testing.measure.TOLERANCES` per dtype; the
-    ``max_*`` fields bound batch sizes.
+    ``kinds``/``dtypes``/``head_dims``/``quants``/``roundings`` narrow what is drawn (None:
+    all the backend claims; a rounding narrows quantized caches, quant none counts as
+    nearest_even); ``specs`` is a predicate on drawn specs; ``page_aligns`` the page
+    alignments drawn; ``tolerances`` overrides :data:`kvabi.testing.measure.TOLERANCES` per
+    dtype; the ``max_*`` fields bound batch sizes.
     """
 
     kinds: tuple[str, ...] | None = None
     dtypes: tuple[str, ...] | None = None
     head_dims: tuple[int, ...] | None = None
+    quants: tuple[str, ...] | None = None
+    roundings: tuple[str, ...] | None = None
     specs: Callable[[KVSpec], bool] | None = None
     page_aligns: tuple[int, ...] = (1,)
     tolerances: dict | None = None
@@ -115,6 +118,12 @@ class Check:
     function: Callable
     strategy: Callable
     exact: bool = False
+    #: whether the check draws what the backend claims (its reports list the claimed
+    #: dtype/quant/rounding it did not draw); False for checks of what is not claimed
+    claims: bool = True
+    #: ``leaves_out((dtype, quant, rounding))``: why the check never draws that claim (None:
+    #: it may), e.g. a check of caches of quant none
+    leaves_out: Callable | None = None
 
 
 def _narrow(claimed, wanted):
@@ -129,25 +138,54 @@ def supported(backend, spec: KVSpec, options: KitOptions, **opts) -> bool:
     """Whether the backend claims ``spec`` (with ``softcap``/``sinks``) and options allow it."""
     if options.specs is not None and not options.specs(spec):
         return False
+    if not wanted_quant(spec, options):
+        return False
     return not backend.capabilities(spec).refusals(spec, **opts)
 
 
-def spec_strategy(backend, options: KitOptions, kinds=None, **kw):
-    """Specs of ``kinds`` (default every claimed kind) that the backend claims to support."""
+def wanted_quant(spec: KVSpec, options: KitOptions) -> bool:
+    """Whether ``spec``'s quant and rounding are among those the options draw."""
+    if options.quants is not None and spec.quant not in options.quants:
+        return False
+    return options.roundings is None or spec.rounding in options.roundings
+
+
+def claimed(backend, options: KitOptions, kind=None) -> tuple[tuple[str, str, str], ...]:
+    """The (dtype, quant, rounding) the backend claims and the options leave, for ``kind``
+    (:func:`kvabi.testing.coverage.claimed_combos`)."""
+    from ..coverage import claimed_combos
+
+    return claimed_combos(backend.capabilities(None), dtypes=options.dtypes,
+                          quants=options.quants, roundings=options.roundings, kind=kind)
+
+
+def spec_strategy(backend, options: KitOptions, kinds=None, *, quants=None, **kw):
+    """Specs of ``kinds`` (default every claimed kind) that the backend claims to support;
+    ``quants`` narrows the quantizations further (a check that takes only some)."""
     caps = backend.capabilities(None)
     ks = _narrow(caps.kinds, options.kinds)
     if kinds is not None:
         ks = tuple(k for k in ks if k in kinds)
     dts = _narrow(caps.dtypes, options.dtypes)
     if not ks or not dts:
-        raise NotApplicable(f"no claimed spec of kind {kinds or ks} and dtype {dts}")
+        raise NotApplicable(f"no claimed spec of kind {', '.join(kinds or ks) or '-'} and "
+                            f"dtype {', '.join(dts or ()) or '-'}")
     dims = _narrow(caps.head_dims, options.head_dims)
     if dims is not None and not dims:
         raise NotApplicable("no claimed head dim left by the options")
+    from ..coverage import narrowed, quant_combos
+
+    _, qs, rs = narrowed(caps, quants=options.quants, roundings=options.roundings)
+    qs = _narrow(qs, quants)
+    if not any(quant_combos(dts, qs, rs, k) for k in ks):
+        raise NotApplicable(f"no claimed dtype/quant/rounding left: {backend.name} claims "
+                            f"quant {', '.join(getattr(caps, 'quant', ('none',)))}, "
+                            f"roundings {', '.join(getattr(caps, 'roundings', ()))}; the "
+                            f"options leave quant {', '.join(qs) or '-'}, roundings "
+                            f"{', '.join(rs) or '-'}")
     return kv_specs(ks, dts, dims, caps.block_sizes,
                     block_size_multiple=caps.block_size_multiple,
-                    page_aligns=options.page_aligns, quants=getattr(caps, "quant", ("none",)),
-                    roundings=getattr(caps, "roundings", ("nearest_even",)), **kw).filter(
+                    page_aligns=options.page_aligns, quants=qs, roundings=rs, **kw).filter(
         lambda s: supported(backend, s, options))
 
 

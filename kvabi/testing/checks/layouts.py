@@ -14,6 +14,7 @@ from ..harness import (UINT, StepData, expect_same_cache, fill_meta, in_framewor
                        step_inputs, take_cache, to_planes)
 from ..measure import ConformanceFailure
 from .attention import compare_outputs, reference_step
+from ..coverage import note
 from .base import KitOptions, Refused, attention_cases, spec_strategy, step_or_refusal
 
 
@@ -106,6 +107,7 @@ def check_layouts(backend, reference, params, options: KitOptions = KitOptions()
         pool_v = None if spec.is_mla else exact_values(
             rng, (slots, spec.num_kv_heads, spec.head_dim_v), spec.dtype).astype(dt)
         meta = fill_meta(back, spec.block_size)
+        note(spec, back)
         plan = backend.plan(meta, spec, back, num_q_heads=spec.num_kv_heads)
         cache = take_cache(back, backend.write_kv(
             plan, cache, key=in_framework(backend, pool_k),

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from ..harness import Runner, step_inputs
 from .attention import compare_outputs
-from .base import KitOptions, WithExtra, attention_cases
+from .base import (KitOptions, NotApplicable, WithExtra, attention_cases, claimed,
+                   spec_strategy)
 from .poison import poison_values, seen_pairs, variants
 
 
@@ -114,11 +115,14 @@ def _step(backend, reference, case, options, dirty, compared) -> float:
         got_lse=got_lse, want_lse=want_lse)
 
 
+#: why the check draws caches of quant none only
+PER_QUERY_QUANT = ("poisoned_per_query puts NaN/inf in the step's K/V, which a quantizing "
+                   "write may refuse (specs/semantics.md 11.1): caches of quant none only")
+
+
 @st.composite
-def _params(draw, backend, options):
-    case = draw(attention_cases(backend, options, num_layers=(1, 2)))
-    if case.spec.is_quantized:
-        reject()  # a quantizing write refuses non-finite K/V (semantics section 11.1)
+def _params(draw, backend, options, specs):
+    case = draw(attention_cases(backend, options, num_layers=(1, 2), specs=specs))
     salt = draw(st.integers(0, 2**16))
     if pick_rows(case, salt) is None:
         reject()  # one decode query, or queries that all see the same rows
@@ -130,4 +134,7 @@ def _params(draw, backend, options):
 
 
 def poison_per_query_strategy(backend, options):
-    return _params(backend, options)
+    if not any(q == "none" for _, q, _ in claimed(backend, options)):
+        raise NotApplicable(f"{PER_QUERY_QUANT}; {backend.name} claims quantized caches only"
+                            + ("" if options.quants is None else " (or --quant leaves none)"))
+    return _params(backend, options, spec_strategy(backend, options, quants=("none",)))
