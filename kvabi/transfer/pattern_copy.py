@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import Layout
+from ..layout.descriptor import Layout
 
 #: a template whose regions average at least this many bytes is copied region by region
 #: (each a contiguous run of bytes in both layouts) rather than component by component
