@@ -371,6 +371,8 @@ def test_pull_block_plan_staged(agents, staged):
     plan = plan_block_transfer(src_l, dst_l, sb, db)
     assert plan.pattern is not None
     assert b_agent.pull_plan(peer, plan, dst, staged=staged) is dst
+    # staged: the READ and the copies go by the pattern, the plan's regions never built
+    assert plan.built == (staged is False)
     s = (np.array(sb)[:, None] * 4 + np.arange(4)).ravel()
     t = (np.array(db)[:, None] * 8 + np.arange(8)).ravel()
     _check_moved(src, dst, s, t)

@@ -65,19 +65,23 @@ def test_block_plan_equals_general_plan_and_moves_exactly(move, seed, rows):
     shifted = block_strides(src, u) is not None and block_strides(dst, u) is not None
     assert plan.pattern is not None and general.pattern is None
     assert isinstance(plan.pattern, GroupedPattern) != shifted
+    # the regions are built when first asked for; what is known before is exact or a bound
+    assert not plan.built and plan.nbytes == general.nbytes
+    assert plan.max_regions >= len(general) and plan.check() is plan and not plan.built
     np.testing.assert_array_equal(plan.regions, general.regions)
+    assert plan.built and plan.max_regions == len(general)
     assert plan.check() is plan
     rng = np.random.default_rng(seed)
     sbufs, splanes = raw_planes(src, rng)
     dbufs, dplanes = raw_planes(dst, fill=POISON)
     before = [b.copy() for b in dbufs]
     copy = sys.modules["kvabi.transfer.pattern_copy"]
-    keep = copy.ROW_COPY
-    copy.ROW_COPY = 1 if rows else 1 << 62
+    keep = copy.ROW_COPY, copy.ROW_CALL
+    copy.ROW_COPY = copy.ROW_CALL = 1 if rows else 1 << 62
     try:
         assert execute(plan, splanes, dplanes) is dplanes  # the strided path
     finally:
-        copy.ROW_COPY = keep
+        copy.ROW_COPY, copy.ROW_CALL = keep
     check_moved(src, dst, layers, s, t, sbufs, dbufs, before)
 
 
@@ -288,11 +292,11 @@ def test_device_copy_path_on_cpu_tensors(pair, reverse, rows):
     got = KVCache.allocate(b, "numpy", fill=0)
     sbytes = [torch.from_numpy(byte_view(p, a, i).copy()) for i, p in enumerate(planes)]
     dbytes = [torch.from_numpy(byte_view(p, b, i)) for i, p in enumerate(got)]
-    keep = copy.ROW_COPY
-    copy.ROW_COPY = 1 if rows else 1 << 62
+    keep = copy.ROW_COPY, copy.ROW_CALL
+    copy.ROW_COPY = copy.ROW_CALL = 1 if rows else 1 << 62
     try:
         copy.copy_pattern(plan.pattern, a, b, sbytes, dbytes, torch_side=True)
     finally:
-        copy.ROW_COPY = keep
+        copy.ROW_COPY, copy.ROW_CALL = keep
     for x, y in zip(_bytes_of(got), _bytes_of(want)):
         np.testing.assert_array_equal(x, y)

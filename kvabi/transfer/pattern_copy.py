@@ -20,10 +20,11 @@ import numpy as np
 from ..layout.descriptor import Layout
 
 #: a template whose regions average at least this many bytes is copied region by region
-#: (each a contiguous run of bytes in both layouts) rather than component by component
+#: (each a contiguous run of bytes in both layouts) rather than component by component ...
 ROW_COPY = 4 << 10
-#: ... unless it has more rows than this (a Python step per row and run of sub-blocks)
-ROW_LIMIT = 4096
+#: ... where each copy (a Python step per row and run of sub-blocks) moves this many bytes
+#: on average (else the few strided copies per component cost less)
+ROW_CALL = 256 << 10
 
 
 def runs(base_s: np.ndarray, base_t: np.ndarray) -> list[tuple[int, int, int, int]]:
@@ -95,7 +96,9 @@ def _copy_part(pat, src, dst, sbytes, dbytes, torch_side):
         if any(a < 0 or b < 0 for _, n, a, b in todo if n > 1):  # torch: no negative strides
             todo = [(i, 1, 0, 0) for i in range(pat.src_base.size)]
     t = pat.template
-    if len(t) <= ROW_LIMIT and int(t[:, 4].sum()) >= ROW_COPY * len(t):
+    nbytes = int(t[:, 4].sum())
+    if nbytes >= ROW_COPY * len(t) and \
+            nbytes * pat.src_base.size >= ROW_CALL * len(t) * len(todo):
         _copy_rows(pat, todo, sbytes, dbytes, torch_side)
         return
     for isz, dims, views in _boxes(src, dst, pat.layers, pat.u, pat.components):
