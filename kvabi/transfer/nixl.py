@@ -471,6 +471,27 @@ class NixlAgent:
                                 "read) failed: %s", p.name, i, e)
         return dst
 
+    def descriptors(self, peers, plan, dst: KVCache, *, staged=None) -> int:
+        """How many descriptors a pull of ``plan`` into ``dst`` would post (nothing is
+        posted): a TransferPlan from one connected peer (as :meth:`pull_plan`), or a
+        ShardPlan from the connected peers of its ranks in rank order (as
+        :meth:`pull_shard_plan`); checked and laid out as those do, staged or direct by
+        the same choice."""
+        if isinstance(plan, ShardPlan):
+            self._peer_list(peers)
+            if len(plan.src_layouts) != len(peers):
+                raise KVABIError("plan.src_layouts: are not the peers' layouts, in rank order")
+            parts = [(peers[i], part) for i, part in plan.parts]
+        elif isinstance(plan, TransferPlan):
+            self._connected(peers)
+            parts = [(peers, plan)]
+        else:
+            raise KVABIError(f"plan: must be a TransferPlan or ShardPlan, got "
+                             f"{type(plan).__name__}")
+        if not isinstance(dst, KVCache):
+            raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
+        return sum(len(self._prepare(p, part, dst, staged).remote) for p, part in parts)
+
     def notify(self, peer, message) -> None:
         """Send ``message`` (bytes, or str as UTF-8) to connected ``peer`` as a plain
         notification, without a READ: what its :meth:`drain_notifications` returns (e.g.
