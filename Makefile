@@ -45,10 +45,12 @@ test-vllm: $(VLLM_STAMP)
 # The long property and fuzz runs (e.g. 10,000 mutated layout descriptors): the `thorough`
 # Hypothesis profile over the hostile-input (descriptor, config, metadata), transfer-plan,
 # handshake-schema and mutate-after-check (handles, planes, views, layouts, transfer plans
-# changed after their check) and layout-probe tests.
+# changed after their check) and layout-probe tests; and the long two-host pull (network
+# namespaces, 16 MiB over TCP on a veth, figures beside loopback's; needs root).
 THOROUGH_TESTS ?= tests/test_hostile_*.py tests/test_metadata_hostile.py tests/test_transfer_plan.py \
 	tests/test_transfer_handshake_schema.py tests/test_mutate_after_check.py tests/test_transfer_immutable.py \
-	tests/test_probe_infer.py tests/test_probe_verify.py tests/test_fingerprint.py tests/test_transfer_shards.py
+	tests/test_probe_infer.py tests/test_probe_verify.py tests/test_fingerprint.py tests/test_transfer_shards.py \
+	tests/test_transfer_netns.py
 thorough: setup
 	KVABI_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q $(THOROUGH_TESTS)
 
