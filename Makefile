@@ -12,7 +12,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 OWN := pyproject.toml $(wildcard backends/*/pyproject.toml) examples/thirdparty-backend/pyproject.toml
 
-.PHONY: setup setup-vllm run test test-core test-vllm thorough lock drift clean
+.PHONY: setup setup-vllm run test test-core test-vllm thorough thorough-vllm lock drift clean
 
 setup: $(STAMP) $(VLLM_STAMP)
 setup-vllm: $(VLLM_STAMP)
@@ -53,6 +53,12 @@ THOROUGH_TESTS ?= tests/test_hostile_*.py tests/test_metadata_hostile.py tests/t
 	tests/test_transfer_netns.py
 thorough: setup
 	KVABI_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q $(THOROUGH_TESTS)
+
+# The long vLLM runs: P/D between two network namespaces (a veth pair, UCX over TCP as
+# between two machines) for each layout pair, beside loopback's figures (needs root).
+VLLM_THOROUGH_TESTS ?= integrations/vllm/tests/test_pd_netns.py
+thorough-vllm: $(VLLM_STAMP)
+	KVABI_HYPOTHESIS_PROFILE=thorough $(VLLM_BIN)/python -m pytest -q -s $(VLLM_THOROUGH_TESTS)
 
 # Refresh both locks deliberately: throwaway environments with the newest releases the
 # metadata allows (HOLD="name==version ..." holds distributions back), frozen into locks/.
