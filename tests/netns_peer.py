@@ -11,7 +11,7 @@ slots of a ``flashinfer.NHD`` cache (16-token blocks), registered and summed; it
 on a ``flashinfer.HND`` cache with 32-token blocks (another layout, block size and TP size)
 pulls the request from the group serving in DIR (``pull_shards`` with checksums), checks
 every byte against the model's KV (guards and untouched bytes included), then times REPEAT
-pulls (best kept); with DIR2, the same from a second group through a second agent made with
+pulls (best kept, after one warm-up each); with DIR2, the same from a second group through a second agent made with
 UCX's defaults (loopback on one host), timed alternately with the first.  Writes OUT (JSON).
 
 SIZE: ``short`` (the test) or ``long`` (the figures: 16 MiB).  Every wait ends with an error
@@ -29,6 +29,7 @@ import attrs
 import numpy as np
 
 from kvabi import KVSpec, Layout
+from kvabi.bench.transfer_table import alternate
 from kvabi.model.shard import Shard
 from shard_oracle import check_rank, guarded_cache, model_kv, write_rank
 
@@ -143,13 +144,7 @@ def pull(out, host, size, repeat, dirs):
         result["descriptors"].append(agent.descriptors(peers, plan, dst))
         pulls.append(lambda a=agent, p=peers, pl=plan, c=dst: a.pull_shard_plan(
             p, pl, c, timeout=120))
-    best = [float("inf")] * len(pulls)
-    for _ in range(repeat):
-        for i, f in enumerate(pulls):
-            t = time.perf_counter()
-            f()
-            best[i] = min(best[i], time.perf_counter() - t)
-    result["best_s"] = best
+    result["best_s"] = alternate(pulls, repeat)
     for d in dirs:
         (Path(d) / "stop").touch()
     Path(out).write_text(json.dumps(result))

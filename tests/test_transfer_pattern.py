@@ -67,7 +67,10 @@ def test_block_plan_equals_general_plan_and_moves_exactly(move, seed, rows):
     assert isinstance(plan.pattern, GroupedPattern) != shifted
     # the regions are built when first asked for; what is known before is exact or a bound
     assert not plan.built and plan.nbytes == general.nbytes
-    assert plan.max_regions >= len(general) and plan.check() is plan and not plan.built
+    assert plan.check() is plan and not plan.built
+    exact = plan._regions.count()  # the count without the regions, where it is cheap
+    assert exact is None or exact == len(general)
+    assert plan.max_regions >= len(general)
     np.testing.assert_array_equal(plan.regions, general.regions)
     assert plan.built and plan.max_regions == len(general)
     assert plan.check() is plan
@@ -300,3 +303,18 @@ def test_device_copy_path_on_cpu_tensors(pair, reverse, rows):
         copy.ROW_COPY, copy.ROW_CALL = keep
     for x, y in zip(_bytes_of(got), _bytes_of(want)):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("preset", ["flashinfer.HND", "vllm.LBHNC", "kvbm.fully_contiguous"])
+def test_region_count_known_without_the_regions(preset):
+    """A same-layout move of runs of adjacent blocks: its regions merge across blocks, and
+    the count a pull decides by (staged or direct) is exact."""
+    spec = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")
+    lay = Layout.preset(preset, spec, 16, 3)
+    blocks = np.array([2, 3, 4, 5, 9, 10, 13])
+    plan = plan_block_transfer(lay, lay, blocks, blocks)
+    want = len(plan_transfer(lay, lay, _slots(blocks, 4), _slots(blocks, 4)))
+    # counted from the pattern where each plane's sub-blocks follow each other, else built
+    # (a few regions: vllm.LBHNC's plane holds every layer, so blocks interleave there)
+    assert plan.max_regions == want and plan.built == (preset == "vllm.LBHNC")
+    assert len(plan) == want

@@ -37,6 +37,10 @@ from ..util.frozen import frozen_array, is_frozen
 from .pattern import BlockPattern, GroupedPattern, base_offsets, component_groups, plane_sizes
 
 
+#: a whole-block plan of at most this many regions before merging builds them to count them
+FEW_REGIONS = 1 << 16
+
+
 class _Broadcast:
     """The regions of a whole-block plan, built from its pattern when first asked for (a
     relayout of one request can have millions, which a staged pull or a local copy never
@@ -59,6 +63,30 @@ class _Broadcast:
         """Regions before merging (an upper bound of the plan's count)."""
         return sum(len(p.template) * p.src_base.size
                    for p in getattr(self._pattern, "parts", (self._pattern,)))
+
+    def count(self) -> int | None:
+        """The plan's region count without building the regions, where that is cheap: one
+        part whose sub-blocks, in source order, follow each other on every plane (then
+        regions merge only where a sub-block's first row of a plane continues the previous
+        sub-block's last, as :func:`_broadcast` merges them); None otherwise."""
+        if self._built is not None:
+            return len(self._built)
+        parts = getattr(self._pattern, "parts", (self._pattern,))
+        if len(parts) > 1:
+            return None
+        t, o = parts[0].template, np.argsort(parts[0].src_base, kind="stable")
+        bs, bt = parts[0].src_base[o], parts[0].dst_base[o]
+        if bs.size < 2 or not len(t):
+            return len(t) * bs.size
+        first = np.r_[0, np.flatnonzero(t[1:, 0] != t[:-1, 0]) + 1]  # per source plane
+        a, b = t[np.r_[first[1:], len(t)] - 1], t[first]  # last and first row of a plane
+        a_end = (a[:, 1] + a[:, 4])[:, None] + bs[None, :-1]  # sub-block i-1's last row
+        b_so = b[:, 1][:, None] + bs[None, 1:]  # sub-block i's first row
+        if np.any(b_so < a_end):
+            return None  # sub-blocks interleave: only sorting tells
+        join = (a_end == b_so) & (a[:, 2] == b[:, 2])[:, None] & (
+            (a[:, 3] + a[:, 4])[:, None] + bt[None, :-1] == b[:, 3][:, None] + bt[None, 1:])
+        return len(t) * bs.size - int(join.sum())
 
     def array(self) -> np.ndarray:
         if self._built is None:
@@ -137,10 +165,17 @@ class TransferPlan:
 
     @property
     def max_regions(self) -> int:
-        """At least ``len(self)``, without building the regions: a whole-block plan's count
-        before merging where they are not built yet."""
+        """At least ``len(self)``, and equal to it unless the plan is a whole-block one of
+        many regions: where its regions are not built, their count if that is cheap to know
+        (:meth:`_Broadcast.count`), else the regions themselves where they are few
+        (:data:`FEW_REGIONS` before merging: then built), else the count before merging."""
         r = self._regions
-        return r.rows if isinstance(r, _Broadcast) and r._built is None else len(self)
+        if not isinstance(r, _Broadcast) or r._built is not None:
+            return len(self)
+        c = r.count()
+        if c is not None:
+            return c
+        return len(self) if r.rows <= FEW_REGIONS else r.rows
 
     def __len__(self) -> int:
         return int(self.regions.shape[0])
