@@ -12,7 +12,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 OWN := pyproject.toml $(wildcard backends/*/pyproject.toml) examples/thirdparty-backend/pyproject.toml
 
-.PHONY: setup setup-vllm run test test-core test-vllm thorough lock drift clean
+.PHONY: setup setup-vllm run test test-core test-vllm thorough thorough-vllm lock drift clean
 
 setup: $(STAMP) $(VLLM_STAMP)
 setup-vllm: $(VLLM_STAMP)
@@ -45,13 +45,21 @@ test-vllm: $(VLLM_STAMP)
 # The long property and fuzz runs (e.g. 10,000 mutated layout descriptors): the `thorough`
 # Hypothesis profile over the hostile-input (descriptor, config, metadata), transfer-plan,
 # handshake-schema and mutate-after-check (handles, planes, views, layouts, transfer plans
-# changed after their check), layout-probe tests and the sweep of quantizing mistakes over seeds.
+# changed after their check), layout-probe tests, the sweep of quantizing mistakes over seeds,
+# and the long two-host pull (network namespaces, 16 MiB over TCP on a veth, figures beside
+# loopback's; needs root).
 THOROUGH_TESTS ?= tests/test_hostile_*.py tests/test_metadata_hostile.py tests/test_transfer_plan.py \
 	tests/test_transfer_handshake_schema.py tests/test_mutate_after_check.py tests/test_transfer_immutable.py \
 	tests/test_probe_infer.py tests/test_probe_verify.py tests/test_fingerprint.py tests/test_transfer_shards.py \
-	tests/test_kit_quant_faults.py
+	tests/test_kit_quant_faults.py tests/test_transfer_netns.py
 thorough: setup
 	KVABI_HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q $(THOROUGH_TESTS)
+
+# The long vLLM runs: P/D between two network namespaces (a veth pair, UCX over TCP as
+# between two machines) for each layout pair, beside loopback's figures (needs root).
+VLLM_THOROUGH_TESTS ?= integrations/vllm/tests/test_pd_netns.py
+thorough-vllm: $(VLLM_STAMP)
+	KVABI_HYPOTHESIS_PROFILE=thorough $(VLLM_BIN)/python -m pytest -q -s $(VLLM_THOROUGH_TESTS)
 
 # Refresh both locks deliberately: throwaway environments with the newest releases the
 # metadata allows (HOLD="name==version ..." holds distributions back), frozen into locks/.

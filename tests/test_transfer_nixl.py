@@ -371,6 +371,19 @@ def test_pull_block_plan_staged(agents, staged):
     plan = plan_block_transfer(src_l, dst_l, sb, db)
     assert plan.pattern is not None
     assert b_agent.pull_plan(peer, plan, dst, staged=staged) is dst
+    # staged: the READ and the copies go by the pattern, the plan's regions never built
+    assert plan.built == (staged is False)
+    # what a pull posts: one descriptor per region direct, a few per plane staged
+    n = b_agent.descriptors(peer, plan, dst, staged=staged)
+    assert n == len(plan) if staged is False else 1 <= n < len(plan)
+    same = plan_block_transfer(src_l, src_l, sb, sb)
+    own = b_agent.register(KVCache.allocate(src_l, "numpy"))
+    assert b_agent.descriptors(peer, same, own) == len(same)  # large regions: direct
+    with pytest.raises(KVABIError, match="plan: must be a TransferPlan or ShardPlan"):
+        b_agent.descriptors(peer, "plan", dst)
+    with pytest.raises(KVABIError, match="peer: not connected"):
+        b_agent.descriptors(object(), plan, dst)
+    b_agent.deregister(own)
     s = (np.array(sb)[:, None] * 4 + np.arange(4)).ravel()
     t = (np.array(db)[:, None] * 8 + np.arange(8)).ravel()
     _check_moved(src, dst, s, t)

@@ -51,8 +51,10 @@ def _slots(blocks, bs):
 
 
 @MANY
-@given(block_moves(), st.integers(0, 2**32 - 1))
-def test_block_plan_equals_general_plan_and_moves_exactly(move, seed):
+@given(block_moves(), st.integers(0, 2**32 - 1), st.booleans())
+def test_block_plan_equals_general_plan_and_moves_exactly(move, seed, rows):
+    """``rows``: the strided copy goes region by region (template rows over runs of
+    sub-blocks, the path of large regions), else component by component (small ones)."""
     src, dst, sb, db, layers = move
     plan = plan_block_transfer(src, dst, sb, db, layers=layers)
     s, t = _slots(sb, src.size("N")), _slots(db, dst.size("N"))
@@ -63,13 +65,26 @@ def test_block_plan_equals_general_plan_and_moves_exactly(move, seed):
     shifted = block_strides(src, u) is not None and block_strides(dst, u) is not None
     assert plan.pattern is not None and general.pattern is None
     assert isinstance(plan.pattern, GroupedPattern) != shifted
+    # the regions are built when first asked for; what is known before is exact or a bound
+    assert not plan.built and plan.nbytes == general.nbytes
+    assert plan.check() is plan and not plan.built
+    exact = plan._regions.count()  # the count without the regions, where it is cheap
+    assert exact is None or exact == len(general)
+    assert plan.max_regions >= len(general)
     np.testing.assert_array_equal(plan.regions, general.regions)
+    assert plan.built and plan.max_regions == len(general)
     assert plan.check() is plan
     rng = np.random.default_rng(seed)
     sbufs, splanes = raw_planes(src, rng)
     dbufs, dplanes = raw_planes(dst, fill=POISON)
     before = [b.copy() for b in dbufs]
-    assert execute(plan, splanes, dplanes) is dplanes  # the strided path
+    copy = sys.modules["kvabi.transfer.pattern_copy"]
+    keep = copy.ROW_COPY, copy.ROW_CALL
+    copy.ROW_COPY = copy.ROW_CALL = 1 if rows else 1 << 62
+    try:
+        assert execute(plan, splanes, dplanes) is dplanes  # the strided path
+    finally:
+        copy.ROW_COPY, copy.ROW_CALL = keep
     check_moved(src, dst, layers, s, t, sbufs, dbufs, before)
 
 
@@ -253,3 +268,53 @@ def test_cuda_block_plan():
     for got, exp in zip(dst, want):
         np.testing.assert_array_equal(got.cpu().view(torch.int16).numpy(),
                                       np.ascontiguousarray(exp).view(np.int16))
+
+
+@pytest.mark.parametrize("rows", [True, False])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("pair", [("flashinfer.HND", "flashinfer.HND", 4),
+                                  ("vllm.BLHNC", "vllm.BLHNC", 4),
+                                  ("vllm.cpu", "vllm.cpu.BLHNC", 8)])
+def test_device_copy_path_on_cpu_tensors(pair, reverse, rows):
+    """The copies a CUDA destination takes (torch views, runs split where a step is
+    negative), run on CPU tensors, region by region and component by component: the
+    bytes equal the regions path on numpy."""
+    torch = pytest.importorskip("torch")
+    copy = sys.modules["kvabi.transfer.pattern_copy"]
+    byte_view = sys.modules["kvabi.transfer.execute"].byte_view
+    spec = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    a = Layout.preset(pair[0], spec, 8, 3)
+    b = Layout.preset(pair[1], attrs.evolve(spec, block_size=pair[2]), 8, 3)
+    sb = np.array([1, 2, 3, 6])
+    db = np.arange(sb.size * 4 // pair[2])[::-1 if reverse else 1] + 1
+    plan = plan_block_transfer(a, b, sb, db)
+    rng = np.random.default_rng(2)
+    _, planes = raw_planes(a, rng)
+    want = KVCache.allocate(b, "numpy", fill=0)
+    execute(attrs.evolve(plan), KVCache.wrap(a, planes), want)  # regions path
+    got = KVCache.allocate(b, "numpy", fill=0)
+    sbytes = [torch.from_numpy(byte_view(p, a, i).copy()) for i, p in enumerate(planes)]
+    dbytes = [torch.from_numpy(byte_view(p, b, i)) for i, p in enumerate(got)]
+    keep = copy.ROW_COPY, copy.ROW_CALL
+    copy.ROW_COPY = copy.ROW_CALL = 1 if rows else 1 << 62
+    try:
+        copy.copy_pattern(plan.pattern, a, b, sbytes, dbytes, torch_side=True)
+    finally:
+        copy.ROW_COPY, copy.ROW_CALL = keep
+    for x, y in zip(_bytes_of(got), _bytes_of(want)):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("preset", ["flashinfer.HND", "vllm.LBHNC", "kvbm.fully_contiguous"])
+def test_region_count_known_without_the_regions(preset):
+    """A same-layout move of runs of adjacent blocks: its regions merge across blocks, and
+    the count a pull decides by (staged or direct) is exact."""
+    spec = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")
+    lay = Layout.preset(preset, spec, 16, 3)
+    blocks = np.array([2, 3, 4, 5, 9, 10, 13])
+    plan = plan_block_transfer(lay, lay, blocks, blocks)
+    want = len(plan_transfer(lay, lay, _slots(blocks, 4), _slots(blocks, 4)))
+    # counted from the pattern where each plane's sub-blocks follow each other, else built
+    # (a few regions: vllm.LBHNC's plane holds every layer, so blocks interleave there)
+    assert plan.max_regions == want and plan.built == (preset == "vllm.LBHNC")
+    assert len(plan) == want

@@ -2,17 +2,18 @@
 Llama-3-8B-like KV group (32 layers, 8 KV heads x 128, bfloat16, block 16; a 2048-token
 request = 128 blocks, as one run of blocks and scattered).
 
-For each preset: regions per transfer and GB/s of a local ``execute`` (cache to cache), of a
-NIXL READ between two processes (UCX on loopback; skipped without nixl), and of host
-offload/onload through a ``HostPool``; and relayout rows (``flashinfer.HND`` block 16 ->
-``tpu.combined`` block 64; vLLM's CPU cache ``vllm.cpu`` block 16 -> its cross-layer
-``vllm.cpu.BLHNC`` block 64, keys ``[D, N]`` and values ``[N, D]`` per block-head).  Each
-figure is timed alternately with its reference, the same bytes moved by one ``memcpy`` (for
-NIXL rows: by one single-region READ), so that the ratios hold while the machine's load
-changes.  Then: staged NIXL relayout pulls (both relayouts) against a same-layout pull of
-the same tokens, the bounds check of a post, torch planes against numpy planes on the same
-plans, and ``from_lengths`` of Python lists.  Each goal is printed as a "goal" line and a
-"measured" line.
+One table (:mod:`kvabi.bench.transfer_table`), every row timed alternately with its
+references in the same run: per preset, a local ``execute`` (cache to cache), host
+offload/onload through a ``HostPool`` and a NIXL pull between two processes (UCX on
+loopback; skipped without nixl) against one ``memcpy`` of the same bytes (NIXL rows also
+against one single-region READ of them); relayouts (``flashinfer.HND`` block 16 ->
+``tpu.combined`` block 64; vLLM's CPU cache ``vllm.cpu`` block 16, keys ``[D, N]`` and
+values ``[N, D]`` per block-head, -> its cross-layer ``vllm.cpu.BLHNC`` block 64 and ->
+``flashinfer.HND``), locally and pulled, against the same-layout move of the same tokens;
+and pulls between tensor-parallel sizes against same-TP pulls of the same bytes
+(:mod:`kvabi.bench.transfer_tp`).  Then figures without a table row (the bounds check of a
+post, torch planes against numpy planes, ``from_lengths`` of Python lists, negotiation,
+checksums) and each goal as a "goal" line and a "measured" line.
 """
 from __future__ import annotations
 
@@ -31,12 +32,16 @@ from ..model.spec import KVSpec
 from ..transfer import HostPool, TransferPlan, execute, plan_block_transfer, plan_transfer
 from . import transfer_tp
 from .rig import ServingRig
+from .transfer_table import Memcpy, alternate, find, format_table, row, side_by_side
 
 SPEC = KVSpec(kind="full", block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 NUM_LAYERS = 32
 TOKENS = 2048
 CROSS = "kvbm.fully_contiguous"  # the cross-layer preset the goals compare
 PER_LAYER = "flashinfer.HND"  # the per-layer preset the goals compare
+#: relayouts: (source preset, destination preset, destination block size)
+RELAYOUTS = (("flashinfer.HND", "tpu.combined", 64), ("vllm.cpu", "vllm.cpu.BLHNC", 64),
+             ("vllm.cpu", "flashinfer.HND", 16))
 
 
 @attrs.frozen
@@ -63,22 +68,6 @@ def block_sets(setup: Setup, seed: int = 0) -> dict[str, np.ndarray]:
             "scattered": np.sort(rng.choice(nb, n, replace=False))}
 
 
-def side_by_side(op, ref, repeat: int) -> tuple[float, float]:
-    """Best seconds of ``op`` and of ``ref``, timed alternately (after one warm-up call of
-    each) so that both see the same machine load."""
-    op()
-    ref()
-    best_op = best_ref = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        op()
-        best_op = min(best_op, time.perf_counter() - t)
-        t = time.perf_counter()
-        ref()
-        best_ref = min(best_ref, time.perf_counter() - t)
-    return best_op, best_ref
-
-
 def _best(op, repeat: int) -> float:
     op()
     best = float("inf")
@@ -87,10 +76,6 @@ def _best(op, repeat: int) -> float:
         op()
         best = min(best, time.perf_counter() - t)
     return best
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 2)
 
 
 def _layout(name, setup, block_size=None, num_blocks=None):
@@ -142,11 +127,12 @@ class NixlRig(ServingRig):
         self.flat_message = self._ask("alloc", self.flat.to_json(), "flat")
         self.flat_dst = self.agent.register(KVCache.allocate(self.flat, "numpy"))
 
-    def measure(self, src_layout, dst_layout, plans, repeat) -> dict:
-        """{label: (regions, GB/s, GB/s of one READ of the same bytes)} pulling each plan
-        from a cache of ``src_layout`` served by the other process."""
+    def measure(self, src_layout, plans, repeat, memcpy) -> dict:
+        """{label: (regions, descriptors, seconds, seconds of one READ of the same bytes,
+        seconds of a memcpy of them)} pulling each same-layout plan from a cache of
+        ``src_layout`` served by the other process."""
         message = self._ask("alloc", src_layout.to_json(), "src")
-        dst = self.agent.register(KVCache.allocate(dst_layout, "numpy"))
+        dst = self.agent.register(KVCache.allocate(src_layout, "numpy"))
         try:
             peer = self.agent.connect(message, timeout=30)
             flat = self.agent.connect(self.flat_message, timeout=30)
@@ -154,49 +140,63 @@ class NixlRig(ServingRig):
             for label, plan in plans.items():
                 one = TransferPlan(np.array([[0, 0, 0, 0, plan.nbytes]], np.int64),
                                    flat.layout, self.flat)
-                t, t_one = side_by_side(
+                t, t_one, t_mem = alternate([
                     lambda: self.agent.pull_plan(peer, plan, dst, timeout=120),
                     lambda: self.agent.pull_plan(flat, one, self.flat_dst, timeout=120),
-                    repeat)
-                out[label] = (len(plan), gbps(plan.nbytes, t), gbps(plan.nbytes, t_one))
+                    memcpy(plan.nbytes)], repeat)
+                out[label] = (len(plan), self.agent.descriptors(peer, plan, dst), t, t_one,
+                              t_mem)
             return out
         finally:
             self.agent.deregister(dst)
             self._ask("free", "src")
 
-    def measure_pair(self, src_layout, dst_layout, plan, same_plan, repeat) -> dict:
-        """A relayout pull of ``plan`` (staged, the default) and a same-layout pull of the
-        same tokens (``same_plan``, ``src_layout`` to ``src_layout``), timed alternately;
-        also the bounds check each post makes, timed alone."""
+    def measure_pair(self, src_layout, dst_layout, plan, same_plan, repeat, memcpy) -> dict:
+        """A relayout pull of ``plan`` (staged or direct, the agent's choice) and a
+        same-layout pull of the same tokens (``same_plan``, ``src_layout`` to
+        ``src_layout``) and a memcpy of the same bytes, timed alternately; the bounds check
+        each post makes, timed alone; descriptors posted by each pull."""
         message = self._ask("alloc", src_layout.to_json(), "src")
         dst = self.agent.register(KVCache.allocate(dst_layout, "numpy"))
         same = self.agent.register(KVCache.allocate(src_layout, "numpy"))
         try:
             peer = self.agent.connect(message, timeout=30)
-            t, t_same = side_by_side(
+            t, t_same, t_mem = alternate([
                 lambda: self.agent.pull_plan(peer, plan, dst, timeout=120),
-                lambda: self.agent.pull_plan(peer, same_plan, same, timeout=120), repeat)
+                lambda: self.agent.pull_plan(peer, same_plan, same, timeout=120),
+                memcpy(plan.nbytes)], repeat)
             sizes = peer.handshake.plane_nbytes
             check = _best(lambda: plan.check(src_nbytes=sizes), repeat)
-            return {"relayout_s": t, "same_layout_s": t_same, "check_s": check,
-                    "regions": len(plan), "nbytes": plan.nbytes}
+            return {"relayout_s": t, "same_layout_s": t_same, "memcpy_s": t_mem,
+                    "check_s": check, "regions": _regions(plan), "nbytes": plan.nbytes,
+                    "descriptors": self.agent.descriptors(peer, plan, dst),
+                    "same_descriptors": self.agent.descriptors(peer, same_plan, same)}
         finally:
             self.agent.deregister(dst)
             self.agent.deregister(same)
             self._ask("free", "src")
 
+
 # -- the run -------------------------------------------------------------------------------
-#: vLLM's CPU cache relayouted to its cross-layer form with a larger block
-CPU_FROM, CPU_TO, CPU_TO_BLOCK = "vllm.cpu", "vllm.cpu.BLHNC", 64
+#: a whole-block plan of more regions than this is counted before merging (an upper bound)
+#: instead of building its regions (vllm.cpu -> flashinfer.HND: 67 million, 2.5 GiB)
+COUNT_BELOW = 8_000_000
+
+
+def _regions(plan) -> int:
+    return plan.max_regions if plan.max_regions > COUNT_BELOW else len(plan)
+
+
+def _name(layout) -> str:
+    return f"{layout.name}/{layout.size('N')}"
 
 
 def measure(setup: Setup, *, presets=None, nixl: bool = True, progress=None,
             tp_only: bool = False) -> dict:
-    """Rows ``{src, dst, blocks, executor, regions, gbps, ref_gbps}``: ``ref_gbps`` is the
-    reference timed alternately with the row (a memcpy of the same bytes; for NIXL rows one
-    single-region READ of the same bytes).  Top level: the best memcpy and one-region READ
-    seen.  ``figures`` holds the other figures, the tensor-parallel ones
-    (:mod:`kvabi.bench.transfer_tp`) included; ``tp_only``: those alone."""
+    """``{"setup", "table", "figures"}``: ``table`` holds the rows of
+    :mod:`~kvabi.bench.transfer_table`, each timed alternately with its references;
+    ``figures`` the figures without a row (the tensor-parallel ones of
+    :mod:`kvabi.bench.transfer_tp` included); ``tp_only``: those alone."""
     say = progress or (lambda msg: None)
     presets = preset_names(SPEC) if presets is None else presets
     sets = block_sets(setup)
@@ -207,34 +207,24 @@ def measure(setup: Setup, *, presets=None, nixl: bool = True, progress=None,
         if not ok:
             say(f"NIXL rows skipped: {why}")
             nixl = False
+    memcpy = Memcpy()
     tp_presets = [x for x in presets if x in transfer_tp.PRESETS] or transfer_tp.PRESETS[:1]
-    tp = transfer_tp.measure(setup, SPEC, sets, side_by_side, nixl=nixl, say=say,
-                             presets=tp_presets)
+    fig = transfer_tp.measure(setup, SPEC, sets, memcpy, nixl=nixl, say=say,
+                              presets=tp_presets)
+    table = fig.pop("tp_pulls", [])
+    info = dict(layers=setup.layers, tokens=setup.tokens, repeat=setup.repeat,
+                kv_heads=SPEC.num_kv_heads, head_dim=SPEC.head_dim, dtype=SPEC.dtype,
+                block_size=SPEC.block_size)
     if tp_only:
-        return {"memcpy_gbps": None, "nixl_single_gbps": None, "rows": [], "figures": tp}
+        return {"setup": info, "table": table, "figures": fig}
     nbytes = setup.layers * setup.tokens * 2 * SPEC.num_kv_heads * SPEC.head_dim * 2
-    ma, mb = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-
-    def memcpy():
-        np.copyto(mb, ma)
-
     rows = []
-    extra = {}
     # first, before the large buffers and the NIXL agent's threads (with an agent alive
     # the list path measured ~3x slower, the array path unchanged): a Python-heavy figure
     say("from_lengths of Python lists against np.asarray + the numpy path")
-    extra["from_lengths"] = from_lengths_lists(setup.repeat)
+    fig["from_lengths"] = from_lengths_lists(setup.repeat)
     rig = NixlRig(setup) if nixl else None
-
-    def add(src, dst, blocks, executor, regions, t, t_ref):
-        rows.append(dict(src=src, dst=dst, blocks=blocks, executor=executor, regions=regions,
-                         gbps=gbps(nbytes, t), ref_gbps=gbps(nbytes, t_ref)))
-
-    def add_nixl(src, dst, got):
-        for label, (regions, g, g_one) in got.items():
-            rows.append(dict(src=src, dst=dst, blocks=label, executor="nixl",
-                             regions=regions, gbps=g, ref_gbps=g_one))
-
+    one = "1-region READ"
     try:
         done = 0
         for i, name in enumerate(presets):
@@ -243,73 +233,74 @@ def measure(setup: Setup, *, presets=None, nixl: bool = True, progress=None,
             src, dst = _filled(lay), KVCache.allocate(lay, "numpy")
             plans = {k: plan_block_transfer(lay, lay, v, v) for k, v in sets.items()}
             for label, plan in plans.items():
-                add(name, name, label, "local", len(plan),
-                    *side_by_side(lambda: execute(plan, src, dst), memcpy, setup.repeat))
+                t, t_mem = side_by_side(lambda: execute(plan, src, dst), memcpy(nbytes),
+                                        setup.repeat)
+                rows.append(row("local copy", name, name, "1 -> 1", label, nbytes,
+                                len(plan), None, t, None, None, t_mem))
             pool = HostPool(lay, setup.blocks)
             for label, blocks in sets.items():
                 ids = pool.offload(src, blocks)
                 regions = len(plan_block_transfer(lay, pool.layout, blocks, ids))
                 pool.free(ids)
-                add(name, pool.layout.name, label, "offload", regions, *side_by_side(
-                    lambda: pool.free(pool.offload(src, blocks)), memcpy, setup.repeat))
+                t, t_mem = side_by_side(lambda: pool.free(pool.offload(src, blocks)),
+                                        memcpy(nbytes), setup.repeat)
+                rows.append(row("offload", name, pool.layout.name, "1 -> 1", label, nbytes,
+                                regions, None, t, None, None, t_mem))
                 ids = pool.offload(src, blocks)
-                add(pool.layout.name, name, label, "onload", regions, *side_by_side(
-                    lambda: pool.onload(dst, ids, blocks), memcpy, setup.repeat))
+                t, t_mem = side_by_side(lambda: pool.onload(dst, ids, blocks),
+                                        memcpy(nbytes), setup.repeat)
+                rows.append(row("onload", pool.layout.name, name, "1 -> 1", label, nbytes,
+                                regions, None, t, None, None, t_mem))
                 pool.free(ids)
             del src, dst, pool
             if rig is not None:
-                add_nixl(name, name, rig.measure(lay, lay, plans, setup.repeat))
-            say("  " + ", ".join(f"{r['executor']}/{r['blocks'][:4]} {r['regions']} regions "
-                                 f"{r['gbps']} GB/s ({r['gbps'] / r['ref_gbps']:.0%})"
-                                 for r in rows[done:]))
+                for label, (regions, descr, t, t_one, t_mem) in rig.measure(
+                        lay, plans, setup.repeat, memcpy).items():
+                    rows.append(row("NIXL pull", name, name, "1 -> 1", label, nbytes,
+                                    regions, descr, t, one, t_one, t_mem))
+            say("  " + ", ".join(f"{r['pair']}/{r['blocks'][:4]} {r['regions']} regions "
+                                 f"{r['memcpy_s'] / r['s']:.2f}x memcpy" for r in rows[done:]))
             done = len(rows)
-        say("relayout flashinfer.HND block 16 -> tpu.combined block 64")
-        a_l = _layout("flashinfer.HND", setup)
-        b_l = _layout("tpu.combined", setup, block_size=64, num_blocks=setup.tokens // 64)
-        t = time.perf_counter()
-        plan = plan_block_transfer(a_l, b_l, sets["contiguous"], np.arange(setup.tokens // 64))
-        say(f"  planned {len(plan)} regions in {(time.perf_counter() - t) * 1e3:.1f} ms")
-        src, dst = _filled(a_l), KVCache.allocate(b_l, "numpy")
-        add("flashinfer.HND/16", "tpu.combined/64", "contiguous", "local", len(plan),
-            *side_by_side(lambda: execute(plan, src, dst), memcpy, setup.repeat))
-        del src, dst
-        if rig is not None:
-            add_nixl("flashinfer.HND/16", "tpu.combined/64",
-                     {"contiguous": rig.measure(a_l, b_l, {"x": plan}, setup.repeat)["x"]})
-            say("relayout pull (staged) against a same-layout pull of the same tokens")
+        for a, b, bs in RELAYOUTS:
+            say(f"relayout {a}/16 -> {b}/{bs}, local and pulled, against the same-layout move")
+            a_l = _layout(a, setup)
+            b_l = _layout(b, setup, block_size=bs, num_blocks=setup.tokens // bs)
+            t = time.perf_counter()
+            plan = plan_block_transfer(a_l, b_l, sets["contiguous"], np.arange(setup.tokens // bs))
+            say(f"  planned in {(time.perf_counter() - t) * 1e3:.1f} ms (regions built only "
+                "where asked)")
             same = plan_block_transfer(a_l, a_l, sets["contiguous"], sets["contiguous"])
-            extra["nixl_relayout"] = rig.measure_pair(a_l, b_l, plan, same, setup.repeat)
-        say(f"relayout {CPU_FROM} block 16 -> {CPU_TO} block {CPU_TO_BLOCK} (vLLM's CPU cache to "
-            "cross-layer), local and pulled, against a same-layout pull")
-        c_l = _layout(CPU_FROM, setup)
-        d_l = _layout(CPU_TO, setup, block_size=CPU_TO_BLOCK,
-                      num_blocks=setup.tokens // CPU_TO_BLOCK)
-        cplan = plan_block_transfer(c_l, d_l, sets["contiguous"],
-                                    np.arange(setup.tokens // CPU_TO_BLOCK))
-        src, dst = _filled(c_l), KVCache.allocate(d_l, "numpy")
-        add(f"{CPU_FROM}/16", f"{CPU_TO}/{CPU_TO_BLOCK}", "contiguous", "local", len(cplan),
-            *side_by_side(lambda: execute(cplan, src, dst), memcpy, setup.repeat))
-        del src, dst
+            src, dst = _filled(a_l), KVCache.allocate(b_l, "numpy")
+            sdst = KVCache.allocate(a_l, "numpy")
+            t, t_same, t_mem = alternate([lambda: execute(plan, src, dst),
+                                          lambda: execute(same, src, sdst),
+                                          memcpy(nbytes)], setup.repeat)
+            regions = _regions(plan)
+            rows.append(row("local copy", _name(a_l), _name(b_l), "1 -> 1", "contiguous",
+                            nbytes, regions, None, t, "same layout", t_same, t_mem))
+            del src, dst, sdst
+            if rig is not None:
+                x = rig.measure_pair(a_l, b_l, plan, same, setup.repeat, memcpy)
+                rows.append(row("NIXL pull", _name(a_l), _name(b_l), "1 -> 1", "contiguous",
+                                nbytes, regions, x["descriptors"], x["relayout_s"],
+                                "same layout", x["same_layout_s"], x["memcpy_s"]))
+                fig.setdefault("relayout_pulls", {})[f"{_name(a_l)} -> {_name(b_l)}"] = x
         if rig is not None:
-            same = plan_block_transfer(c_l, c_l, sets["contiguous"], sets["contiguous"])
-            extra["nixl_cpu_relayout"] = rig.measure_pair(c_l, d_l, cplan, same,
-                                                          setup.repeat)
             # the bounds check of a post with many regions (a token-level relayout)
+            a_l = _layout("flashinfer.HND", setup)
+            b_l = _layout("tpu.combined", setup, block_size=64, num_blocks=setup.tokens // 64)
             toks = np.random.default_rng(1).permutation(setup.blocks * SPEC.block_size)
             tplan = plan_transfer(a_l, b_l, toks + (setup.num_blocks - setup.blocks)
                                   * SPEC.block_size, np.arange(toks.size))
             sizes = np.full(a_l.num_planes, a_l.plane_nbytes, np.int64)
-            extra["post_check"] = {"regions": len(tplan), "check_s": _best(
+            fig["post_check"] = {"regions": len(tplan), "check_s": _best(
                 lambda: tplan.check(src_nbytes=sizes), setup.repeat)}
         say("torch planes against numpy planes, same plans")
-        extra["torch_vs_numpy"] = torch_vs_numpy(setup, sets)
+        fig["torch_vs_numpy"] = torch_vs_numpy(setup, sets)
     finally:
         if rig is not None:
             rig.close()
-    local = [r["ref_gbps"] for r in rows if r["executor"] != "nixl"]
-    one = [r["ref_gbps"] for r in rows if r["executor"] == "nixl"]
-    return {"memcpy_gbps": max(local), "nixl_single_gbps": max(one) if one else None,
-            "rows": rows, "figures": {**extra, **tp}}
+    return {"setup": info, "table": rows + table, "figures": fig}
 
 
 def torch_vs_numpy(setup: Setup, sets) -> dict:
@@ -372,73 +363,67 @@ def from_lengths_lists(repeat: int, requests: int = 1024) -> tuple[float, float]
 
 
 # -- goals -----------------------------------------------------------------------------------
-def _row(rows, src, executor, blocks, dst=None):
-    for r in rows:
-        if r["src"] == src and r["executor"] == executor and r["blocks"] == blocks and (
-                dst is None or r["dst"] == dst):
-            return r
-    return None
+def _x_memcpy(r) -> float:
+    """A row's speed as a multiple of its side-by-side memcpy."""
+    return r["memcpy_s"] / r["s"]
 
 
-def _share(r) -> float:
-    """A row's GB/s as a fraction of its side-by-side reference."""
-    return r["gbps"] / r["ref_gbps"]
+def _x_ref(r) -> float:
+    return r["ref_s"] / r["s"]
 
 
-def goals(result: dict) -> list[tuple[str, bool | None, str]]:
+def _pull_goals(rows) -> list[tuple[str, bool | None, str]]:
+    """Every relayout pull (another layout, block size or TP size) >= 0.9x the pull of the
+    same bytes between equal ones, timed alternately."""
+    pulls = [r for r in rows if r["pair"] == "NIXL pull" and r["ref"] is not None
+             and r["ref"] != "1-region READ"]
+    out = [(f"relayout pull >= 0.9x the {r['ref']} pull of the same bytes ({r['src']} -> "
+            f"{r['dst']}, TP {r['tp']})", _x_ref(r) >= 0.9,
+            f"{_x_ref(r):.2f}x ({r['descriptors']} descriptors, "
+            f"{r['regions']} regions)") for r in pulls]
+    return out or [("relayout pulls >= 0.9x a same-layout pull of the same bytes", None,
+                    "not measured (no nixl)")]
+
+
+def goals(result: dict, tp_only: bool = False) -> list[tuple[str, bool | None, str]]:
     """(goal, met (None: not measured, or a figure without a threshold), figures) for the
-    issue's targets, each judged on figures timed side by side (a row against its own
-    interleaved reference)."""
-    rows = result["rows"]
+    issues' targets, each judged on figures timed side by side (a row against its own
+    interleaved references); ``tp_only``: those of a ``--tp-only`` run."""
+    rows = result["table"]
     out = []
+    if tp_only:
+        return _pull_goals(rows) + transfer_tp.goals(result.get("figures", {}))
     for blocks in ("contiguous", "scattered"):
-        c, p = _row(rows, CROSS, "local", blocks), _row(rows, PER_LAYER, "local", blocks)
+        c = find(rows, "local copy", CROSS, blocks)
+        p = find(rows, "local copy", PER_LAYER, blocks)
         if c and p:
             ratio = p["regions"] / c["regions"]
             out.append((f"cross-layer >= 32x fewer regions than per-layer ({blocks})",
                         ratio >= 32, f"{p['regions']} / {c['regions']} = {ratio:.1f}x"))
-    for name in (CROSS, PER_LAYER):
-        for blocks in ("contiguous", "scattered"):
-            r = _row(rows, name, "local", blocks)
-            if r:
-                out.append((f"local execute >= 90% of memcpy ({name}, {blocks})",
-                            _share(r) >= 0.9,
-                            f"{r['gbps']} / {r['ref_gbps']} GB/s = {_share(r):.0%}"))
+    # cross-layer presets: a run of blocks is one region for all layers
+    cross = {r["src"] for r in rows if r["pair"] == "local copy" and r["ref"] is None
+             and r["blocks"] == "contiguous" and r["regions"] == 1}
+    for r in rows:
+        if r["pair"] == "local copy" and r["ref"] is None and r["src"] in cross | {PER_LAYER}:
+            out.append((f"local execute >= 0.9x memcpy ({r['src']}, {r['blocks']})",
+                        _x_memcpy(r) >= 0.9, f"{_x_memcpy(r):.2f}x"))
     for blocks in ("contiguous", "scattered"):
-        c, p = _row(rows, CROSS, "nixl", blocks), _row(rows, PER_LAYER, "nixl", blocks)
+        c = find(rows, "NIXL pull", CROSS, blocks, dst=CROSS)
+        p = find(rows, "NIXL pull", PER_LAYER, blocks, dst=PER_LAYER)
         if not (c and p):
             out.append((f"NIXL goals ({blocks})", None, "not measured (no nixl)"))
             continue
         # Each against its own one-region READ: the load may change between the two rows.
-        f = _share(c) / _share(p)
+        f = _x_ref(c) / _x_ref(p)
         out.append((f"NIXL cross-layer >= 1.5x per-layer GB/s ({blocks})", f >= 1.5,
-                    f"{c['gbps']} vs {p['gbps']} GB/s, {_share(c):.0%} vs {_share(p):.0%} of "
-                    f"one READ = {f:.2f}x"))
-        out.append((f"NIXL cross-layer >= 70% of one single-region READ ({blocks})",
-                    _share(c) >= 0.7, f"{c['gbps']} / {c['ref_gbps']} GB/s = {_share(c):.0%}"))
-    r = _row(rows, "flashinfer.HND/16", "local", "contiguous")
+                    f"{_x_ref(c):.2f}x vs {_x_ref(p):.2f}x of one READ = {f:.2f}x"))
+        out.append((f"NIXL cross-layer >= 0.7x one single-region READ ({blocks})",
+                    _x_ref(c) >= 0.7, f"{_x_ref(c):.2f}x"))
+    r = find(rows, "local copy", "flashinfer.HND/16", dst="tpu.combined/64")
     if r:
-        out.append(("relayout >= 30% of memcpy", _share(r) >= 0.3,
-                    f"{r['gbps']} / {r['ref_gbps']} GB/s = {_share(r):.0%}"))
+        out.append(("relayout >= 0.3x memcpy", _x_memcpy(r) >= 0.3, f"{_x_memcpy(r):.2f}x"))
+    out += _pull_goals(rows)
     fig = result.get("figures", {})
-    x = fig.get("nixl_relayout")
-    if x:
-        share = x["same_layout_s"] / x["relayout_s"]
-        out.append(("NIXL relayout pull (staged) >= 50% of a same-layout pull of the same "
-                    "tokens", share >= 0.5,
-                    f"{gbps(x['nbytes'], x['relayout_s'])} vs "
-                    f"{gbps(x['nbytes'], x['same_layout_s'])} GB/s = {share:.0%}"))
-    else:
-        out.append(("NIXL relayout pull (staged) >= 50% of a same-layout pull", None,
-                    "not measured (no nixl)"))
-    x = fig.get("nixl_cpu_relayout")
-    if x:
-        share = x["same_layout_s"] / x["relayout_s"]
-        out.append((f"NIXL relayout pull from vLLM's CPU cache ({CPU_FROM} -> cross-layer "
-                    f"{CPU_TO}/{CPU_TO_BLOCK}) >= 50% of a same-layout pull", share >= 0.5,
-                    f"{gbps(x['nbytes'], x['relayout_s'])} vs "
-                    f"{gbps(x['nbytes'], x['same_layout_s'])} GB/s = {share:.0%} "
-                    f"({x['regions']} regions)"))
     x = fig.get("post_check")
     if x:
         per = x["check_s"] / x["regions"] * 1e9
@@ -490,20 +475,12 @@ def run(argv=None) -> int:
         return 0
     print(f"{setup.layers} layers, {SPEC.num_kv_heads} KV heads x {SPEC.head_dim} {SPEC.dtype}, "
           f"block {SPEC.block_size}; one {setup.tokens}-token request = {setup.blocks} blocks "
-          f"({setup.layers * setup.tokens * 4096 / 2**20:.0f} MiB)")
-    if result["rows"]:
-        print(f"best memcpy of the same bytes: {result['memcpy_gbps']} GB/s; best one-region "
-              f"NIXL READ: {result['nixl_single_gbps']} GB/s.  ref = the same bytes timed "
-              "alternately with the row (memcpy; for nixl one READ)")
-        cols = ["src", "dst", "blocks", "executor", "regions", "gbps", "ref_gbps"]
-        width = [max(len(c), *(len(str(r[c])) for r in result["rows"])) for c in cols]
-        print("  ".join(c.ljust(w) for c, w in zip(cols, width)) + "  of ref")
-        for r in result["rows"]:
-            print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, width))
-                  + f"  {_share(r):.0%}")
+          f"({setup.layers * setup.tokens * 4096 / 2**20:.0f} MiB).  Every row timed "
+          "alternately with its reference and a memcpy of the same bytes (best of "
+          f"{setup.repeat}); x ref, x memcpy: their time over the row's.")
+    print(format_table(result["table"]))
     print("goals (figures from a shared or loaded machine vary; ratios are timed side by "
           "side):")
-    marks = transfer_tp.goals(result["figures"]) if args.tp_only else goals(result)
-    for goal, _, figures in marks:
+    for goal, _, figures in goals(result, tp_only=args.tp_only):
         print(f"  goal      {goal}\n  measured  {figures}")
     return 0

@@ -87,12 +87,12 @@ def execute(plan: TransferPlan, src, dst):
         raise KVABIError(f"plan: must be a TransferPlan, got {type(plan).__name__}")
     s = _handle(src, plan.src_layout, "src")
     d = _handle(dst, plan.dst_layout, "dst")
-    check_in_use(s, d, plan.regions)
+    check_in_use(s, d, lambda: plan.regions)
     plan.check()  # the planes hold plane_nbytes each: checked by wrap and check_in_use
-    if not len(plan):
-        return dst
     if plan.pattern is not None:  # whole blocks: strided views, no per-region work
         return _run(plan.pattern, None, s, d, dst)
+    if not len(plan):
+        return dst
     return _run(None, plan.regions, s, d, dst)
 
 
@@ -112,9 +112,9 @@ def check_in_use(s: KVCache | None, d: KVCache | None, regions=None) -> None:
     """What can change under a checked handle, checked again at use: the memory of every
     torch plane (storage replaced by ``set_``), a writable destination, and
     source memory disjoint from destination memory.  Where planes of both sides share
-    memory (a copy between blocks of one cache) and the plan's ``regions`` are given, only
-    bytes read that are also written are refused: disjoint regions copy correctly in any
-    order."""
+    memory (a copy between blocks of one cache) and the plan's ``regions`` are given (an
+    array, or a callable returning it: built only then), only bytes read that are also
+    written are refused: disjoint regions copy correctly in any order."""
     for c, side in ((s, "src"), (d, "dst")):
         if c is not None:
             check_memory(c, side, write=side == "dst")
@@ -126,7 +126,7 @@ def check_in_use(s: KVCache | None, d: KVCache | None, regions=None) -> None:
     if not hit.any():
         return
     if regions is not None:
-        k = _read_and_written(regions, a, b)
+        k = _read_and_written(regions() if callable(regions) else regions, a, b)
         if k is None:
             return
         raise KVABIError(f"regions[{k}]: its destination bytes are also read by the plan "

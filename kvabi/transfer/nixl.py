@@ -40,8 +40,7 @@ from .nixl_progress import create_agent
 from .pattern import plane_sizes
 from .plan import TransferPlan, plan_transfer
 from .shards import ShardPlan, plan_shard_transfer
-from .staging import (ALIGN, block_staging_limit, stage, stage_blocks, staging_pays,
-                      worth_staging)
+from .staging import ALIGN, block_staging_limit, small_regions, stage, stage_blocks, staging_pays
 
 log = logging.getLogger(__name__)
 
@@ -477,6 +476,27 @@ class NixlAgent:
                                 "read) failed: %s", p.name, i, e)
         return dst
 
+    def descriptors(self, peers, plan, dst: KVCache, *, staged=None) -> int:
+        """How many descriptors a pull of ``plan`` into ``dst`` would post (nothing is
+        posted): a TransferPlan from one connected peer (as :meth:`pull_plan`), or a
+        ShardPlan from the connected peers of its ranks in rank order (as
+        :meth:`pull_shard_plan`); checked and laid out as those do, staged or direct by
+        the same choice."""
+        if isinstance(plan, ShardPlan):
+            self._peer_list(peers)
+            if len(plan.src_layouts) != len(peers):
+                raise KVABIError("plan.src_layouts: are not the peers' layouts, in rank order")
+            parts = [(peers[i], part) for i, part in plan.parts]
+        elif isinstance(plan, TransferPlan):
+            self._connected(peers)
+            parts = [(peers, plan)]
+        else:
+            raise KVABIError(f"plan: must be a TransferPlan or ShardPlan, got "
+                             f"{type(plan).__name__}")
+        if not isinstance(dst, KVCache):
+            raise KVABIError(f"dst: must be a KVCache, got {type(dst).__name__}")
+        return sum(len(self._prepare(p, part, dst, staged).remote) for p, part in parts)
+
     def notify(self, peer, message) -> None:
         """Send ``message`` (bytes, or str as UTF-8) to connected ``peer`` as a plain
         notification, without a READ: what its :meth:`drain_notifications` returns (e.g.
@@ -514,17 +534,19 @@ class NixlAgent:
         h = peer.handshake
         # Every region inside the peer's registered planes and ours, before posting.
         plan.check(src_nbytes=h.plane_nbytes, dst_nbytes=None if reg is None else reg[2][:, 1])
-        r = plan.regions
-        if not len(plan):
+        if plan.pattern is None and not len(plan):  # (a whole-block plan moves blocks)
             return _Read(peer, np.zeros((0, 3), np.int64), np.zeros((0, 3), np.int64), 0,
                          None)
-        if staged is None and not worth_staging(r):
+        # A whole-block plan's regions are built only for a direct READ: a staged one goes
+        # by its pattern (counted before merging meanwhile: at least the regions there are).
+        if staged is None and not small_regions(plan.max_regions, plan.nbytes):
             staged = False  # large regions: direct (staging cannot save descriptors)
         if staged is not False:
             read = self._prepare_staged(peer, plan, dst)
-            if staged or staging_pays(len(plan), len(read.remote),
+            if staged or staging_pays(plan.max_regions, len(read.remote),
                                       int(read.remote[:, 1].sum())):
                 return read
+        r = plan.regions
         _, _, rows, mem = reg
         local = np.stack([rows[r[:, 2], 0] + r[:, 3], r[:, 4], rows[r[:, 2], 2]], axis=1)
         remote = np.stack([h.planes[r[:, 0], 0] + r[:, 1], r[:, 4], h.planes[r[:, 0], 2]],

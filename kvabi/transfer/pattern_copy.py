@@ -4,6 +4,12 @@ shape ``[sub-blocks, (layers), tokens, heads, elements]`` of one component over 
 planes' bytes, copied with one ``np.copyto`` / ``Tensor.copy_`` per run, component and
 plane pair.
 
+Where the template's regions are large (a same-layout move: one region per block and layer,
+or per block for all layers of a cross-layer layout), the regions themselves are the boxes:
+each template row over a run of sub-blocks is one ``[sub-blocks, bytes]`` view, copied at
+memcpy speed, where views per component would walk keys and values (adjacent in both
+layouts) as two strided passes of small pieces.
+
 Every view is the union of the plan's regions for its sub-blocks (the template shifted by
 their bases), which ``TransferPlan.check`` has bounded before any byte moves.
 """
@@ -12,6 +18,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..layout.descriptor import Layout
+
+#: a template whose regions average at least this many bytes is copied region by region
+#: (each a contiguous run of bytes in both layouts) rather than component by component ...
+ROW_COPY = 4 << 10
+#: ... where each copy (a Python step per row and run of sub-blocks) moves this many bytes
+#: on average (else the few strided copies per component cost less)
+ROW_CALL = 256 << 10
 
 
 def runs(base_s: np.ndarray, base_t: np.ndarray) -> list[tuple[int, int, int, int]]:
@@ -82,6 +95,12 @@ def _copy_part(pat, src, dst, sbytes, dbytes, torch_side):
 
         if any(a < 0 or b < 0 for _, n, a, b in todo if n > 1):  # torch: no negative strides
             todo = [(i, 1, 0, 0) for i in range(pat.src_base.size)]
+    t = pat.template
+    nbytes = int(t[:, 4].sum())
+    if nbytes >= ROW_COPY * len(t) and \
+            nbytes * pat.src_base.size >= ROW_CALL * len(t) * len(todo):
+        _copy_rows(pat, todo, sbytes, dbytes, torch_side)
+        return
     for isz, dims, views in _boxes(src, dst, pat.layers, pat.u, pat.components):
         shape = tuple(d[0] for d in dims)
         s_str = tuple(d[1] for d in dims)
@@ -112,3 +131,22 @@ def _copy_part(pat, src, dst, sbytes, dbytes, torch_side):
                 dv = np.ndarray((n,) + shape, dt, dbuf, do + int(pat.dst_base[i]),
                                 (b,) + d_str)
                 np.copyto(dv, sv)
+
+
+def _copy_rows(pat, todo, sbytes, dbytes, torch_side) -> None:
+    """Copy each template row (a region: contiguous in both layouts) over each run of
+    sub-blocks as one ``[sub-blocks, nbytes]`` byte view per side (a run stepping by the
+    row's own length on both sides is one contiguous copy)."""
+    sb, db = pat.src_base, pat.dst_base
+    for sp, so, dp, do, nb in pat.template.tolist():
+        sflat, dflat = sbytes[sp], dbytes[dp]
+        for i, n, a, b in todo:
+            s0, d0 = so + int(sb[i]), do + int(db[i])
+            if n == 1 or (a == nb and b == nb):  # one contiguous range on both sides
+                dflat[d0:d0 + n * nb] = sflat[s0:s0 + n * nb]
+            elif torch_side:
+                dflat.as_strided((n, nb), (b, 1), dflat.storage_offset() + d0).copy_(
+                    sflat.as_strided((n, nb), (a, 1), sflat.storage_offset() + s0))
+            else:
+                np.copyto(np.ndarray((n, nb), np.uint8, dflat, d0, (b, 1)),
+                          np.ndarray((n, nb), np.uint8, sflat, s0, (a, 1)))

@@ -37,9 +37,73 @@ from ..util.frozen import frozen_array, is_frozen
 from .pattern import BlockPattern, GroupedPattern, base_offsets, component_groups, plane_sizes
 
 
+#: a whole-block plan of at most this many regions before merging builds them to count them
+FEW_REGIONS = 1 << 16
+
+
+class _Broadcast:
+    """The regions of a whole-block plan, built from its pattern when first asked for (a
+    relayout of one request can have millions, which a staged pull or a local copy never
+    needs: they go by the pattern).  Immutable inputs (the pattern's arrays are read-only),
+    and the array built once is read-only too, so plans sharing it (``attrs.evolve``) see
+    one value."""
+
+    __slots__ = ("_pattern", "_plane_nbytes", "_built")
+
+    def __init__(self, pattern, src_plane_nbytes: int):
+        self._pattern, self._plane_nbytes, self._built = pattern, src_plane_nbytes, None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.template[:, 4].sum()) * p.src_base.size
+                   for p in getattr(self._pattern, "parts", (self._pattern,)))
+
+    @property
+    def rows(self) -> int:
+        """Regions before merging (an upper bound of the plan's count)."""
+        return sum(len(p.template) * p.src_base.size
+                   for p in getattr(self._pattern, "parts", (self._pattern,)))
+
+    def count(self) -> int | None:
+        """The plan's region count without building the regions, where that is cheap: one
+        part whose sub-blocks, in source order, follow each other on every plane (then
+        regions merge only where a sub-block's first row of a plane continues the previous
+        sub-block's last, as :func:`_broadcast` merges them); None otherwise."""
+        if self._built is not None:
+            return len(self._built)
+        parts = getattr(self._pattern, "parts", (self._pattern,))
+        if len(parts) > 1:
+            return None
+        t, o = parts[0].template, np.argsort(parts[0].src_base, kind="stable")
+        bs, bt = parts[0].src_base[o], parts[0].dst_base[o]
+        if bs.size < 2 or not len(t):
+            return len(t) * bs.size
+        first = np.r_[0, np.flatnonzero(t[1:, 0] != t[:-1, 0]) + 1]  # per source plane
+        a, b = t[np.r_[first[1:], len(t)] - 1], t[first]  # last and first row of a plane
+        a_end = (a[:, 1] + a[:, 4])[:, None] + bs[None, :-1]  # sub-block i-1's last row
+        b_so = b[:, 1][:, None] + bs[None, 1:]  # sub-block i's first row
+        if np.any(b_so < a_end):
+            return None  # sub-blocks interleave: only sorting tells
+        join = (a_end == b_so) & (a[:, 2] == b[:, 2])[:, None] & (
+            (a[:, 3] + a[:, 4])[:, None] + bt[None, :-1] == b[:, 3][:, None] + bt[None, 1:])
+        return len(t) * bs.size - int(join.sum())
+
+    def array(self) -> np.ndarray:
+        if self._built is None:
+            parts = getattr(self._pattern, "parts", (self._pattern,))
+            got = [_broadcast(p.template, p.src_base, p.dst_base, self._plane_nbytes)
+                   for p in parts]
+            r = got[0] if len(got) == 1 else merge_regions(*np.concatenate(got).T,
+                                                           self._plane_nbytes)
+            self._built = frozen_array(r)
+        return self._built
+
+
 def _own_regions(r) -> np.ndarray:
     """The plan's own read-only copy of ``r``, after checking what it holds alone (shape,
     type, signs); bounds against planes are checked at each use (:meth:`TransferPlan.check`)."""
+    if isinstance(r, _Broadcast):
+        return r
     if not (isinstance(r, np.ndarray) and r.dtype == np.int64 and r.ndim == 2
             and r.shape[1] == 5):
         raise KVABIError(f"regions: must be an int64 array [n, 5], got "
@@ -65,7 +129,8 @@ class TransferPlan:
     stays true; the bounds are still checked against the planes at every use.
     """
 
-    regions: np.ndarray = attrs.field(converter=_own_regions)
+    # the regions, or (whole-block plans) what builds them on first use: see ``regions``
+    _regions: np.ndarray = attrs.field(converter=_own_regions, alias="regions")
     src_layout: Layout = attrs.field()
     dst_layout: Layout = attrs.field()
     # whole-block plans: the sub-blocks they move (see BlockPattern); dropped by evolve
@@ -80,9 +145,37 @@ class TransferPlan:
         check_layout(value, attribute.name)
 
     @property
+    def regions(self) -> np.ndarray:
+        """int64 [n, 5], read-only (a whole-block plan builds them from its pattern when
+        first asked: copies and staged pulls go by the pattern and never need them)."""
+        r = self._regions
+        return r.array() if isinstance(r, _Broadcast) else r
+
+    @property
     def nbytes(self) -> int:
         """Bytes the plan moves."""
-        return int(self.regions[:, 4].sum())
+        r = self._regions
+        return r.nbytes if isinstance(r, _Broadcast) else int(r[:, 4].sum())
+
+    @property
+    def built(self) -> bool:
+        """Whether ``regions`` exist yet (False: a whole-block plan not asked for them)."""
+        r = self._regions
+        return not isinstance(r, _Broadcast) or r._built is not None
+
+    @property
+    def max_regions(self) -> int:
+        """At least ``len(self)``, and equal to it unless the plan is a whole-block one of
+        many regions: where its regions are not built, their count if that is cheap to know
+        (:meth:`_Broadcast.count`), else the regions themselves where they are few
+        (:data:`FEW_REGIONS` before merging: then built), else the count before merging."""
+        r = self._regions
+        if not isinstance(r, _Broadcast) or r._built is not None:
+            return len(self)
+        c = r.count()
+        if c is not None:
+            return c
+        return len(self) if r.rows <= FEW_REGIONS else r.rows
 
     def __len__(self) -> int:
         return int(self.regions.shape[0])
@@ -434,11 +527,7 @@ def plan_from_template(src: Layout, dst: Layout, src_blocks: np.ndarray,
     :func:`block_template` for ``layers`` (callers moving blocks between the same two
     layouts again keep it)."""
     pattern = block_pattern(src, dst, src_blocks, dst_blocks, template, layers)
-    parts = pattern.parts if isinstance(pattern, GroupedPattern) else (pattern,)
-    got = [_broadcast(p.template, p.src_base, p.dst_base, src.plane_nbytes) for p in parts]
-    regions = got[0] if len(got) == 1 else merge_regions(*np.concatenate(got).T,
-                                                         src.plane_nbytes)
-    return _made(regions, src, dst, pattern)
+    return _made(_Broadcast(pattern, src.plane_nbytes), src, dst, pattern)
 
 
 def block_template(src: Layout, dst: Layout, layers: np.ndarray) -> tuple:

@@ -145,8 +145,12 @@ def stage_blocks(pat, src: Layout, dst: Layout, templates: list,
 def worth_staging(regions: np.ndarray) -> bool:
     """Whether a staged pull may pay: many regions of a few KiB or less each (a plan
     whose regions average :data:`STAGE_BELOW` bytes or more is pulled direct)."""
-    n = len(regions)
-    return n > 1 and int(regions[:, 4].sum()) < STAGE_BELOW * n
+    return small_regions(len(regions), int(regions[:, 4].sum()))
+
+
+def small_regions(count: int, nbytes: int) -> bool:
+    """:func:`worth_staging` of ``count`` regions of ``nbytes`` bytes in all."""
+    return count > 1 and nbytes < STAGE_BELOW * count
 
 
 def staging_pays(regions: int, descriptors: int, read_bytes: int) -> bool:

@@ -139,7 +139,7 @@ def prefill_main(a) -> int:
     _nixl_side_channel(a)
     llm = make_llm(a.model, block_size=a.block_size, role="kv_producer",
                    connector=a.connector, module=a.module, layout=a.layout, dtype=a.dtype,
-                   kv_cache_dtype=a.kv_cache_dtype, kv_scales=a.kv_scales)
+                   kv_cache_dtype=a.kv_cache_dtype, kv_scales=a.kv_scales, extra=a.extra)
     prompts = _prompts(a.prompts)
     outs = llm.generate(prompts, [_sampling(1, {"do_remote_decode": True}) for _ in prompts],
                         use_tqdm=False)
@@ -158,7 +158,7 @@ def decode_main(a) -> int:
     nixl = _record_nixl_transfers() if a.connector == "NixlConnector" else []
     llm = make_llm(a.model, block_size=a.block_size, role="kv_consumer",
                    connector=a.connector, module=a.module, layout=a.layout, dtype=a.dtype,
-                   kv_cache_dtype=a.kv_cache_dtype, kv_scales=a.kv_scales)
+                   kv_cache_dtype=a.kv_cache_dtype, kv_scales=a.kv_scales, extra=a.extra)
     prompts = _prompts(a.prompts)
     params = json.loads(Path(a.params).read_text())
 
@@ -227,6 +227,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--kv-scales", type=json.loads, default=None,
                        help="per-layer static KV scales as JSON [[k, v], ...] (cycled), set "
                             "as the weights load")
+        p.add_argument("--extra", type=json.loads, default=None,
+                       help="the connector's kv_connector_extra_config as JSON, e.g. "
+                            '\'{"nixl_host": "10.0.0.1"}\' (the address its NIXL agent '
+                            "listens on)")
         if role == "prefill":
             p.add_argument("--stop", required=True,
                            help="keep serving the decode side's reads until this file exists")
@@ -249,8 +253,10 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
              edit_params=None) -> dict:
     """Run a prefill and a decode process; ``prefill``/``decode`` give each side's
     ``block_size``, ``layout``, ``connector``, ``module``, ``dtype``, ``model`` (default:
-    ``model``), ``kv_cache_dtype``, ``kv_scales`` and ``env`` (e.g. the kvabi attention
-    backend, ``KVABI_VLLM_BACKEND``); ``edit_params`` (tests) may
+    ``model``), ``kv_cache_dtype``, ``kv_scales``, ``env`` (e.g. the kvabi attention
+    backend, ``KVABI_VLLM_BACKEND``), ``extra`` (the connector's extra config, e.g. its
+    ``nixl_host``) and ``prefix`` (a command the process runs under, e.g. ``ip netns exec
+    NAME``: another host); ``edit_params`` (tests) may
     rewrite the prefill side's kv_transfer_params on their way.  Returns the decode side's
     results (``pd`` and ``single`` tokens, ``finish`` reasons, ``pulls``)."""
     work = Path(workdir)
@@ -269,12 +275,14 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
         a += ["--kv-cache-dtype", side.get("kv_cache_dtype", "auto")]
         if side.get("kv_scales"):
             a += ["--kv-scales", json.dumps(side["kv_scales"])]
+        if side.get("extra"):
+            a += ["--extra", json.dumps(side["extra"])]
         return a + (["--layout", side["layout"]] if side.get("layout") else [])
 
     penv = {**os.environ, **ENV, **(env or {})}
     cmd = [sys.executable, "-m", "kvabi_vllm.tools.pd"]
     plog = open(work / "prefill.log", "w")  # a file: a pipe nobody reads would block it
-    p = subprocess.Popen(cmd + ["prefill"] + args(prefill) +
+    p = subprocess.Popen(list(prefill.get("prefix", [])) + cmd + ["prefill"] + args(prefill) +
                          ["--out", str(params), "--stop", str(stop)],
                          env={**penv, **prefill.get("env", {})},
                          stdout=plog, stderr=subprocess.STDOUT, text=True)
@@ -288,7 +296,7 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
         if edit_params is not None:
             params.write_text(json.dumps(edit_params(json.loads(params.read_text()))))
         with open(work / "decode.log", "w") as dlog:
-            d = subprocess.run(cmd + ["decode"] + args(decode) +
+            d = subprocess.run(list(decode.get("prefix", [])) + cmd + ["decode"] + args(decode) +
                                ["--params", str(params), "--out", str(out),
                                 "--max-tokens", str(max_tokens)],
                                env={**penv, **decode.get("env", {})}, stdout=dlog,
