@@ -12,19 +12,19 @@ from hypothesis import strategies as st
 from kvabi import KVABIError
 
 import kvabi
-from kvabi_vllm.connector_checksum import head_checksums
-from kvabi_vllm.connector_grants import (EXPIRED, HEADER, LIVE, PENDING, RELEASED, GrantBook,
-                                         GrantRecord, GrantTable, PartClaim, decode, encode,
-                                         notify_message, parse_notification, read_header,
-                                         record_bytes)
+from kvabi.pd.digests import head_checksums
+from kvabi.pd.grants import PENDING, GrantBook, GrantTable
+from kvabi.pd.notify import notify_message, parse_notification
+from kvabi.pd.record import (EXPIRED, HEADER, LIVE, RELEASED, GrantRecord, PartClaim, decode,
+                             encode, read_header, record_bytes)
 
 
 def _record(nonce=b"n" * 16, tokens=70, groups=2, heads=(2, 1)):
     rng = np.random.default_rng(tokens)
     return GrantRecord(LIVE, nonce, tokens, b"t" * 16,
                        tuple(rng.integers(1, 99, size=3) for _ in range(groups)),
-                       tuple((PartClaim("k", b"a" * 16, b"b" * 16),
-                              PartClaim("image.kt_v.n32.d32", b"c" * 16, b"d" * 16))
+                       tuple((PartClaim("k", b"a" * 16, b"b" * 16, b"h" * 16),
+                              PartClaim("image.kt_v.n32.d32", b"c" * 16, b"d" * 16, b"i" * 16))
                              for _ in range(groups)),
                        tuple(rng.integers(0, 2**32, size=(tokens, heads[g % len(heads)]))
                              .astype(np.uint32) for g in range(groups)))
@@ -88,7 +88,9 @@ def test_notifications():
                 b"kvabi.pull:7:" + z,  # no decode rank
                 b"kvabi.pull:7:" + z + b":2/2", b"kvabi.pull:7:" + z + b":0/0",
                 b"kvabi.pull:7:" + z + b":0/65", b"kvabi.pull:7:" + z + b":-1/2",
-                b"kvabi.pull:7:" + z + b":0/1:x", b"kvabi.pull:7:" + z + b":01"):
+                b"kvabi.pull:7:" + z + b":0/1:x", b"kvabi.pull:7:" + z + b":01",
+                b"kvabi.pull:7:" + b"AB" * 16 + b":0/1",  # the nonce in lowercase only
+                b"kvabi.pull:7:" + z + b":0/1\n", b" kvabi.pull:7:" + z + b":0/1"):
         assert parse_notification(bad) is None, bad
 
 

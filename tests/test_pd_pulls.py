@@ -8,7 +8,7 @@ import pytest
 
 from kvabi import KVABIError
 
-from kvabi_vllm.connector_pulls import Puller
+from kvabi.pd.pulls import Puller
 
 
 def _wait(puller, n, limit=10.0):
@@ -90,7 +90,7 @@ def test_job_left_raises_past_the_deadline():
 
 
 def test_an_abandoned_commit_refuses():
-    from kvabi_vllm.connector_pulls import Commit
+    from kvabi.pd.pulls import Commit
 
     c = Commit()
     with c:
