@@ -92,6 +92,46 @@ def backend_of(name: str) -> kvabi.Backend:
     return backend
 
 
+def kvabi_backend() -> kvabi.Backend:
+    """The kvabi backend named by ``KVABI_VLLM_BACKEND``, available here (else
+    :class:`ConfigError` naming the variable)."""
+    name = backend_from_env()
+    if name is None:
+        raise ConfigError(f"{ENV_BACKEND}: not set; name a kvabi backend "
+                          f"(`kvabi backends` lists them)")
+    return backend_of(name)
+
+
+def _forced_layout() -> str | None:
+    v = os.environ.get(ENV_LAYOUT) or None
+    if v is not None and v not in VLLM_LAYOUTS:
+        raise KVABIError(f"{ENV_LAYOUT}: must be one of {', '.join(VLLM_LAYOUTS)}, "
+                         f"got {v!r}")
+    return v
+
+
+def _model_spec(vllm_config) -> kvabi.KVSpec:
+    """A representative spec of the model (full attention) to ask a backend its layouts."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None or getattr(mc, "hf_config", None) is None:
+        return kvabi.KVSpec(kind="full", block_size=32, num_kv_heads=1, head_dim=64,
+                            dtype="float32")
+    bs = getattr(vllm_config.cache_config, "block_size", None) or 32
+    dtype = _dtype_name(mc.dtype)
+    return kvabi.KVSpec(kind="full", block_size=bs,
+                        num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+                        head_dim=mc.get_head_size(),
+                        dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "float32")
+
+
+def layout_choice(vllm_config=None):
+    """vLLM layout name and kvabi preset for the configured backend and model (a
+    :class:`kvabi_vllm.layouts.Choice`)."""
+    from . import layouts as vl
+
+    return vl.choose(kvabi_backend(), _model_spec(vllm_config), vllm_name=_forced_layout())
+
+
 def _uses_connector(vllm_config) -> bool:
     kv = getattr(vllm_config, "kv_transfer_config", None)
     return kv is not None and kv.kv_connector == CONNECTOR
@@ -237,8 +277,6 @@ def check_config(vllm_config) -> None:
         _check_connector(vllm_config)
     if name is not None:
         _check_backend(name, vllm_config)
-        from .attention import layout_choice
-
         choice = layout_choice(vllm_config)
         say_once("kvabi-vllm: attention on kvabi backend %s, kvabi layout %s in vLLM's "
                  "layout %s (vLLM's log names the entry it replaces, CPU_ATTN)", name,
