@@ -3,9 +3,10 @@ any make, layout, block size or tensor-parallel size, under a contract both chec
 
 Owns: the messages (the answer and its reading, grant records, notifications), what binds
 them (digests, checksums), the producer's grants, the consumer's pulls, the host tier, the
-front/cache-side split an engine drives, and the engine-neutral HTTP proxy.  May import the
-core's model, layout, memory and transfer parts and the helpers; imports no engine.  An
-engine adapter supplies only engine facts (:mod:`kvabi.pd.engine`).
+front/cache-side split an engine drives, and the engine-neutral HTTP proxy.  Imports no
+engine; an engine adapter supplies only engine facts (:mod:`kvabi.pd.engine`).
+
+May import: util, model, layout, memory, transfer.
 """
 from .cache_side import CacheSide
 from .digests import (head_checksums, layout_fingerprint, model_digest, planes_digest,

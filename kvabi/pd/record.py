@@ -20,8 +20,8 @@ import struct
 import attrs
 import numpy as np
 
-from ..errors import KVABIError
-from ..layout import Layout
+from ..util.errors import KVABIError
+from ..layout.descriptor import Layout
 from .digests import layout_fingerprint, model_digest, planes_digest, scales_digest
 from .notify import MAX_RANKS
 from .parts import MAX_PARTS, NAME_CHARS

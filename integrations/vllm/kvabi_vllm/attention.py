@@ -23,7 +23,7 @@ import torch
 
 import kvabi
 from kvabi import UnsupportedError
-from kvabi.errors import KVABIError
+from kvabi.util.errors import KVABIError
 from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer,
@@ -32,8 +32,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWind
 
 from . import kv_quant as kq
 from . import layouts as vl
+from .env import ENV_BACKEND, ENV_LAYOUT, ConfigError, backend_from_env, backend_of, say_once
 from .metadata import from_vllm, keep_indices
-from .startup import ENV_BACKEND, ConfigError, kvabi_backend, layout_choice, say_once
 
 
 #: Per process: kvabi plans made (one per step and attention group), and how many of them
@@ -42,6 +42,41 @@ from .startup import ENV_BACKEND, ConfigError, kvabi_backend, layout_choice, say
 STATS: Counter = Counter()
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def kvabi_backend() -> kvabi.Backend:
+    """The kvabi backend named by ``KVABI_VLLM_BACKEND``, available here (else
+    :class:`~kvabi_vllm.env.ConfigError` naming the variable)."""
+    name = backend_from_env()
+    if name is None:
+        raise ConfigError(f"{ENV_BACKEND}: not set; name a kvabi backend "
+                          f"(`kvabi backends` lists them)")
+    return backend_of(name)
+
+
+def _forced_layout() -> str | None:
+    v = os.environ.get(ENV_LAYOUT) or None
+    if v is not None and v not in vl.VLLM_LAYOUTS:
+        raise KVABIError(f"{ENV_LAYOUT}: must be one of {', '.join(vl.VLLM_LAYOUTS)}, "
+                         f"got {v!r}")
+    return v
+
+
+def _model_spec(vllm_config: VllmConfig | None) -> kvabi.KVSpec:
+    """A representative spec of the model (full attention) to ask a backend its layouts."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None or getattr(mc, "hf_config", None) is None:
+        return kvabi.KVSpec(kind="full", block_size=32, num_kv_heads=1, head_dim=64,
+                            dtype="float32")
+    bs = getattr(vllm_config.cache_config, "block_size", None) or 32
+    return kvabi.KVSpec(kind="full", block_size=bs,
+                        num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+                        head_dim=mc.get_head_size(), dtype=_DTYPES.get(mc.dtype, "float32"))
+
+
+def layout_choice(vllm_config: VllmConfig | None = None) -> vl.Choice:
+    """vLLM layout name and kvabi preset for the configured backend and model."""
+    return vl.choose(kvabi_backend(), _model_spec(vllm_config), vllm_name=_forced_layout())
 
 
 class KvabiAttentionBackend(AttentionBackend):

@@ -55,7 +55,7 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorRole, SupportsHMA)
 
-from ..startup import log_with_vllm
+from ..env import log_with_vllm
 from .config import ConnectorConfig
 from .meta import KvabiHandshakeMetadata
 from .scheduler import KvabiConnectorScheduler

@@ -260,11 +260,11 @@ def kvabi_backend_part(tensors, vllm_config):
     (``KVABI_VLLM_BACKEND``): the plugin's own byte-exact layout of vLLM's views, and a
     write through the kvabi backend's ``write_kv`` into that memory (for verification)."""
     import kvabi
-    from kvabi.tensors import convert
+    from kvabi.util.tensors import convert
 
     from .. import layouts as vl
     from ..kv_quant import FP8, quantize_spec
-    from ..startup import kvabi_backend
+    from ..attention import kvabi_backend
 
     backend = kvabi_backend()
     cache_dtype = vllm_config.cache_config.cache_dtype

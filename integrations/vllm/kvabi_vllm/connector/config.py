@@ -30,7 +30,7 @@ import uuid
 import attrs
 
 from kvabi import KVABIError
-from kvabi.coerce import as_float, as_int
+from kvabi.util.coerce import as_float, as_int
 from kvabi.pd import DEFAULTS as PD_DEFAULTS
 from kvabi.pd import PDSettings
 
