@@ -26,11 +26,11 @@ def layout_fingerprint(layout) -> bytes:
 
 
 def planes_digest(handshake) -> bytes:
-    """16 bytes identifying the agent and the (address, nbytes, device) of each plane a
-    parsed handshake lists."""
+    """16 bytes identifying the agent, the memory type and the (address, nbytes, device) of
+    each plane a parsed handshake lists."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(handshake.agent_name.encode())
-    h.update(np.ascontiguousarray(handshake.planes, np.int64).tobytes())
+    h.update(handshake.agent_name.encode() + b"\0" + handshake.memory.encode() + b"\0")
+    h.update(np.ascontiguousarray(handshake.planes, "<i8").tobytes())
     return h.digest()
 
 

@@ -7,9 +7,13 @@ the request's ``kv_transfer_params``.  Its worker side writes the grant's record
 slot of the table, a small memory it registers with NIXL and serves like a cache:
 
 - the nonce and a state (live, released, expired);
+- which producer rank wrote it, of how many (tensor parallelism);
 - what the KV is: the number of tokens, a digest of those tokens (the prompt), the block
-  ids per KV cache group, and per group and part the fingerprint of the part's layout and
-  a digest of its registered planes;
+  ids per KV cache group, and per group and part everything a reader needs to interpret
+  the part's bytes, as the producer stated it in its own handshake: the fingerprint of
+  the layout (placement, dtype, heads held), a digest of the registered planes (agent,
+  memory type, addresses, sizes, devices), a digest of the per-layer scales of a
+  quantized cache, and a digest of the model identity (:func:`part_claim`);
 - a checksum per token, KV head and group of the KV itself (:mod:`.connector_checksum`).
 
 Under tensor parallelism the scheduler issues one slot and nonce per request, and each
@@ -23,10 +27,12 @@ notified it with the live grant's slot and nonce (or the grant expired:
 ``hold_timeout_s``).  Another request's ids, a replayed grant and a forged notification
 are all refused: they do not know a live nonce, or name another request's tokens.
 
-Record layout (little-endian): ``magic (8) | state (1) | pad (7) | nonce (16) | digest
-(16, blake2b of the body) | body length (8) | body``; body: ``num_tokens u64 | tokens
-digest (16) | groups u32 | pad u32 | per group (blocks u32, parts u32, heads u32, pad u32)
-| block ids i64 | per part (name 32, layout fingerprint 16, planes digest 16) | per group
+Record layout (little-endian), format 3 (magic ``KVABIG03``; format 2 bound neither the
+scales, the model nor the rank, and a reader of format 3 refuses it): ``magic (8) | state
+(1) | pad (7) | nonce (16) | digest (16, blake2b of the body) | body length (8) | body``;
+body: ``num_tokens u64 | tokens digest (16) | groups u32 | rank u16 | ranks u16 | per
+group (blocks u32, parts u32, heads u32, pad u32) | block ids i64 | per part (name 32,
+layout fingerprint 16, planes digest 16, scales digest 16, model digest 16) | per group
 num_tokens x heads u32 checksums``.
 """
 from __future__ import annotations
@@ -43,14 +49,17 @@ import numpy as np
 
 from kvabi import KVABIError, KVCache, Layout
 
+from .connector_checksum import layout_fingerprint, planes_digest
 from .connector_meta import NOTIFY_PREFIX
 
-MAGIC = b"KVABIG02"
+#: the record format (3: parts bind scales and model, the record its producer rank)
+MAGIC = b"KVABIG03"
 HEADER = 64
 LIVE, RELEASED, EXPIRED = 1, 2, 3
 STATES = {LIVE: "live", RELEASED: "already read", EXPIRED: "expired"}
-PART_BYTES = 64
 NAME_BYTES = 32
+#: a part's claim: its name and four 16-byte digests
+PART_BYTES = NAME_BYTES + 4 * 16
 #: most KV cache groups, parts per group and KV heads per rank a record may state
 MAX_GROUPS, MAX_PARTS, MAX_HEADS = 64, 8, 1024
 #: most tensor-parallel ranks on either side of a pull
@@ -77,11 +86,40 @@ def table_layout(slots: int, slot_bytes: int) -> Layout:
 
 @attrs.frozen
 class PartClaim:
-    """A part the producer serves for a group: its name, layout fingerprint, planes digest."""
+    """A part the producer serves for a group: its name and the digests of what a reader
+    interprets its bytes with (:func:`part_claim`), each 16 bytes."""
 
     name: str
-    layout: bytes
-    planes: bytes
+    layout: bytes     # the layout's fingerprint: placement, dtype, heads held
+    planes: bytes     # agent, memory type, (address, nbytes, device) of each plane
+    scales: bytes     # per-layer (k_scale, v_scale) of a per-tensor quantized cache, or none
+    model: bytes      # the model identity the handshake states, or none
+
+    #: per digest: the field of the handshake a mismatch names (after the part's own
+    #: field) and what it says
+    FIELDS = (("layout", "", "its layout is not the one the producer registered "
+                             "(fingerprint differs)"),
+              ("planes", "", "its planes (agent, memory, addresses, sizes) are not the ones "
+                             "the producer registered"),
+              ("scales", ".kv_scales", "not the scales the producer's cache holds its codes "
+                                       "under (the same bytes would be other values)"),
+              ("model", ".model", "not the model identity the producer registered"))
+
+
+def part_claim(name: str, handshake) -> PartClaim:
+    """The claim of part ``name`` served by a parsed ``handshake``: the producer makes it
+    from its own handshake, a reader from the one it was given (a client may rewrite
+    anything in between); equal claims mean the reader interprets the bytes as the
+    producer wrote them."""
+    scales = b"none" if handshake.kv_scales is None else \
+        np.asarray(handshake.kv_scales, "<f8").tobytes()
+    model = b"none" if handshake.model is None else b"model:" + handshake.model.encode()
+    return PartClaim(name, layout_fingerprint(handshake.layout), planes_digest(handshake),
+                     _digest(scales), _digest(model))
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 @attrs.frozen(eq=False)
@@ -95,19 +133,22 @@ class GrantRecord:
     blocks: tuple                      # per group: int64 block ids
     parts: tuple                       # per group: tuple of PartClaim
     checksums: tuple                   # per group: uint32 [num_tokens, heads]
+    rank: int = 0                      # the producer rank that wrote it
+    ranks: int = 1                     # of the producer's tensor-parallel size
 
 
 def encode(record: GrantRecord) -> bytes:
     """The bytes of ``record`` (header included)."""
     g = len(record.blocks)
-    body = [struct.pack("<Q16sII", record.num_tokens, record.tokens, g, 0)]
+    body = [struct.pack("<Q16sIHH", record.num_tokens, record.tokens, g, record.rank,
+                        record.ranks)]
     body += [struct.pack("<III4x", len(b), len(p), np.shape(c)[1])
              for b, p, c in zip(record.blocks, record.parts, record.checksums)]
     body += [np.ascontiguousarray(b, "<i8").tobytes() for b in record.blocks]
     for parts in record.parts:
         for p in parts:
             name = p.name.encode()[:NAME_BYTES].ljust(NAME_BYTES, b"\0")
-            body.append(name + p.layout + p.planes)
+            body.append(name + p.layout + p.planes + p.scales + p.model)
     body += [np.ascontiguousarray(c, "<u4").tobytes() for c in record.checksums]
     data = b"".join(body)
     head = MAGIC + struct.pack("<B7x", record.state) + record.nonce + \
@@ -128,7 +169,10 @@ def decode(buf) -> GrantRecord:
     against the bytes there); KVABIError naming ``kvabi_grant`` otherwise."""
     raw = memoryview(np.ascontiguousarray(buf, np.uint8)).cast("B")
     if len(raw) < HEADER or bytes(raw[:8]) != MAGIC:
-        raise KVABIError("kvabi_grant: the producer's slot holds no grant record")
+        old = len(raw) >= 8 and bytes(raw[:7]) == MAGIC[:7]
+        raise KVABIError("kvabi_grant: the producer's slot holds no grant record" + (
+            f" of format {MAGIC[7:].decode()} (it holds format {bytes(raw[7:8]).decode()!r}: "
+            "start both engines with the same kvabi-vllm)" if old else ""))
     state, nonce, digest = raw[8], bytes(raw[16:32]), bytes(raw[32:48])
     (n,) = struct.unpack_from("<Q", raw, 48)
     if n > len(raw) - HEADER:
@@ -139,9 +183,11 @@ def decode(buf) -> GrantRecord:
         raise KVABIError("kvabi_grant: the record's digest does not match its body "
                          "(read while being written, or corrupted)")
     try:
-        num_tokens, tokens, g, _ = struct.unpack_from("<Q16sII", data, 0)
+        num_tokens, tokens, g, rank, ranks = struct.unpack_from("<Q16sIHH", data, 0)
         if g > MAX_GROUPS or num_tokens > 2**24:
             raise ValueError(f"{g} groups, {num_tokens} tokens")
+        if not 0 <= rank < ranks <= MAX_RANKS:
+            raise ValueError(f"rank {rank} of {ranks}")
         at = 32
         counts = [struct.unpack_from("<III4x", data, at + GROUP_BYTES * i) for i in range(g)]
         at += GROUP_BYTES * g
@@ -163,7 +209,8 @@ def decode(buf) -> GrantRecord:
             row = []
             for _ in range(p):
                 name = data[at:at + NAME_BYTES].rstrip(b"\0").decode()
-                row.append(PartClaim(name, data[at + 32:at + 48], data[at + 48:at + 64]))
+                row.append(PartClaim(name, *(data[at + i:at + i + 16]
+                                             for i in range(NAME_BYTES, PART_BYTES, 16))))
                 at += PART_BYTES
             parts.append(tuple(row))
         sums = []
@@ -174,7 +221,7 @@ def decode(buf) -> GrantRecord:
     except (ValueError, UnicodeDecodeError, struct.error) as e:
         raise KVABIError(f"kvabi_grant: malformed record ({e})") from None
     return GrantRecord(state, nonce, int(num_tokens), tokens, tuple(blocks), tuple(parts),
-                       tuple(sums))
+                       tuple(sums), int(rank), int(ranks))
 
 
 def notify_message(slot: int, nonce: bytes, rank: int = 0, size: int = 1) -> bytes:
@@ -282,6 +329,15 @@ class GrantTable:
             return PENDING
         return self._close(slot, RELEASED)
 
+    def closed(self, slot: int, nonce: bytes) -> bool:
+        """Whether ``slot`` holds the record of grant ``nonce``, no longer live (a second
+        notification for a grant already released: e.g. the proxy's after the decode
+        engine's own)."""
+        if not 0 <= slot < len(self._rows) or slot in self.live:
+            return False
+        head = read_header(self._rows[slot])
+        return head is not None and hmac.compare_digest(head[1], nonce)
+
     def expire(self, now: float | None = None) -> list[str]:
         """Requests whose grants passed their deadline (then expired)."""
         now = time.monotonic() if now is None else now
@@ -289,5 +345,5 @@ class GrantTable:
 
 
 __all__ = ["GrantBook", "GrantRecord", "GrantTable", "PENDING", "PartClaim", "decode", "encode",
-           "notify_message", "parse_notification", "read_header", "record_bytes",
-           "table_layout"]
+           "notify_message", "parse_notification", "part_claim", "read_header",
+           "record_bytes", "table_layout"]

@@ -119,6 +119,14 @@ class KvabiConnectorMetadata(KVConnectorMetadata):
     loads: list[HostLoad] = field(default_factory=list)
     evicts: list[bytes] = field(default_factory=list)
     saves: list[HostSave] = field(default_factory=list)
+    #: the step computes no token: the engine steps only for what the connector holds
+    #: (grants, pulls), and the worker may wait for it (``connector_worker.IDLE_WAIT_S``)
+    idle: bool = False
+
+    def has_work(self) -> bool:
+        """Whether the worker side has anything to do for this step's metadata."""
+        return bool(self.fails or self.pulls or self.grants or self.loads or self.evicts
+                    or self.saves)
 
 
 @dataclass

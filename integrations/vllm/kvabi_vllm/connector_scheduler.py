@@ -144,9 +144,10 @@ class KvabiConnectorScheduler:
                                     remote.num_tokens - num_external, num_external))
 
     def build_connector_meta(self, scheduler_output):
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         meta = KvabiConnectorMetadata(fails=self._fails, pulls=self._pulls,
                                       grants=self._grants, loads=self._loads,
-                                      evicts=self._evicts, saves=self._saves)
+                                      evicts=self._evicts, saves=self._saves, idle=idle)
         self._reset_step()
         return meta
 

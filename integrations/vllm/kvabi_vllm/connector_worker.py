@@ -42,18 +42,18 @@ from kvabi.transfer import (HostPool, negotiate, plan_block_transfer,
 from kvabi.transfer.handshake import parse_handshake
 from kvabi.transfer.kv_scales import check_same_scales
 
-from .connector_checksum import head_checksums, layout_fingerprint, planes_digest
+from .connector_checksum import head_checksums, layout_fingerprint
 from .connector_config import ConnectorConfig
 from .connector_fixes import with_fix
 from .connector_grants import (LIVE, PENDING, STATES, GrantRecord, GrantTable, PartClaim,
-                               decode, notify_message, parse_notification, read_header,
-                               record_bytes, table_layout)
+                               decode, notify_message, parse_notification, part_claim,
+                               read_header, record_bytes, table_layout)
 from .connector_layout import (IMAGE, KT_V, engine_writer, group_parts, image_part,
                                interior_of, is_kvabi_backend, kvabi_backend_part, kt_v_halves,
                                part_cache, split_kv, tp_shard_info, verify_part, with_shard)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata,
                              KvabiHandshakeMetadata, PullWork, paired_slots, token_slots)
-from .connector_pulls import Puller
+from .connector_pulls import GRACE, Puller
 from .connector_stats import KvabiConnectorStats
 from .kv_quant import FP8
 
@@ -67,6 +67,12 @@ GRANT_POLL_S = 0.005
 USED_GRANTS = 65536
 #: producer groups whose negotiation is kept (producers come and go)
 NEGOTIATIONS = 256
+#: longest wait of an engine step that computes nothing while the connector holds grants
+#: or runs pulls: vLLM steps such an engine back to back (sleeping 1 ms), a core's worth of
+#: scheduling for nothing; the wait ends at once when a pull ends or a notification comes
+IDLE_WAIT_S = 0.02
+#: how often that wait looks for notifications (NIXL has no blocking wait for them)
+NOTIFY_POLL_S = 0.002
 
 
 def host_parts(parts):
@@ -156,14 +162,19 @@ class KvabiConnectorWorker:
         self.pull_stats: collections.deque = collections.deque(maxlen=4096)
         #: host tier: blocks saved and loaded (per group, all parts), for tests and benchmarks
         self.host_stats = {"saved": 0, "loaded": 0, "evicted": 0}
-        #: notifications a producer ignored (not a live grant's slot and nonce)
-        self.ignored_notifications = 0
+        #: notifications a producer ignored (not a live grant's slot and nonce), and those
+        #: naming a grant already released (not counted as ignored)
+        self.ignored_notifications = self.late_notifications = 0
         #: (request id, reason) of the latest failed loads
         self.refusals: collections.deque = collections.deque(maxlen=256)
         #: this interval's pulls and refusals, drained by vLLM (kv_connector_stats); pull
         #: threads queue their figures, the engine thread moves them in
         self.transfer_stats = KvabiConnectorStats()
         self._stat_pulls: collections.deque = collections.deque(maxlen=4096)
+        self._idle = False   # this step computes nothing and brought no connector work
+        self._notes: list = []  # notifications taken while waiting, not yet handled
+        #: idle steps and the seconds they waited (monitoring, tests)
+        self.idle_waits = [0, 0.0]
 
     # -- start ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches):
@@ -238,9 +249,8 @@ class KvabiConnectorWorker:
             {part: self._agent.handshake(c, include_metadata=True, kv_scales=sc,
                                          model=cfg.model_id)
              for part, c in parts} for parts, sc in zip(self._caches, self._scales)]
-        self._claims = [tuple(PartClaim(part, layout_fingerprint(c.layout),
-                                        planes_digest(parse_handshake(msgs[part])))
-                              for part, c in parts)
+        # what a reader must interpret each part's bytes with, as this engine states it
+        self._claims = [tuple(part_claim(part, parse_handshake(msgs[part])) for part, _ in parts)
                         for parts, msgs in zip(self._caches, self._own_handshakes)]
         heads = max(kv_part(parts).layout.size("H") for parts in self._caches)
         size = record_bytes(len(self._caches), max(cfg.max_model_len, 1), cfg.block_size,
@@ -264,6 +274,7 @@ class KvabiConnectorWorker:
         """The step's work from the scheduler side, in its order."""
         if not isinstance(meta, KvabiConnectorMetadata):
             return
+        self._idle = meta.idle and not meta.has_work()
         self._refused += [(f.req_id, f.reason) for f in meta.fails]
         for p in meta.pulls:
             why = self._puller.submit(p.req_id, p) if self._puller is not None else \
@@ -286,6 +297,9 @@ class KvabiConnectorWorker:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import \
             KVConnectorTransferResults
 
+        if self._idle:
+            self._idle = False
+            self._idle_wait()
         if self._grants is not None:
             self._poll_notifications()
             self._sent.update(self._grants.expire())
@@ -335,18 +349,49 @@ class KvabiConnectorWorker:
                 for parts, b in zip(self._caches, g.blocks)]
         record = GrantRecord(LIVE, g.nonce, g.num_tokens, g.tokens,
                              tuple(np.asarray(b, np.int64) for b in g.blocks),
-                             tuple(self._claims), tuple(sums))
+                             tuple(self._claims), tuple(sums), self._tp[0], self._tp[1])
         self._grants.write(g.slot, record, g.req_id,
                            time.monotonic() + self.config.hold_timeout_s)
 
+    def _idle_wait(self) -> None:
+        """A step that computes nothing, taken only because this connector holds grants or
+        runs pulls: wait (up to IDLE_WAIT_S, never past a pull's deadline) until a pull
+        ends or a notification arrives, so that the engine does not spin meanwhile."""
+        holds = self._grants is not None and bool(self._grants.live)
+        pulls = self._puller is not None and len(self._puller) > 0
+        if not (holds or pulls) or self._refused:
+            return
+        t0 = time.monotonic()
+        end = t0 + IDLE_WAIT_S
+        if pulls:
+            end = min(end, self._puller.next_deadline() or end)
+        while not (pulls and self._puller.ended.is_set()):
+            if holds:
+                got = self._agent.drain_notifications()
+                if got:
+                    self._notes += got
+                    break
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            if pulls:
+                self._puller.ended.wait(min(left, NOTIFY_POLL_S) if holds else left)
+            else:
+                time.sleep(min(left, NOTIFY_POLL_S))
+        self.idle_waits[0] += 1
+        self.idle_waits[1] += time.monotonic() - t0
+
     def _poll_notifications(self) -> None:
-        for sender, msg in self._agent.drain_notifications():
+        notes, self._notes = self._notes + self._agent.drain_notifications(), []
+        for sender, msg in notes:
             got = parse_notification(msg)
             req_id = None if got is None else self._grants.release(*got)
             if req_id is PENDING:  # other decode ranks still read
                 continue
             if req_id is not None:
                 self._sent.add(req_id)
+            elif got is not None and self._grants.closed(got[0], got[1]):
+                self.late_notifications += 1  # a grant already released: nothing to do
             elif msg:  # empty: a grant record read
                 self.ignored_notifications += 1
                 if self.ignored_notifications <= 16 or self.ignored_notifications % 1024 == 0:
@@ -402,9 +447,9 @@ class KvabiConnectorWorker:
         local = KVCache.allocate(table_layout(1, lay.size("D")), "numpy")
         plan = plan_block_transfer(lay, local.layout, [remote.slot], [0])
         why = "the producer published no grant with this nonce"
+        t0, left = time.monotonic(), job.left()
         while True:
-            self._agent.pull_plan(peer, plan, local, timeout=job.left(), notify=b"",
-                                  staged=True)
+            self._agent.pull_plan(peer, plan, local, timeout=left, notify=b"", staged=True)
             row = local[0].reshape(-1).view(np.uint8)
             head = read_header(row)
             if head is not None and head[1] == remote.nonce:
@@ -418,10 +463,25 @@ class KvabiConnectorWorker:
             elif head is not None and head[0] == LIVE:
                 raise KVABIError(f"kvabi_grant: slot {remote.slot} holds another request's "
                                  f"grant (forged or replayed parameters){who}")
-            if time.monotonic() + GRANT_POLL_S >= job.deadline:
-                raise KVABIError(f"kvabi_grant: slot {remote.slot}: {why} (until "
-                                 f"pull_timeout_s passed){who}")
+            # a record is written a step after its request finished: read again, until
+            # the pull's own stages must stop (Job.left), then say why with this field
             time.sleep(GRANT_POLL_S)
+            now = time.monotonic()
+            left = job.deadline - GRACE - now
+            if left <= GRANT_POLL_S or job.commit.abandoned:
+                raise KVABIError(f"kvabi_grant: slot {remote.slot}: {why} (read for "
+                                 f"{now - t0:.1f} s, until pull_timeout_s){who}")
+
+    @staticmethod
+    def _check_rank(rec: GrantRecord, remote, rank: int) -> None:
+        """The record at position ``rank`` of the parameters' grant tables was written by
+        that producer rank, of the size they list (the order and count of the producer's
+        ranks, which the negotiation and the plans use, are the producer's)."""
+        if (rec.rank, rec.ranks) != (rank, remote.ranks):
+            field = f"kvabi_grants[{rank}]" if remote.ranks > 1 else "kvabi_grants"
+            raise KVABIError(f"{field}: the record there was written by producer rank "
+                             f"{rec.rank} of {rec.ranks}, the parameters list it as rank "
+                             f"{rank} of {remote.ranks}")
 
     def _check_record(self, rec: GrantRecord, remote, who: str = "") -> None:
         if rec.tokens != remote.tokens:
@@ -452,16 +512,17 @@ class KvabiConnectorWorker:
 
     @staticmethod
     def _check_claim(rec: GrantRecord, g: int, part: str, peer, rank: str = "") -> None:
+        """The handshake of ``part`` the parameters gave states what the producer's record
+        vouches for: layout, planes, scales and model (KVABIError naming the first field
+        that differs)."""
         claim = next((c for c in rec.parts[g] if c.name == part), None)
         field = f"kvabi_handshakes[{g}].{part}{rank}"
         if claim is None:
             raise KVABIError(f"{field}: the producer serves no such part")
-        if claim.layout != layout_fingerprint(peer.layout):
-            raise KVABIError(f"{field}: its layout is not the one the producer registered "
-                             "(fingerprint differs)")
-        if claim.planes != planes_digest(peer.handshake):
-            raise KVABIError(f"{field}: its planes (agent, addresses, sizes) are not the ones "
-                             "the producer registered")
+        given = part_claim(part, peer.handshake)
+        for attr, sub, what in PartClaim.FIELDS:
+            if getattr(claim, attr) != getattr(given, attr):
+                raise KVABIError(f"{field}{sub}: {what}")
 
     # -- decode side under tensor parallelism --------------------------------------------
     def _sharded(self, remote, g: int) -> bool:
@@ -565,6 +626,7 @@ class KvabiConnectorWorker:
             if i == 0:  # a second pull of this grant on this engine stops here
                 self._use(r.nonce, p.req_id)
             job.tables.append((i, peer))
+            self._check_rank(rec, r, i)
         grant_s = time.perf_counter() - t0
         todo = []  # (group, part, own cache, producer ranks' peers, sharded)
         for g, parts in enumerate(self._caches):
@@ -574,17 +636,20 @@ class KvabiConnectorWorker:
                 x.is_axis_form for x in lays[name])) if sharded else None
             for part, cache, msgs in matching_parts(parts, r.handshakes[g], g, usable):
                 todo.append((g, part, cache, [self._peer(m, job) for m in msgs], sharded))
+        # every producer rank's handshake of every part read states what that rank's
+        # record vouches for (the negotiation and the plans use all of them), and its
+        # scales are this cache's, before anything is negotiated or read
+        for g, part, _, peers, _ in todo:
+            for i, peer in enumerate(peers):
+                self._check_claim(recs[i], g, part, peer, rank_of(i))
+                check_same_scales(self._scales[g], peer.handshake.kv_scales,
+                                  f"kvabi_handshakes[{g}].{part}{rank_of(i)}.kv_scales")
         # negotiated before any KV moves: which producer ranks hold this rank's heads
-        runs, reads = {}, []
+        runs, heads = {}, {}
         for g, part, cache, peers, _ in todo:
             got = self._negotiate(g, part, cache, peers)
             runs.setdefault(g, got.runs)
-            reads.append(got.sources)
-        for (g, part, _, peers, _), read in zip(todo, reads):
-            for i in read:
-                self._check_claim(recs[i], g, part, peers[i], rank_of(i))
-                check_same_scales(self._scales[g], peers[i].handshake.kv_scales,
-                                  f"kvabi_handshakes[{g}].{part}{rank_of(i)}.kv_scales")
+            heads.setdefault(g, [shard_of(x.layout).heads for x in peers])
         bs = self.config.block_size
         note = notify_message(r.slot, r.nonce, self._tp[0], self._tp[1])
         for n, (g, part, cache, peers, sharded) in enumerate(todo):
@@ -610,17 +675,19 @@ class KvabiConnectorWorker:
             regions, nbytes = regions + len(plan), nbytes + plan.nbytes
             self._after_pull(p, g, part, cache, d)
         v0 = time.perf_counter()
-        self._verify(p, recs, runs)
+        self._verify(p, recs, runs, heads)
         t1 = time.perf_counter()
         self.pull_stats.append((p.req_id, t1 - t0, regions, nbytes, read_s, grant_s, t1 - v0))
         self._stat_pulls.append((t1 - t0, read_s, nbytes, regions,
                                  any(not t[1].startswith(IMAGE) for t in todo)))
 
-    def _verify(self, p: PullWork, recs: dict, runs: dict) -> None:
+    def _verify(self, p: PullWork, recs: dict, runs: dict, held: dict) -> None:
         """Every pulled token's checksum, per KV head this rank holds, equals the one the
         producer rank it was read from computed for that global head (before any token is
         generated from it: vLLM learns the load finished only after this).  ``runs``: per
-        group, which producer rank each local head came from (None: all from rank 0)."""
+        group, which producer rank each local head came from (None: all from rank 0);
+        ``held``: per group, the global heads each producer rank's layout holds (layouts
+        its record vouched for)."""
         bs, rbs = self.config.block_size, p.remote.block_size
         for g, parts in enumerate(self._caches):
             src = token_slots(p.remote.blocks[g], rbs, p.start, p.num_tokens)
@@ -634,7 +701,7 @@ class KvabiConnectorWorker:
                 src_of[run.dst_first:run.dst_first + run.count] = run.source
             for j, h in enumerate(heads):
                 i = int(src_of[j])
-                theirs = self._their_heads(p.remote, g, i)
+                theirs = held[g][i]
                 sums = recs[i].checksums[g]
                 if sums.shape[1] != len(theirs) or h not in theirs:
                     raise KVABIError(f"kvabi_grant: the producer rank {i} record sums "
@@ -647,13 +714,6 @@ class KvabiConnectorWorker:
                     raise KVABIError(f"kvabi_grant: the KV read for token {pos} of group {g} "
                                      f"is not what the producer computed (global head {h}: "
                                      f"checksum differs; {bad.size} tokens differ)")
-
-    @staticmethod
-    def _their_heads(remote, g: int, rank: int) -> tuple:
-        """The global heads producer rank ``rank`` holds in group ``g`` (its layouts state
-        them; the grant record's part claims vouch for the layouts)."""
-        lays = next(v for name, v in remote.layouts[g].items() if not name.startswith(IMAGE))
-        return shard_of(lays[rank]).heads
 
     def _after_pull(self, pull: PullWork, group: int, part: str, cache, dst_slots) -> None:
         """Called once a part of a group has arrived (a place for checks; nothing here)."""
