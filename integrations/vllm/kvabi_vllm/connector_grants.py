@@ -50,7 +50,10 @@ import numpy as np
 from kvabi import KVABIError, KVCache, Layout
 
 from .connector_checksum import layout_fingerprint, planes_digest
-from .connector_meta import NOTIFY_PREFIX
+
+#: notifications a decode engine sends the prefill engine once it has read a request's KV
+#: (here, not with the engine's metadata: the proxy sends them too, without importing vLLM)
+NOTIFY_PREFIX = "kvabi.pull:"
 
 #: the record format (3: parts bind scales and model, the record its producer rank)
 MAGIC = b"KVABIG03"

@@ -17,9 +17,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandsh
 #: block the request does not hold (sliding-window blocks out of the window)
 NULL_BLOCK = 0
 
-#: notifications a decode engine sends the prefill engine once it has read a request's KV
-NOTIFY_PREFIX = "kvabi.pull:"
-
 
 def token_slots(blocks, block_size: int, start: int, num_tokens: int) -> np.ndarray:
     """Slots of positions ``start .. start + num_tokens - 1`` of a request whose block list

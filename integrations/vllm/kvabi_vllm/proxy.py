@@ -106,6 +106,11 @@ class GrantReleaser:
         #: grants released (notifications sent), and those that could not be
         self.sent = self.failed = 0
 
+    def start(self) -> None:
+        """Make the agent now, off the event loop (imports and NIXL set-up take seconds on a
+        loaded machine; the first release should not)."""
+        self._pool.submit(self._agent_)
+
     async def release(self, params) -> None:
         await asyncio.get_running_loop().run_in_executor(self._pool, self._release, params)
 
@@ -144,9 +149,15 @@ class GrantReleaser:
 
     def _agent_(self):
         if self._agent is None:
+            from kvabi import KVABIError
             from kvabi.transfer.nixl import NixlAgent
 
-            self._agent = NixlAgent(f"kvabi-proxy-{uuid.uuid4().hex[:8]}", host=self.host)
+            try:
+                self._agent = NixlAgent(f"kvabi-proxy-{uuid.uuid4().hex[:8]}", host=self.host)
+            except KVABIError as e:
+                log.error("kvabi-vllm proxy: no NIXL agent (%s): grants of requests the "
+                          "decode server does not read stay held until hold_timeout_s", e)
+                raise
         return self._agent
 
     def _table(self, message: str):
@@ -211,6 +222,7 @@ def build_app(prefill: str, decode: str, *, timeout: float = 300.0,
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout),
                                             limits=httpx.Limits(max_connections=None))
         state["releaser"] = app.state.releaser = GrantReleaser(nixl_host)
+        state["releaser"].start()
         log.info("kvabi-vllm proxy: prefill %s, decode %s", prefill, decode)
         yield
         await state["client"].aclose()
