@@ -87,7 +87,7 @@ def consumer_answer(path, body):
 @pytest.fixture(scope="module")
 def pair():
     p, d = Upstream(producer_answer), Upstream(consumer_answer)
-    proxy = Proxy(p.url, d.url, timeout=10, max_body=4096)
+    proxy = Proxy(p.url, d.url, timeout=10, max_body=4096, nixl_host=None)
     loop = asyncio.new_event_loop()
     server = loop.run_until_complete(proxy.serve("127.0.0.1", 0))
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -136,15 +136,19 @@ def test_a_stream_is_relayed_as_it_comes_and_the_connection_kept(pair):
 
 
 REFUSED = [
-    (b"not json", 400, "body: not JSON"),
-    (b"[1, 2]", 400, "body: must be a JSON object"),
+    (b"not json", 400, "request body: not valid JSON"),
+    (b"[1, 2]", 400, "request body: must be a JSON object"),
+    (b'{"a": 1, "a": 2}', 400, "request body: duplicate key 'a'"),
+    (b'{"a": NaN}', 400, "request body:"),
     (b'{"a": ' * 600 + b"1" + b"}" * 600, 413, "body: 4201 bytes, at most 4096"),
-    (json.dumps({"a": [[[[[[[[[[[]]]]]]]]]]] * 1}).encode().replace(b"[]", b"[" * 60 + b"]" * 60),
-     400, "body: nested deeper than 64"),
+    (b'{"a": ' * 70 + b"1" + b"}" * 70, 400, "request body: nested 70 deep"),
     ({"prompt": "a", "n": 2}, 400, "n: 2"),
+    ({"prompt": "a", "n": True}, 400, "n: True"),
     ({"prompt": "a", "best_of": 3}, 400, "best_of: 3"),
-    ({"prompt": ["a", "b"]}, 400, "prompt: a list of 2 prompts"),
-    ({"prompt": [[1, 2], [3]]}, 400, "prompt: a list of 2 prompts"),
+    ({"prompt": "a", "use_beam_search": True}, 400, "use_beam_search:"),
+    ({"prompt": "a", "stream": "yes"}, 400, "stream: must be true or false"),
+    ({"prompt": ["a", "b"]}, 400, "prompt: a batch of 2 prompts"),
+    ({"prompt": [[1, 2], [3]]}, 400, "prompt: a batch of 2 prompts"),
 ]
 
 
@@ -186,7 +190,7 @@ def test_servers_refusals_go_back_alone(pair):
 
 def test_models_health_and_a_server_down():
     p, d = Upstream(producer_answer), Upstream(consumer_answer)
-    proxy = Proxy(p.url, d.url, timeout=5)
+    proxy = Proxy(p.url, d.url, timeout=5, nixl_host=None)
     loop = asyncio.new_event_loop()
     server = loop.run_until_complete(proxy.serve("127.0.0.1", 0))
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -209,3 +213,54 @@ def test_models_health_and_a_server_down():
     assert status == 502 and b"decode server" in out
     loop.call_soon_threadsafe(server.close)
     p.shutdown()
+
+
+def test_the_proxy_releases_the_grant_of_a_request_the_consumer_refused():
+    """A real producer (kvabi.pd over a numpy cache) behind the producer stand-in: the
+    consumer refuses the request (400), the proxy relays that, and releases the grant it
+    took: the producer frees the blocks long before hold_timeout_s."""
+    import numpy as np
+
+    import kvabi
+    from kvabi.pd import ASK, CacheGroup, Endpoint, EngineCaches, PDSettings
+    from kvabi.transfer import nixl
+
+    if not nixl.available()[0]:
+        pytest.skip(nixl.available()[1])
+    spec = kvabi.KVSpec("full", block_size=16, num_kv_heads=2, head_dim=8, dtype="float32")
+    cache = kvabi.KVCache.allocate(kvabi.Layout.preset("vllm.LBHNC", spec, num_blocks=8,
+                                                       num_layers=2))
+    producer = Endpoint(PDSettings(role="producer", hold_timeout_s=600),
+                        EngineCaches([CacheGroup.of(cache)], block_size=16, max_tokens=64))
+    answers = []
+
+    def prefill(path, body):
+        if path == "/health":
+            return 200, b"{}"
+        hold, ans = producer.finished(f"r{len(answers)}", ASK, normal=True,
+                                      tokens=list(range(20)), num_computed=20, blocks=[[3, 5]])
+        answers.append(ans)
+        return 200, json.dumps({"choices": [], "kv_transfer_params": ans}).encode()
+
+    p = Upstream(prefill)
+    d = Upstream(lambda path, body: (400, b'{"error": {"message": "max_tokens: -1"}}'))
+    proxy = Proxy(p.url, d.url, timeout=20)
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(proxy.serve("127.0.0.1", 0))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        status, _ = _post(server.sockets[0].getsockname()[1], "/v1/completions",
+                          {"prompt": "a", "max_tokens": -1})
+        assert status == 400 and len(answers) == 1
+        freed, t0 = set(), time.monotonic()
+        while "r0" not in freed and time.monotonic() - t0 < 60:
+            freed |= producer.step().sent
+            time.sleep(0.02)
+        assert "r0" in freed, "the producer still holds the grant the proxy took"
+        assert proxy.releaser.sent == 1 and proxy.releaser.failed == 0
+    finally:
+        loop.call_soon_threadsafe(server.close)
+        p.shutdown()
+        d.shutdown()
+        proxy.releaser.close()
+        producer.close()

@@ -3,9 +3,10 @@ consumer server of any engines that speak kvabi's P/D (``specs/pd.md`` section 4
 
 Per request (``POST /v1/completions``, ``POST /v1/chat/completions``):
 
-1. a body that is not a JSON object, nested too deep or too large, or that asks several
-   choices (``n``, ``best_of``) or several prompts, is refused (400, 413) naming the field:
-   one grant serves one sequence, and no server sees the request;
+1. a body that is not a JSON object (read by kvabi's one JSON reader: size, nesting,
+   duplicate keys, NaN), or that asks several choices (``n``, ``best_of``, beam search) or
+   several prompts, is refused (400, 413) naming the field: one grant serves one sequence,
+   and no server sees the request;
 2. the producer gets the request with one token to generate, no streaming, and the ask
    (``kv_transfer_params={"do_remote_decode": true}``): it computes the prompt's KV, keeps
    its blocks and answers with the ``kv_transfer_params`` that say where they are;
@@ -13,9 +14,14 @@ Per request (``POST /v1/completions``, ``POST /v1/chat/completions``):
    the prompt's KV and generates; its answer goes back to the client as it comes, streamed
    when the client asked for a stream.
 
+4. once the consumer's answer ended, however it ended (served, refused, failed, the client
+   gone), the proxy releases the producer's grant (:mod:`.release`: a consumer's
+   notification, from a NIXL agent of its own; a no-op where the consumer already did):
+   nothing it took stays held until ``hold_timeout_s``.
+
 A request either server refuses gets that server's status and message, alone; other
 requests carry on.  ``GET /v1/models`` is the consumer's; ``GET /health`` is healthy when
-both servers are.  The standard library only (asyncio).
+both servers are.  The standard library only (asyncio; NIXL, where installed, releases).
 """
 from __future__ import annotations
 
@@ -28,8 +34,10 @@ import logging
 import sys
 import time
 
+from ..util.errors import KVABIError
 from . import http
 from .params import ASK
+from .release import GrantReleaser
 
 log = logging.getLogger("kvabi.pd.proxy")
 
@@ -57,39 +65,39 @@ def decode_request(body: dict, kv_transfer_params: dict) -> dict:
     return req
 
 
-def _depth(value) -> int:
-    """Nesting depth of a parsed JSON value (iterative: any depth)."""
-    best, todo = 0, [(value, 1)]
-    while todo:
-        v, d = todo.pop()
-        if isinstance(v, (dict, list)):
-            best = max(best, d)
-            todo += [(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)]
-    return best
+def check_body(raw: bytes, max_bytes: int = MAX_BODY) -> dict:
+    """The client's body as an object the proxy can hand over whole: one prompt, one
+    sequence (``n`` and ``best_of`` 1, no beam search), ``stream`` a boolean; HTTPError
+    naming the field (the producer would answer for the first prompt or sequence only,
+    and hold the others' blocks for nobody)."""
+    from ..util.safe_json import loads
 
-
-def check_body(raw: bytes, path: str) -> dict:
-    """The client's body as an object the proxy forwards; HTTPError naming the field."""
     try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise http.HTTPError(400, f"body: nested deeper than {MAX_DEPTH}") from None
-    except (ValueError, UnicodeDecodeError):
-        raise http.HTTPError(400, "body: not JSON") from None
+        body = loads(raw, what="request body", max_bytes=max_bytes, max_depth=MAX_DEPTH)
+    except KVABIError as e:
+        raise http.HTTPError(400, str(e)) from None
     if not isinstance(body, dict):
-        raise http.HTTPError(400, "body: must be a JSON object")
-    if _depth(body) > MAX_DEPTH:
-        raise http.HTTPError(400, f"body: nested deeper than {MAX_DEPTH}")
+        raise http.HTTPError(400, f"request body: must be a JSON object, got "
+                                  f"{type(body).__name__}")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise http.HTTPError(400, f"stream: must be true or false, got {stream!r:.40}")
     for key in ("n", "best_of"):
         v = body.get(key)
-        if v is not None and v != 1:
-            raise http.HTTPError(400, f"{key}: {v!r:.20}: a P/D request generates one "
-                                      "sequence (one grant holds one prompt's KV)")
-    prompt = body.get("prompt") if path == "/v1/completions" else None
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-        if len(prompt) != 1:
-            raise http.HTTPError(400, f"prompt: a list of {len(prompt)} prompts: send one "
-                                      "request per prompt")
+        if v is not None and (isinstance(v, bool) or v != 1):
+            raise http.HTTPError(400, f"{key}: {v!r:.40}: the P/D proxy hands one sequence's "
+                                      f"KV to the consumer per request (send requests of "
+                                      f"{key} 1)")
+    if body.get("use_beam_search") not in (None, False):
+        raise http.HTTPError(400, "use_beam_search: beam search keeps several sequences, the "
+                                  "P/D proxy hands one sequence's KV over per request")
+    for key in ("prompt", "prompt_embeds"):
+        p = body.get(key)  # a list of token ids is one prompt; a list of others a batch
+        if isinstance(p, list) and len(p) > 1 and not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise http.HTTPError(400, f"{key}: a batch of {len(p)} prompts: the P/D proxy "
+                                      "hands one prompt's KV to the consumer per request "
+                                      "(send each prompt in a request of its own)")
     return body
 
 
@@ -97,16 +105,29 @@ class Proxy:
     """The proxy's state: the two servers, limits, and a request counter."""
 
     def __init__(self, prefill: str, decode: str, *, timeout: float = 300.0,
-                 max_body: int = MAX_BODY):
+                 max_body: int = MAX_BODY, nixl_host: str | None = "127.0.0.1"):
         self.prefill = http.Server.parse(prefill, "prefill")
         self.decode = http.Server.parse(decode, "decode")
         self.timeout = timeout
         self.max_body = max_body
         self._n = itertools.count()
+        #: releases the grants of answers the consumer is done with (None: left to expire)
+        self.releaser = GrantReleaser(nixl_host) if nixl_host is not None else None
+        self._tasks: set = set()
 
     async def serve(self, host: str, port: int):
         """An asyncio server listening on ``host:port`` (call ``serve_forever`` on it)."""
+        if self.releaser is not None:
+            self.releaser.start()
         return await asyncio.start_server(self._connection, host, port, limit=http.HEAD_LIMIT)
+
+    def _release(self, answer) -> None:
+        """Release ``answer``'s grant in the background (a client gone must not keep it)."""
+        if self.releaser is None:
+            return
+        task = asyncio.ensure_future(self.releaser.release(answer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _connection(self, reader, writer) -> None:
         try:
@@ -180,7 +201,7 @@ class Proxy:
 
     async def _forward(self, path: str, req: http.Request, writer) -> bool:
         n = next(self._n)
-        body = check_body(req.body, path)
+        body = check_body(req.body, self.max_body)
         t0 = time.perf_counter()
         try:
             a = await asyncio.wait_for(http.call(self.prefill, "POST", path, json.dumps(
@@ -201,6 +222,12 @@ class Proxy:
         if not isinstance(params, dict):
             raise http.HTTPError(502, f"prefill server {self.prefill} answered without "
                                       "kv_transfer_params: start it as a kvabi P/D producer")
+        try:  # from here the producer holds blocks for this request: released at the end
+            return await self._decode(n, path, body, params, writer, t0)
+        finally:
+            self._release(params)
+
+    async def _decode(self, n, path, body, params, writer, t0) -> bool:
         t1 = time.perf_counter()
         try:
             d = await asyncio.wait_for(http.call(self.decode, "POST", path, json.dumps(
@@ -246,6 +273,9 @@ def parser(prog: str = "kvabi proxy", p=None) -> argparse.ArgumentParser:
                    help="seconds allowed to each call to a server (default 300)")
     p.add_argument("--max-body", type=int_arg(1, 2**31, name="--max-body"), default=MAX_BODY,
                    help=f"largest client body in bytes (default {MAX_BODY})")
+    p.add_argument("--nixl-host", default="127.0.0.1",
+                   help="address of the proxy's NIXL agent, which releases the grants of "
+                        "requests the consumer answered (default 127.0.0.1)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="log level (default info)")
@@ -256,7 +286,8 @@ def run(args, prog: str = "kvabi proxy") -> int:
     """Run the proxy of parsed ``args`` until interrupted."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    proxy = Proxy(args.prefill, args.decode, timeout=args.timeout, max_body=args.max_body)
+    proxy = Proxy(args.prefill, args.decode, timeout=args.timeout, max_body=args.max_body,
+                  nixl_host=args.nixl_host)
 
     async def main():
         server = await proxy.serve(args.host, args.port)

@@ -23,6 +23,7 @@ tensor-parallel sizes, serving each other's prefills); any role keeps a host tie
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import uuid
@@ -36,7 +37,28 @@ from kvabi.pd import PDSettings
 
 #: kv_connector_extra_config keys and their defaults (kvabi.pd's bounds, and where the NIXL
 #: agent listens, and the model identity the handshakes state)
-DEFAULTS = {**PD_DEFAULTS, "nixl_host": "127.0.0.1", "model_id": None}
+DEFAULTS = {"host_blocks": PD_DEFAULTS["host_blocks"], "nixl_host": "127.0.0.1",
+            **{k: v for k, v in PD_DEFAULTS.items() if k != "host_blocks"}, "model_id": None}
+
+
+def unknown_key(key, known) -> str:
+    """The refusal of a configuration key ``key`` that is not one of ``known``: the key,
+    the closest known one, and every known one."""
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{key!r} is not a key KvabiConnector reads ({hint}known: {', '.join(known)})"
+
+
+def check_extra(extra) -> dict:
+    """The settings of ``kv_connector_extra_config`` (None: the defaults), checked: an
+    object of known keys, each of its type (KVABIError naming the key and value; an
+    unknown key is refused with the closest known one, never ignored)."""
+    if extra is None:
+        return dict(DEFAULTS)
+    if not isinstance(extra, dict):
+        raise KVABIError(f"kv_connector_extra_config: must be an object, got "
+                         f"{type(extra).__name__}")
+    return _extra(extra)
 
 
 def _extra(extra: dict) -> dict:
@@ -44,6 +66,8 @@ def _extra(extra: dict) -> dict:
     out = dict(DEFAULTS)
     for key, value in extra.items():
         name = f"kv_connector_extra_config.{key}"
+        if key not in DEFAULTS:
+            raise KVABIError(f"kv_connector_extra_config: {unknown_key(key, DEFAULTS)}")
         if key == "model_id":
             if value is not None:
                 from kvabi.transfer.handshake import check_model
@@ -53,9 +77,9 @@ def _extra(extra: dict) -> dict:
             if not isinstance(value, str) or not value:
                 raise KVABIError(f"{name}: must be a host name or address, got {value!r}")
             out[key] = value
-        elif key.endswith("_s") and key in DEFAULTS:
+        elif key.endswith("_s"):
             out[key] = as_float(value, name, positive=True)
-        elif key in DEFAULTS:
+        else:
             out[key] = as_int(value, name, lo=0 if key == "host_blocks" else 1)
     return out
 
@@ -88,7 +112,7 @@ class ConnectorConfig:
     @classmethod
     def from_vllm(cls, vllm_config, kv_cache_config) -> "ConnectorConfig":
         cfg = vllm_config.kv_transfer_config
-        extra = _extra(dict(cfg.kv_connector_extra_config or {}))
+        extra = check_extra(cfg.kv_connector_extra_config)
         block_size = int(vllm_config.cache_config.block_size)
         groups = tuple(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else ()
         windows = tuple(getattr(g.kv_cache_spec, "sliding_window", None) or None
@@ -147,4 +171,5 @@ def total_kv_heads(vllm_config) -> int:
         return 0
 
 
-__all__ = ["ConnectorConfig", "DEFAULTS", "model_identity", "total_kv_heads"]
+__all__ = ["ConnectorConfig", "DEFAULTS", "check_extra", "model_identity", "total_kv_heads",
+           "unknown_key"]

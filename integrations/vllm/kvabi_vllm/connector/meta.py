@@ -28,8 +28,11 @@ def pd_blocks(block_ids) -> list[list[int]]:
 
 @dataclass
 class KvabiConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the worker side (:class:`kvabi.pd.StepWork`)."""
+    """One step's work for the worker side (:class:`kvabi.pd.StepWork`), and whether the
+    step computes nothing (vLLM steps only for what the connector holds: the worker may
+    wait for a pull or a notification, ``kvabi.pd.CacheSide.idle_wait``)."""
     work: StepWork = field(default_factory=StepWork)
+    idle: bool = False
 
 
 @dataclass

@@ -60,7 +60,8 @@ class KvabiConnectorScheduler:
                              num_external_tokens, getattr(request, "cache_salt", None))
 
     def build_connector_meta(self, scheduler_output):
-        return KvabiConnectorMetadata(work=self.front.take_work())
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        return KvabiConnectorMetadata(work=self.front.take_work(), idle=idle)
 
     def request_finished(self, request, block_ids):
         from vllm.v1.request import RequestStatus

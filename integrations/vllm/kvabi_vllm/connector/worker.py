@@ -31,6 +31,7 @@ class KvabiConnectorWorker:
         self.config = config
         self._vllm_config = vllm_config
         self.cache_side: CacheSide | None = None
+        self._idle = False  # this step computes nothing and brought no connector work
         #: this interval's pulls and refusals, drained by vLLM (kv_connector_stats)
         self.transfer_stats = KvabiConnectorStats()
 
@@ -103,6 +104,7 @@ class KvabiConnectorWorker:
     def start_load_kv(self, meta) -> None:
         """The step's work from the scheduler side, in its order."""
         if isinstance(meta, KvabiConnectorMetadata):
+            self._idle = meta.idle and not meta.work
             self.cache_side.apply(meta.work)
 
     def get_transfer_results(self, finished_req_ids):
@@ -112,6 +114,9 @@ class KvabiConnectorWorker:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import \
             KVConnectorTransferResults
 
+        if self._idle:  # a step only for what this side holds: wait instead of spinning
+            self._idle = False
+            self.cache_side.idle_wait()
         r = self.cache_side.results(finished_req_ids)
         for why in r.failed.values():
             self.transfer_stats.record_refusal(why)
@@ -162,6 +167,16 @@ class KvabiConnectorWorker:
     def ignored_notifications(self) -> int:
         p = self.cache_side.producer if self.cache_side is not None else None
         return p.ignored_notifications if p is not None else 0
+
+    @property
+    def late_notifications(self) -> int:
+        p = self.cache_side.producer if self.cache_side is not None else None
+        return p.late_notifications if p is not None else 0
+
+    @property
+    def idle_waits(self) -> list:
+        """Idle steps waited, and the seconds they waited."""
+        return self.cache_side.idle_waits if self.cache_side is not None else [0, 0.0]
 
     def table_sizes(self) -> dict[str, int]:
         """Entries of every per-request table (for tests and monitoring)."""
