@@ -73,19 +73,3 @@ def test_matching_parts_prefers_the_same_block_image_and_refuses_other_parts():
     assert matching_parts(both, {"k": "b", "v": "c"}, 0) == [("k", "K", "b"), ("v", "V", "c")]
     with pytest.raises(KVABIError, match=r"kvabi_handshakes\[2\]: must be an object"):
         matching_parts(mine, ["k"], 2)
-    # between shardings only what the plans take (here: not "kv", as a component layout)
-    usable = lambda name, cache: name != "kv"  # noqa: E731
-    assert matching_parts(both, {"kv": ("a", "a1"), "k": ("b", "b1"), "v": ("c", "c1")}, 0,
-                          usable) == [("k", "K", ("b", "b1")), ("v", "V", ("c", "c1"))]
-    with pytest.raises(KVABIError, match=r"no pair to copy between in the axis form"):
-        matching_parts(both, {"kv": ("a", "a1")}, 0, usable)
-
-
-@given(st.sampled_from([None, 1, 16, 20, 33, 64]), st.sampled_from([1, 4, 32]),
-       st.integers(1, 200))
-def test_null_blocks_are_allowed_only_wholly_before_the_window(window, bs, n):
-    """Block i may be null where every one of its positions lies before the window of the
-    last prompt token (positions n - window .. n - 1), by a direct formula."""
-    got = null_allowed(window, bs, n)
-    want = [bool(window) and (i + 1) * bs - 1 < n - window for i in range(-(-n // bs))]
-    assert got.tolist() == want

@@ -151,10 +151,7 @@ class Consumer:
         todo = []  # (group, part, own cache, producer ranks' peers, sharded)
         for g, grp in enumerate(self._groups):
             sharded = self._sharded(r, g)
-            lays = r.layouts[g]
-            usable = (lambda name, cache, lays=lays: cache.layout.is_axis_form and all(
-                x.is_axis_form for x in lays[name])) if sharded else None
-            for part, cache, msgs in matching_parts(grp.parts, r.handshakes[g], g, usable):
+            for part, cache, msgs in matching_parts(grp.parts, r.handshakes[g], g):
                 todo.append((g, part, cache, [self._peers.get(m, job) for m in msgs],
                              sharded))
         # every producer rank's handshake of every part read states what that rank's

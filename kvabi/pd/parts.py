@@ -37,27 +37,23 @@ def host_parts(parts):
     return image or list(parts)
 
 
-def matching_parts(parts, theirs, g: int, usable=None):
+def matching_parts(parts, theirs, g: int):
     """[(part, own cache, peer's place)] to pull for group ``g``: the block image when the
-    peer serves the same one, else ``kv``, else ``k`` and ``v`` (``specs/pd.md`` section 3);
-    ``usable(part, own cache)`` (optional) leaves out parts that cannot be planned (between
-    shardings: component layouts).  A place is a message or a tuple of them (one per
-    producer rank)."""
+    peer serves the same one, else ``kv``, else ``k`` and ``v`` (``specs/pd.md`` section 3).
+    A place is a message or a tuple of them (one per producer rank)."""
     if not isinstance(theirs, dict) or not all(
             isinstance(k, str) and isinstance(v, (str, tuple)) for k, v in theirs.items()):
         raise KVABIError(f"kvabi_handshakes[{g}]: must be an object of part -> message")
-    ok = usable or (lambda name, cache: True)
     for name, cache in parts:
-        if is_image(name) and name in theirs and ok(name, cache):
+        if is_image(name) and name in theirs:
             return [(name, cache, theirs[name])]
     mine = dict((n, c) for n, c in parts if not is_image(n))
     served = sorted(k for k in theirs if not is_image(k))
     for want in ((KV,), (K, V)):
-        if all(w in mine and w in theirs and ok(w, mine[w]) for w in want):
+        if all(w in mine and w in theirs for w in want):
             return [(w, mine[w], theirs[w]) for w in want]
-    why = " in the axis form" if usable is not None else ""
     raise KVABIError(f"kvabi_handshakes[{g}]: the peer serves parts {served}, this engine "
-                     f"{sorted(mine)}: no pair to copy between{why}")
+                     f"{sorted(mine)}: no pair to copy between")
 
 
 def split_kv(cache: KVCache):

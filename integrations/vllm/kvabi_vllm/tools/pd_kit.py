@@ -8,6 +8,10 @@ prefills prompts with the ask, reads the KV it holds for a request where vLLM's 
 table says (through the layout its adapter serves), decodes requests with parameters, and
 reports its connector's tables and free blocks.  A decode's KV is taken when the connector
 reports the pull done (:class:`KitConnector`), before vLLM computes from it.
+
+``VllmEngine(planted="early_done")`` plants a fault in the adapter, for the kit to catch: its
+worker side tells vLLM a pull is done as soon as it is queued, before kvabi.pd checked and
+finished it.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ BLOCK_SIZE = 32
 _SCHEDULER = None
 #: request id -> (per group KV values) taken when its pull was reported done
 SNAPSHOTS: dict = {}
+#: a fault planted in the adapter (environment of the engine process), or none
+PLANTED = "KVABI_PD_KIT_PLANTED"
 
 
 def _values(worker, blocks, n: int) -> list:
@@ -53,8 +59,28 @@ class KitWorker(KvabiConnectorWorker):
     """The worker side that, when a pull is done, takes the KV of the request's blocks
     from vLLM's own block table (what the engine will compute from)."""
 
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._early: set = set()  # pulls to report done before they are (the planted fault)
+        self._faked: set = set()  # of those, reported: their real end is not reported again
+
+    def start_load_kv(self, meta) -> None:
+        if os.environ.get(PLANTED) == "early_done":  # the fault: done as soon as queued
+            self._early |= {p.req_id for p in getattr(getattr(meta, "work", None), "pulls", ())}
+        super().start_load_kv(meta)
+
     def get_transfer_results(self, finished_req_ids):
         r = super().get_transfer_results(finished_req_ids)
+        if self._faked:
+            again = (set(r.finished_recving) | set(r.failed_recving)) & self._faked
+            self._faked -= again
+            r.finished_recving = set(r.finished_recving) - again
+            r.failed_recving = set(r.failed_recving) - again
+        if self._early:
+            early, self._early = self._early, set()
+            self._faked |= early
+            r.finished_recving = set(r.finished_recving) | early
+            r.failed_recving = set(r.failed_recving) - early
         for rid in set(r.finished_recving) - set(r.failed_recving):
             req = _SCHEDULER.requests.get(rid) if _SCHEDULER is not None else None
             params = getattr(req, "kv_transfer_params", None) or {}
@@ -110,6 +136,10 @@ def child(role: str, model: str, settings: dict, block_size: int) -> int:
         if cmd == "prefill":
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args],
                                 [_sampling(1, dict(ASK)) for _ in args], use_tqdm=False)
+            for _ in range(10):  # a server steps on: the grants' records are written
+                if not sched.has_pending_push_work():
+                    break
+                eng.step()
             answers = [o.kv_transfer_params for o in outs]
             for o, a in zip(outs, answers):
                 if a:
@@ -125,22 +155,25 @@ def child(role: str, model: str, settings: dict, block_size: int) -> int:
                 try:
                     eng.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
                                     _sampling(1, params))
-                except Exception as e:  # noqa: BLE001 - vLLM's front end refused it
-                    got[rid] = Outcome(f"front end: {type(e).__name__}: {e}")
+                except Exception as e:  # noqa: BLE001 - vLLM's front end refused it, before
+                    # the connector: the field is the one the request carried it in
+                    got[rid] = Outcome(f"kv_transfer_params: vLLM's front end refused it: "
+                                       f"{type(e).__name__}: {e}")
             while eng.has_unfinished_requests():
                 for o in eng.step():
                     if o.finished:
-                        ids[o.request_id.rsplit("-", 1)[0]] = (o.request_id,
-                                                               time.monotonic() - t0)
+                        ids[o.request_id] = time.monotonic() - t0
+
+            def ours(inner):  # vLLM's engine core names a request "<its id>-<suffix>"
+                return inner.rsplit("-", 1)[0]
             reasons = {}
             for r, why in list(sched.refusals) + list(worker.refusals):
-                reasons.setdefault(r.rsplit("-", 1)[0], why)
+                reasons.setdefault(ours(r), why)
+            snaps = {ours(k): SNAPSHOTS.pop(k) for k in list(SNAPSHOTS)}
             for rid, _, _ in args:
-                if rid in got:
-                    continue
-                inner, secs = ids.get(rid, (rid, 0.0))
-                why = reasons.get(rid)
-                got[rid] = Outcome(why, None if why else SNAPSHOTS.pop(inner, None), secs)
+                if rid not in got:
+                    why = reasons.get(rid)
+                    got[rid] = Outcome(why, None if why else snaps.get(rid), ids.get(rid, 0.0))
             _send(got)
         elif cmd == "step":
             end = time.monotonic() + args
@@ -165,13 +198,16 @@ class VllmEngine(EngineUnderTest):
 
     name = "vllm"
 
-    def __init__(self, model: str | None = None, *, block_size: int = BLOCK_SIZE):
+    def __init__(self, model: str | None = None, *, block_size: int = BLOCK_SIZE,
+                 planted: str | None = None):
         if model is None:
             from .checkpoints import write_checkpoint
 
             model = os.path.join(tempfile.mkdtemp(prefix="kvabi-pd-kit-"), "tiny-llama")
             write_checkpoint("llama", model, layers=2, kv_heads=2, heads=4, head_dim=32)
-        self.model, self.block_size = model, block_size
+        self.model, self.block_size, self.planted = model, block_size, planted
+        if planted:
+            self.name = f"vllm (planted: {planted})"
         cfg = json.loads((Path(model) / "config.json").read_text())
         self._facts = ModelFacts(
             windows=(None,), num_layers=cfg["num_hidden_layers"],
@@ -191,6 +227,9 @@ class VllmEngine(EngineUnderTest):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVABI_VLLM")}
         env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
+        env.pop(PLANTED, None)
+        if self.planted:
+            env[PLANTED] = self.planted
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvabi_vllm.tools.pd_kit", "child", role, self.model,
              json.dumps(extra), str(self.block_size)], stdin=subprocess.PIPE,
@@ -252,6 +291,9 @@ def engine() -> VllmEngine:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "child":
-        sys.exit(child(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])))
+        # the module vLLM loads the connector from (not this __main__): its globals
+        from kvabi_vllm.tools.pd_kit import child as _child
+
+        sys.exit(_child(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])))
     print(__doc__)
     print("usage: kvabi conformance --pd kvabi_vllm.tools.pd_kit:engine")
