@@ -33,3 +33,13 @@ def test_a_fault_planted_in_an_adapter_is_caught(planted, check, problem):
     (r,) = run_kit(ReferenceEngine(FACTS, preset="flashinfer.HND", label="engine",
                                    planted=planted), [check])
     assert not r.ok and any(problem in p for p in r.problems), r.problems
+
+
+def test_a_component_layout_moves_between_tp_sizes_byte_exact():
+    """An engine whose cache is in the component form (vLLM's CPU layout: keys [D, N], values
+    [N, D] per block and head) pulls from and serves TP-2 references of other layouts."""
+    got = run_kit(ReferenceEngine(FACTS, preset="vllm.cpu", label="engine"),
+                  ["consumer.honest", "producer.honest"])
+    assert [r.name for r in got] == ["consumer.honest", "producer.honest"]
+    assert all(r.ok for r in got), [r.problems for r in got]
+    assert any("TP 2" in n for n in got[0].notes)
