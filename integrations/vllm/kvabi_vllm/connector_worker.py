@@ -626,6 +626,7 @@ class KvabiConnectorWorker:
             if i == 0:  # a second pull of this grant on this engine stops here
                 self._use(r.nonce, p.req_id)
             job.tables.append((i, peer))
+        for i, rec in recs.items():  # (every bound table is told if this fails)
             self._check_rank(rec, r, i)
         grant_s = time.perf_counter() - t0
         todo = []  # (group, part, own cache, producer ranks' peers, sharded)

@@ -112,9 +112,11 @@ class GrantReleaser:
         self._pool.submit(self._agent_)
 
     async def release(self, params) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._release, params)
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.release_now, params)
 
-    def _release(self, params) -> None:
+    def release_now(self, params) -> None:
+        """Release the grant of ``params`` (a prefill answer's kv_transfer_params) now, on
+        this thread."""
         from kvabi import KVABIError
 
         try:

@@ -471,17 +471,51 @@ def summary(run: dict) -> tuple[list[str], bool]:
     return lines, ok
 
 
+#: the cases ``kvabi-vllm guard`` runs: name -> (what, the module running it)
+CASES = {
+    "pd": "a P/D pair of in-process engines: hostile kv_transfer_params, lying handshakes, "
+          "changed bytes, replays, forged notifications, unreachable and frozen producers, "
+          "the host tier across tenants",
+    "proxy": "the quick start's servers behind kvabi-vllm proxy: hostile request bodies, "
+             "batches, n > 1, requests the decode server refuses (grants released at once)",
+    "fp8": "fp8 caches under other scales: the honest request and one whose handshakes "
+           "claim the decode engine's scales",
+    "tp": "TP 2 -> 1 and 1 -> 2: ranks swapped, reordered, lying about their heads, another "
+          "model, bytes changed, a producer that never answers",
+}
+
+
+def run_cases(cases, work: Path, progress=print) -> tuple[dict, list[str], bool]:
+    """Run ``cases`` (names of :data:`CASES`) in ``work``: (results by case, summary lines,
+    whether every rule held)."""
+    from . import guard_fp8, guard_proxy, guard_tp
+
+    runs = {"pd": lambda w: attack_pair(w, progress=progress), "proxy": guard_proxy.proxy_case,
+            "fp8": guard_fp8.fp8_case, "tp": guard_tp.tp_case}
+    sums = {"pd": summary, "proxy": guard_proxy.summary, "fp8": guard_fp8.summary,
+            "tp": guard_tp.summary}
+    results, lines, ok = {}, [], True
+    for case in cases:
+        progress(f"== {case}: {CASES[case]}")
+        t0 = time.monotonic()
+        results[case] = runs[case](work / case)
+        got, good = sums[case](results[case])
+        lines += [f"== {case} ({time.monotonic() - t0:.0f} s)", *got]
+        ok &= good
+    return results, lines, ok
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvabi-vllm guard",
-        description="A P/D pair of vLLM processes over NIXL (prefill on vLLM's CPU "
-                    "attention, decode on the kvabi backend example.torch) attacked the "
-                    "ways specs/security.md section 5 names: hostile kv_transfer_params, "
-                    "lying handshakes, changed bytes, replays, forged notifications, "
-                    "unreachable and frozen producers, the host tier across tenants; "
-                    "honest requests run beside the attacks. Prints what happened to each "
-                    "request; exit status 1 when a rule was broken. About 2 minutes on 2 "
-                    "cores.")
+        description="P/D between vLLM processes over NIXL attacked the ways specs/security.md "
+                    "section 5 names, honest requests beside the attacks: "
+                    + "; ".join(f"{k}: {v}" for k, v in CASES.items()) + ". Prints what "
+                    "happened to each request; exit status 1 when a rule was broken. A few "
+                    "minutes per case on 2 cores.")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                   metavar="CASE",
+                   help=f"which cases to run: {', '.join(CASES)} (default: all)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="where the checkpoint, the engines' logs and decode.json go "
                         "(default: a new temporary directory)")
@@ -491,11 +525,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """``kvabi-vllm guard``: run :func:`attack_pair` and print :func:`summary`."""
+    """``kvabi-vllm guard``: run the chosen cases (:func:`run_cases`) and print what
+    happened to each request."""
     args = _parser().parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kvabi-guard-"))
-    run = attack_pair(work, progress=lambda m: print(m, flush=True))
-    lines, ok = summary(run)
+    run, lines, ok = run_cases(args.cases, work, progress=lambda m: print(m, flush=True))
     print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps(run, indent=1))
