@@ -59,7 +59,7 @@ def read_body(raw: bytes) -> dict:
     """The client's JSON object, through kvabi's JSON reader (size, depth, duplicate keys,
     NaN, UTF-8); BadRequest naming what is wrong."""
     from kvabi import KVABIError
-    from kvabi.safe_json import loads
+    from kvabi.util.safe_json import loads
 
     try:
         body = loads(raw, what="request body", max_bytes=MAX_BODY, max_depth=MAX_DEPTH)
@@ -133,7 +133,7 @@ class GrantReleaser:
     @staticmethod
     def _grant(params):
         from kvabi import KVABIError
-        from kvabi.coerce import as_int
+        from kvabi.util.coerce import as_int
 
         grant, tables = params.get("kvabi_grant"), params.get("kvabi_grants")
         if not isinstance(grant, dict) or not isinstance(grant.get("nonce"), str):
