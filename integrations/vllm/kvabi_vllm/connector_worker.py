@@ -53,7 +53,7 @@ from .connector_layout import (IMAGE, KT_V, engine_writer, group_parts, image_pa
                                part_cache, split_kv, tp_shard_info, verify_part, with_shard)
 from .connector_meta import (NULL_BLOCK, HostLoad, HostSave, KvabiConnectorMetadata,
                              KvabiHandshakeMetadata, PullWork, paired_slots, token_slots)
-from .connector_pulls import GRACE, Puller
+from .connector_pulls import GRACE, Puller, on_any_core
 from .connector_stats import KvabiConnectorStats
 from .kv_quant import FP8
 
@@ -238,8 +238,9 @@ class KvabiConnectorWorker:
         from kvabi.transfer.nixl import NixlAgent
 
         cfg = self.config
-        self._agent = NixlAgent(f"kvabi-{cfg.engine}-{uuid.uuid4().hex[:8]}",
-                                host=cfg.nixl_host)
+        # made on a thread that may use any core: NIXL's progress thread inherits it
+        self._agent = on_any_core(lambda: NixlAgent(
+            f"kvabi-{cfg.engine}-{uuid.uuid4().hex[:8]}", host=cfg.nixl_host))
         for parts in self._caches:
             for _, c in parts:
                 self._agent.register(c)

@@ -17,7 +17,10 @@ finish reason, seconds and the reason it was refused, the single-engine referenc
 and its tables, to ``decode.json``.
 
 :func:`attack_pair` runs both (the tests of ``test_connector_guard`` read its result);
-``kvabi-vllm guard`` prints what happened to each request.  Internal roles:
+``kvabi-vllm guard`` prints what happened to each request.  Its other cases
+(:data:`CASES`, ``--cases``) live in :mod:`.guard_proxy` (the proxy in front of real
+servers), :mod:`.guard_fp8` (fp8 scales bound by the producer's record) and
+:mod:`.guard_tp` (tensor-parallel ranks), each read by its own test module.  Internal roles:
 ``python -m kvabi_vllm.tools.pd_guard prefill|decode WORKDIR MODEL [PREFILL_PID]``.
 """
 import argparse
@@ -42,11 +45,15 @@ def _write(path: Path, data) -> None:
     tmp.rename(path)
 
 
-def _wait_file(path: Path, limit: float = 300.0):
+def _wait_file(path: Path, limit: float = 600.0):
+    """The JSON the other process writes to ``path``; RuntimeError saying what it waited
+    for after ``limit`` seconds."""
     t0 = time.monotonic()
     while not path.exists():
         if time.monotonic() - t0 > limit:
-            raise RuntimeError(f"{path.name}: no answer from the prefill process")
+            raise RuntimeError(f"waited {limit:g} s for the other process to write "
+                               f"{path.name} (it is stuck or gone: see its log in "
+                               f"{path.parent})")
         time.sleep(0.02)
     return json.loads(path.read_text())
 
@@ -398,15 +405,21 @@ def attack_pair(work: Path, model: str | None = None, progress=None) -> dict:
                              stderr=subprocess.STDOUT)
         try:
             while not (work / "prefill.ready").exists():
-                if p.poll() is not None or time.monotonic() - t0 > 600:
-                    raise RuntimeError("prefill: " +
+                if p.poll() is not None or time.monotonic() - t0 > 900:
+                    why = f"exited {p.returncode}" if p.poll() is not None else \
+                        "not ready within 900 s"
+                    raise RuntimeError(f"waiting for the prefill engine to start: {why}:\n" +
                                        (work / "prefill.log").read_text()[-4000:])
                 time.sleep(0.2)
             say(f"prefill engine ready ({time.monotonic() - t0:.0f} s); decode engine "
                 f"(example.torch, BLHNC, 64-token blocks) running the attacks")
-            d = subprocess.run(cmd + ["decode", str(work), model, str(p.pid)],
-                               env={**env, **KVABI_DECODE["env"]}, capture_output=True,
-                               text=True, timeout=900)
+            try:
+                d = subprocess.run(cmd + ["decode", str(work), model, str(p.pid)],
+                                   env={**env, **KVABI_DECODE["env"]}, capture_output=True,
+                                   text=True, timeout=1200)
+            except subprocess.TimeoutExpired as t:
+                raise RuntimeError("waited 1200 s for the decode side's phases to end:\n" +
+                                   str(t.stdout or "")[-4000:]) from None
             (work / "decode.log").write_text(d.stdout + d.stderr)
             if d.returncode:
                 raise RuntimeError("decode: " + (d.stdout + d.stderr)[-6000:])
