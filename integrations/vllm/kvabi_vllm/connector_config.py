@@ -1,6 +1,7 @@
 """What both sides of KvabiConnector read from vLLM's configuration, once, at start.
 
-``kv_connector_extra_config`` keys (all optional):
+``kv_connector_extra_config`` keys (all optional; any other key is refused, naming the
+closest of these: :func:`check_extra`, run at start by ``kvabi_vllm.startup``):
 
 | key | default | meaning |
 |---|---|---|

@@ -49,6 +49,8 @@ MAX_BODY = 16 * 2**20
 MAX_DEPTH = 64
 #: prefill engines' grant tables the proxy keeps connected (least recently used dropped)
 MAX_TABLES = 16
+#: seconds a notification is given to leave before the proxy's NIXL agent closes
+FLUSH_S = 1.0
 
 
 class BadRequest(ValueError):
@@ -105,6 +107,7 @@ class GrantReleaser:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="release")
         #: grants released (notifications sent), and those that could not be
         self.sent = self.failed = 0
+        self._last_sent = 0.0
 
     def start(self) -> None:
         """Make the agent now, off the event loop (imports and NIXL set-up take seconds on a
@@ -125,6 +128,7 @@ class GrantReleaser:
             for msg in tables:
                 self._agent_().notify(self._table(msg), note)
             self.sent += 1
+            self._last_sent = time.monotonic()
         except KVABIError as e:
             self.failed += 1
             log.warning("kvabi-vllm proxy: could not release a grant (it expires on the "
@@ -173,7 +177,10 @@ class GrantReleaser:
         return peer
 
     def close(self) -> None:
+        """Stop, once the last notification had time to leave (NIXL sends them in the
+        background and cancels what is still queued when its agent goes)."""
         self._pool.shutdown(wait=True)
+        time.sleep(max(0.0, self._last_sent + FLUSH_S - time.monotonic()))
         if self._agent is not None:
             self._agent.close()
             self._agent = None

@@ -2,8 +2,9 @@
 process (main, engine core, worker).  Unless ``KVABI_VLLM_BACKEND`` names a kvabi backend it
 changes nothing in vLLM's attention; then vLLM's attention runs on that backend
 (:mod:`kvabi_vllm.attention`).  In the processes of an engine using KvabiConnector, vLLM's
-message queues stop spinning soon after their last message (:mod:`kvabi_vllm.engine_idle`).  Either way it checks the kvabi variables and, where vLLM
-builds its configuration, what kvabi is asked to serve (:mod:`kvabi_vllm.startup`)."""
+message queues stop spinning soon after their last message (:mod:`kvabi_vllm.engine_idle`).
+Either way it checks the kvabi variables and, where vLLM builds its configuration, what
+kvabi is asked to serve (:mod:`kvabi_vllm.startup`)."""
 from __future__ import annotations
 
 import sys
