@@ -288,3 +288,41 @@ def test_a_rank_holding_other_heads_checks_the_heads_it_holds():
         got = head_checksums(part, slots)
         assert np.array_equal(got[:, 0], want[:, rank])
         assert not np.array_equal(got[:, 0], want[:, 1 - rank])
+
+
+def test_a_grant_the_table_never_held_fails_naming_kvabi_grant():
+    """A decode engine reads a grant record over NIXL until the pull's own stages must stop;
+    a slot that never held this grant (never written, or another request's closed record)
+    then fails naming kvabi_grant and the slot, not the pull's deadline alone."""
+    import time
+    from types import SimpleNamespace
+
+    from kvabi.pd.consumer import Consumer
+    from kvabi.pd.pulls import GRACE, Job
+    from kvabi.transfer import nixl
+
+    if not nixl.available()[0]:
+        pytest.skip(nixl.available()[1])
+
+    producer, reader = nixl.NixlAgent("grants-producer"), nixl.NixlAgent("grants-reader")
+    try:
+        table = GrantTable(4, record_bytes(1, 16, 16))
+        producer.register(table.cache)
+        table.write(1, _record(b"a" * 16, tokens=10, groups=1), "req-a", deadline=1e9)
+        table.release(1, b"a" * 16)  # slot 1: another request's record, read and closed
+        worker = Consumer.__new__(Consumer)  # the pull's reader only
+        worker._agent = reader
+        peer = reader.connect(producer.handshake(table.cache, include_metadata=True))
+        for slot in (2, 1):
+            t0 = time.monotonic()
+            job = Job(f"r{slot}", None, t0 + GRACE + 1.0)
+            with pytest.raises(KVABIError) as e:
+                worker._read_grant(peer, SimpleNamespace(slot=slot, nonce=b"z" * 16), job)
+            assert str(e.value).startswith(
+                f"kvabi_grant: slot {slot}: the producer published no grant with this "
+                "nonce (read for "), str(e.value)
+            assert "until pull_timeout_s" in str(e.value)
+            assert time.monotonic() - t0 < GRACE + 1.0  # before the engine gives up
+    finally:
+        producer.close()
+        reader.close()

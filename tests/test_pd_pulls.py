@@ -11,9 +11,12 @@ from kvabi import KVABIError
 from kvabi.pd.pulls import Puller
 
 
-def _wait(puller, n, limit=10.0):
+def _wait(puller, n, limit=60.0):
+    """The first ``n`` pulls that end; AssertionError saying which ended after ``limit``."""
     out, t0 = [], time.monotonic()
-    while len(out) < n and time.monotonic() - t0 < limit:
+    while len(out) < n:
+        assert time.monotonic() - t0 < limit, \
+            f"waited {limit:g} s for {n} pulls to end, {len(out)} did: {out}"
         out += puller.collect()
         time.sleep(0.01)
     return dict(out)

@@ -16,6 +16,7 @@ from .consumer import Consumer
 from .engine import EngineCaches
 from .host_tier import HostTier
 from .producer import Producer
+from .pulls import on_any_core
 from .settings import PDSettings
 from .work import Results, Served, StepWork
 
@@ -51,8 +52,9 @@ class CacheSide:
         if settings.producer or settings.consumer:
             from ..transfer.nixl import NixlAgent
 
-            self.agent = NixlAgent(f"kvabi-{caches.engine_id}-{uuid.uuid4().hex[:8]}",
-                                   host=settings.nixl_host)
+            # made on a thread that may use any core: NIXL's progress thread inherits it
+            self.agent = on_any_core(lambda: NixlAgent(
+                f"kvabi-{caches.engine_id}-{uuid.uuid4().hex[:8]}", host=settings.nixl_host))
             for g in caches.groups:
                 for _, c in g.parts:
                     self.agent.register(c)

@@ -12,6 +12,7 @@ may already belong to another request.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +24,39 @@ log = logging.getLogger(__name__)
 _STOP = object()
 #: seconds before its deadline a pull's own stages stop waiting
 GRACE = 0.5
+
+
+def any_core() -> None:
+    """Let the calling thread run on any core of the machine.  vLLM's CPU worker pins its
+    main thread to the cores of its OpenMP threads, and every thread it starts inherits
+    that: pulls and NIXL's progress thread would then share those cores with the engine's
+    compute and its message queues' spinning, which starved them (a first pull past
+    pull_timeout_s on two cores); the scheduler places them on the least busy core
+    instead."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError, ValueError):  # not Linux, or a cpuset without them
+        pass
+
+
+def on_any_core(make):
+    """``make()`` run on a thread of its own that may use any core (threads it starts, e.g.
+    NIXL's progress thread, inherit that); its result, or its exception raised here."""
+    got: dict = {}
+
+    def run():
+        any_core()
+        try:
+            got["value"] = make()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            got["error"] = e
+
+    t = threading.Thread(target=run, name="kvabi-start")
+    t.start()
+    t.join()
+    if "error" in got:
+        raise got["error"]
+    return got["value"]
 
 
 class Commit:
@@ -132,6 +166,7 @@ class Puller:
         return done
 
     def _loop(self) -> None:
+        any_core()
         while True:
             job = self._queue.get()
             if job is _STOP:
@@ -160,4 +195,4 @@ class Puller:
         self._threads = []
 
 
-__all__ = ["Commit", "Job", "Puller"]
+__all__ = ["Commit", "Job", "Puller", "any_core", "on_any_core"]

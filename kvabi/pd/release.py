@@ -17,6 +17,7 @@ import collections
 import concurrent.futures
 import hashlib
 import logging
+import time
 import uuid
 
 from ..util.coerce import as_int
@@ -26,6 +27,9 @@ from .notify import notify_message
 log = logging.getLogger("kvabi.pd.proxy")
 #: producers' grant tables kept connected (least recently used dropped)
 MAX_TABLES = 16
+#: seconds a notification is given to leave before the agent closes (NIXL sends them in the
+#: background and drops what is still queued when its agent goes)
+FLUSH_S = 1.0
 
 
 def grant_of(answer) -> tuple[int, bytes, list]:
@@ -55,6 +59,7 @@ class GrantReleaser:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="release")
         #: grants released (notifications sent), and those that could not be
         self.sent = self.failed = 0
+        self._last_sent = 0.0
 
     def start(self) -> None:
         """Make the agent now, off the event loop (the first release should not wait)."""
@@ -63,6 +68,10 @@ class GrantReleaser:
     async def release(self, answer) -> None:
         await asyncio.get_running_loop().run_in_executor(self._pool, self._release, answer)
 
+    def release_now(self, answer) -> None:
+        """:meth:`release`, waited for (outside an event loop)."""
+        self._pool.submit(self._release, answer).result()
+
     def _release(self, answer) -> None:
         try:
             slot, nonce, tables = grant_of(answer)
@@ -70,6 +79,7 @@ class GrantReleaser:
             for msg in tables:
                 self._agent_().notify(self._table(msg), note)
             self.sent += 1
+            self._last_sent = time.monotonic()
         except KVABIError as e:
             self.failed += 1
             log.warning("proxy: could not release a grant (it expires on the producer after "
@@ -107,7 +117,9 @@ class GrantReleaser:
         return peer
 
     def close(self) -> None:
+        """Stop, once the last notification had time to leave."""
         self._pool.shutdown(wait=True)
+        time.sleep(max(0.0, self._last_sent + FLUSH_S - time.monotonic()))
         if self._agent is not None:
             self._agent.close()
             self._agent = None

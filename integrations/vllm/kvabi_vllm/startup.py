@@ -166,6 +166,9 @@ def check_config(vllm_config) -> None:
     _check_memory(vllm_config)
     if connector:
         _check_connector(vllm_config)
+        from .engine_idle import mark
+
+        mark()  # the engine's processes (spawned after this) stay idle when only holding
     if name is not None:
         _check_backend(name, vllm_config)
         from .attention import layout_choice

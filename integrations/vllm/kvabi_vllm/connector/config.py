@@ -2,7 +2,8 @@
 engine's facts (block size, KV cache groups and their windows, the model, tensor
 parallelism) and the P/D settings (:class:`kvabi.pd.PDSettings`).
 
-``kv_connector_extra_config`` keys (all optional):
+``kv_connector_extra_config`` keys (all optional; any other key is refused, naming the
+closest of these: :func:`check_extra`, run at start by ``kvabi_vllm.startup``):
 
 | key | default | meaning |
 |---|---|---|
