@@ -2,7 +2,6 @@
 with a KVABIError naming the field (never another exception), at the decode engine's
 scheduler side, before anything is pulled; honest parameters (and a decode prompt that
 extends the prefilled one) are accepted."""
-import copy
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from kvabi.transfer.handshake import make_handshake
 from kvabi.pd.digests import tokens_digest
 from kvabi.pd.params import ParamsReader
 from kvabi.pd.record import table_layout
+from json_edit import DELETE, edited
 
 BS, BLOCKS, N = 32, 64, 70   # the producer's block size and blocks; tokens prefilled
 PROMPT = list(range(1000, 1000 + N))
@@ -68,18 +68,10 @@ def test_no_params_or_other_roles():
 
 
 def _set(p, path, value):
-    q = copy.deepcopy(p)
-    at = q
-    for k in path[:-1]:
-        at = at[k]
-    if value is _DEL:
-        del at[path[-1]]
-    else:
-        at[path[-1]] = value
-    return q
+    return edited(p, path, value)
 
 
-_DEL = object()
+_DEL = DELETE
 NEGATIVE = [
     # (what the client sent, the field the refusal names)
     (("kvabi_pd",), _DEL, "kvabi_pd: missing"),
