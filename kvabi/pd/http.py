@@ -16,6 +16,9 @@ from ..util.errors import KVABIError
 
 #: bytes of a request line plus headers, at most
 HEAD_LIMIT = 64 * 1024
+#: a body stated larger than the limit is still read (and dropped) up to this many bytes, so
+#: that a client still sending it gets the 413 rather than a reset connection
+DRAIN_LIMIT = 256 * 2**20
 #: headers a hop must not forward (RFC 9110 7.6.1, and the ones the proxy sets itself)
 HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
        "upgrade", "content-length", "host"}
@@ -101,7 +104,7 @@ async def _body(reader, headers: dict, limit: int, *, until_close: bool = False)
         async for c in _chunks(reader):
             total += len(c)
             if total > limit:
-                raise HTTPError(413, f"body: more than {limit} bytes")
+                raise HTTPError(413, f"request body: more than the limit of {limit} bytes")
             chunks.append(c)
         return b"".join(chunks)
     if "content-length" in headers:
@@ -110,12 +113,19 @@ async def _body(reader, headers: dict, limit: int, *, until_close: bool = False)
             raise HTTPError(400, f"content-length: {text!r:.40}")
         n = int(text)
         if n > limit:
-            raise HTTPError(413, f"body: {n} bytes, at most {limit}")
+            if n <= DRAIN_LIMIT:  # read and dropped, never held whole
+                while n > 0:
+                    got = await reader.read(min(n, 1 << 20))
+                    if not got:
+                        break
+                    n -= len(got)
+            raise HTTPError(413, f"request body: {text} bytes, more than the limit of "
+                                 f"{limit}")
         return await reader.readexactly(n)
     if until_close:
         data = await reader.read(limit + 1)
         if len(data) > limit:
-            raise HTTPError(413, f"body: more than {limit} bytes")
+            raise HTTPError(413, f"request body: more than the limit of {limit} bytes")
         return data
     return b""
 

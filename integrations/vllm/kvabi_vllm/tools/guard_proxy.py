@@ -32,7 +32,7 @@ ATTACKS = {
     "not-utf8": ("bytes that are not UTF-8", b'{"model": "tiny", "prompt": "\xff\xfe"}',
                  400, r"request body: not UTF-8"),
     "huge": ("a body of 17 MiB", b'{"prompt": "' + b"x" * (17 * 2**20) + b'"}',
-             400, r"request body: more than the limit of 16777216 bytes"),
+             413, r"request body: 1782\d+ bytes, more than the limit of 16777216"),
     "batch": ("a batch of two prompts (the prefill server returns the first's parameters)",
               json.dumps({"model": MODEL, "prompt": ["Hello", "World"],
                           "max_tokens": 4}).encode(),
