@@ -12,6 +12,7 @@ import pytest
 from kvabi import WIRE_VERSION, KVABIError, KVSpec
 from kvabi.layout.descriptor import Layout
 from kvabi.transfer.handshake import MAX_HANDSHAKE_BYTES, make_handshake, parse_handshake
+from json_edit import DELETE, edited
 
 SPEC = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")
 LAYOUT = Layout.preset("flashinfer.HND", SPEC, 6, 2)
@@ -88,15 +89,7 @@ def test_schema_accepts_what_is_sent_and_refuses_a_bad_message():
 
 
 def _mutate(path, value):
-    d = message()
-    obj = d
-    for k in path[:-1]:
-        obj = obj[k]
-    if value is KeyError:
-        del obj[path[-1]]
-    else:
-        obj[path[-1]] = value
-    return d
+    return edited(message(), path, DELETE if value is KeyError else value)
 
 
 @pytest.mark.parametrize("path, value, match", [

@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "bench": "run a benchmark suite (transforms, tpu, cuda, ...)",
     "probe": "infer the layout a backend's write_kv really produces; compare to its declared one",
     "layout": "draw one block of a layout (a preset or a descriptor file) as a byte map",
+    "proxy": "an OpenAI-compatible P/D front for a producer and a consumer server",
 }
 
 #: exit status of a KVABIError or a usage error

@@ -9,7 +9,8 @@
   starts the engine, before any engine process is spawned; :func:`install` wraps
   ``EngineArgs.create_engine_config``): what depends on the model and the options, i.e.
   the backend's dtypes, head sizes, block sizes and attention kinds against the model's,
-  the layout the backend can take in vLLM's memory, NIXL for a P/D ``KvabiConnector``, and
+  the layout the backend can take in vLLM's memory, ``KvabiConnector``'s settings
+  (``kv_connector_extra_config``: every key known, each value of its type), NIXL for it, and
   the KV cache memory vLLM's CPU worker would reserve without ``VLLM_CPU_KVCACHE_SPACE``.
 
 A refusal is a :class:`ConfigError`: one message, raised once, in the main process, seconds
@@ -124,6 +125,12 @@ def _check_memory(vllm_config) -> None:
 
 def _check_connector(vllm_config) -> None:
     kv = vllm_config.kv_transfer_config
+    from .connector.config import check_extra
+
+    try:  # a misspelled key would otherwise leave its setting at the default, silently
+        check_extra(kv.kv_connector_extra_config)
+    except KVABIError as e:
+        raise ConfigError(f"--kv-transfer-config {e}") from None
     if kv.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
         return
     from kvabi.transfer import nixl
@@ -159,6 +166,9 @@ def check_config(vllm_config) -> None:
     _check_memory(vllm_config)
     if connector:
         _check_connector(vllm_config)
+        from .engine_idle import mark
+
+        mark()  # the engine's processes (spawned after this) stay idle when only holding
     if name is not None:
         _check_backend(name, vllm_config)
         from .attention import layout_choice

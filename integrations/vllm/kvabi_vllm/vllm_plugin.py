@@ -1,12 +1,15 @@
 """vLLM general plugin (entry point group ``vllm.general_plugins``): runs in every vLLM
 process (main, engine core, worker).  Unless ``KVABI_VLLM_BACKEND`` names a kvabi backend it
-changes nothing in vLLM; then vLLM's attention runs on that backend
-(:mod:`kvabi_vllm.attention`).  Either way it checks the kvabi variables and, where vLLM
-builds its configuration, what kvabi is asked to serve (:mod:`kvabi_vllm.startup`)."""
+changes nothing in vLLM's attention; then vLLM's attention runs on that backend
+(:mod:`kvabi_vllm.attention`).  In the processes of an engine using KvabiConnector, vLLM's
+message queues stop spinning soon after their last message (:mod:`kvabi_vllm.engine_idle`).
+Either way it checks the kvabi variables and, where vLLM builds its configuration, what
+kvabi is asked to serve (:mod:`kvabi_vllm.startup`)."""
 from __future__ import annotations
 
 import sys
 
+from .engine_idle import install_if_marked
 from .env import backend_from_env, log_with_vllm
 from .startup import install
 
@@ -25,6 +28,7 @@ def register() -> None:
         log_with_vllm()
     if "vllm.engine.arg_utils" in sys.modules:  # this process builds an engine config
         install()
+    install_if_marked()  # an engine process of KvabiConnector (kvabi_vllm.engine_idle)
     if backend_from_env() is None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend

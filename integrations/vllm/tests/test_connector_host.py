@@ -18,9 +18,13 @@ HERE = Path(__file__).parent
 
 def run(model, out, **env):
     e = {**os.environ, **ENV, "PYTHONPATH": str(HERE), **env}
-    r = subprocess.run([sys.executable, str(HERE / "host_tier_run.py"), str(model), "32",
-                        str(out), "kvabi_vllm.tools.corrupting_connector"], env=e,
-                       capture_output=True, text=True, timeout=900)
+    try:
+        r = subprocess.run([sys.executable, str(HERE / "host_tier_run.py"), str(model), "32",
+                            str(out), "kvabi_vllm.tools.corrupting_connector"], env=e,
+                           capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as t:
+        raise AssertionError(f"waited 900 s for the host tier engine to finish:\n"
+                             f"{(t.stdout or b'')[-3000:]!r}") from None
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return json.loads(Path(out).read_text())
 

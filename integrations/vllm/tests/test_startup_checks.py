@@ -139,6 +139,27 @@ def test_pd_under_tensor_parallelism_starts_where_the_heads_split(llama, monkeyp
             "--tensor-parallel-size 2", f"kv_role={role}", "3 KV heads", "2 ranks")
 
 
+@pytest.mark.parametrize("extra, words", [
+    ({"pull_timeout": 5}, ["'pull_timeout' is not a key", "did you mean 'pull_timeout_s'"]),
+    ({"maxheld": 8}, ["'maxheld' is not a key", "did you mean 'max_held'"]),
+    ({"zzz": 1}, ["'zzz' is not a key", "known: host_blocks, nixl_host"]),
+    ({"max_held": "8"}, ["kv_connector_extra_config.max_held", "'8'"]),
+    ({"hold_timeout_s": 0}, ["kv_connector_extra_config.hold_timeout_s", "0"]),
+])
+def test_connector_settings_are_checked_at_start_naming_the_key(llama, monkeypatch, extra,
+                                                                words):
+    """A misspelled kv_connector_extra_config key is refused with the closest known one
+    (it would leave its setting at the default, silently); a value of another type too."""
+    from vllm.config import KVTransferConfig
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    kv = KVTransferConfig(kv_connector="KvabiConnector", kv_role="kv_consumer",
+                          kv_connector_module_path="kvabi_vllm.connector",
+                          kv_connector_extra_config=extra)
+    refused(lambda: config(llama["llama"], monkeypatch, None, kv_transfer_config=kv),
+            "--kv-transfer-config kv_connector_extra_config", *words)
+
+
 def test_without_kvabi_vllm_is_left_alone(llama, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     # no kvabi backend, no KvabiConnector: not even the memory check (vLLM's own business)

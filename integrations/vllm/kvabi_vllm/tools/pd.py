@@ -175,7 +175,7 @@ def decode_main(a) -> int:
     # the single-engine reference; its prefill alone (one token) gives its decode time
     # (taking turns, medians: a shared machine's load drifts)
     fulls, ones = [], []
-    for _ in range(3):
+    for _ in range(a.reference_runs):
         single, t = timed([_sampling(a.max_tokens) for _ in prompts])
         fulls.append(t)
         ones.append(timed([_sampling(1) for _ in prompts])[1])
@@ -187,6 +187,8 @@ def decode_main(a) -> int:
         "single": [list(o.outputs[0].token_ids) for o in single],
         "pulls": stats, "nixl": nixl, "generate_s": pd_s, "layouts": layouts,
         "single_s": single_s, "single_prefill_s": prefill_s,
+        # why each failed load failed (a test that saw no pull says so)
+        "refusals": [list(r) for r in getattr(conn, "refusals", [])],
     }))
     return 0
 
@@ -239,6 +241,9 @@ def _parser() -> argparse.ArgumentParser:
                            help="the prefill side's output (its kv_transfer_params)")
             p.add_argument("--max-tokens", type=int, default=16,
                            help="tokens to generate per prompt (default 16)")
+            p.add_argument("--reference-runs", type=int, default=3,
+                           help="runs of the single-engine reference (timings take the "
+                                "median; default 3)")
     return ap
 
 
@@ -250,15 +255,17 @@ def main(argv=None) -> int:
 
 def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
              max_tokens: int = 16, timeout: float = 600.0, env: dict | None = None,
-             edit_params=None) -> dict:
+             edit_params=None, reference_runs: int = 3) -> dict:
     """Run a prefill and a decode process; ``prefill``/``decode`` give each side's
     ``block_size``, ``layout``, ``connector``, ``module``, ``dtype``, ``model`` (default:
     ``model``), ``kv_cache_dtype``, ``kv_scales``, ``env`` (e.g. the kvabi attention
     backend, ``KVABI_VLLM_BACKEND``), ``extra`` (the connector's extra config, e.g. its
     ``nixl_host``) and ``prefix`` (a command the process runs under, e.g. ``ip netns exec
     NAME``: another host); ``edit_params`` (tests) may
-    rewrite the prefill side's kv_transfer_params on their way.  Returns the decode side's
-    results (``pd`` and ``single`` tokens, ``finish`` reasons, ``pulls``)."""
+    rewrite the prefill side's kv_transfer_params on their way; ``reference_runs``: runs of
+    the single-engine reference (benchmarks take the median of 3).  Returns the decode
+    side's results (``pd`` and ``single`` tokens, ``finish`` reasons, ``pulls``, the
+    connector's ``refusals``).  Every wait fails saying what it waited for."""
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     (work / "prompts.json").write_text(json.dumps([list(map(int, p)) for p in prompts]))
@@ -290,17 +297,24 @@ def run_pair(model: str, prompts, workdir, *, prefill: dict, decode: dict,
         deadline = time.monotonic() + timeout
         while not params.exists():
             if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("prefill process failed:\n" +
+                why = f"exited {p.returncode}" if p.poll() is not None else \
+                    f"wrote no kv_transfer_params within {timeout:g} s"
+                raise RuntimeError(f"prefill process {why}:\n" +
                                    (work / "prefill.log").read_text()[-4000:])
             time.sleep(0.2)
         if edit_params is not None:
             params.write_text(json.dumps(edit_params(json.loads(params.read_text()))))
         with open(work / "decode.log", "w") as dlog:
-            d = subprocess.run(list(decode.get("prefix", [])) + cmd + ["decode"] + args(decode) +
-                               ["--params", str(params), "--out", str(out),
-                                "--max-tokens", str(max_tokens)],
-                               env={**penv, **decode.get("env", {})}, stdout=dlog,
-                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            try:
+                d = subprocess.run(list(decode.get("prefix", [])) + cmd + ["decode"] + args(decode) +
+                                   ["--params", str(params), "--out", str(out),
+                                    "--max-tokens", str(max_tokens),
+                                    "--reference-runs", str(reference_runs)],
+                                   env={**penv, **decode.get("env", {})}, stdout=dlog,
+                                   stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"decode process: not done within {timeout:g} s:\n" +
+                                   (work / "decode.log").read_text()[-4000:]) from None
         if d.returncode:
             raise RuntimeError("decode process failed:\n" +
                                (work / "decode.log").read_text()[-4000:])

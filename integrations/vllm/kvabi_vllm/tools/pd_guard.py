@@ -17,7 +17,10 @@ finish reason, seconds and the reason it was refused, the single-engine referenc
 and its tables, to ``decode.json``.
 
 :func:`attack_pair` runs both (the tests of ``test_connector_guard`` read its result);
-``kvabi-vllm guard`` prints what happened to each request.  Internal roles:
+``kvabi-vllm guard`` prints what happened to each request.  Its other cases
+(:data:`CASES`, ``--cases``) live in :mod:`.guard_proxy` (the proxy in front of real
+servers), :mod:`.guard_fp8` (fp8 scales bound by the producer's record) and
+:mod:`.guard_tp` (tensor-parallel ranks), each read by its own test module.  Internal roles:
 ``python -m kvabi_vllm.tools.pd_guard prefill|decode WORKDIR MODEL [PREFILL_PID]``.
 """
 import argparse
@@ -42,11 +45,15 @@ def _write(path: Path, data) -> None:
     tmp.rename(path)
 
 
-def _wait_file(path: Path, limit: float = 300.0):
+def _wait_file(path: Path, limit: float = 600.0):
+    """The JSON the other process writes to ``path``; RuntimeError saying what it waited
+    for after ``limit`` seconds."""
     t0 = time.monotonic()
     while not path.exists():
         if time.monotonic() - t0 > limit:
-            raise RuntimeError(f"{path.name}: no answer from the prefill process")
+            raise RuntimeError(f"waited {limit:g} s for the other process to write "
+                               f"{path.name} (it is stuck or gone: see its log in "
+                               f"{path.parent})")
         time.sleep(0.02)
     return json.loads(path.read_text())
 
@@ -84,7 +91,7 @@ def prefill(work: Path, model: str) -> None:
                 continue
             done.add(st.name)
             _write(work / f"state-{st.name.split('-', 1)[1]}.json", {
-                "held": len(worker._grants.live), "free_blocks": pool.get_num_free_blocks(),
+                "held": worker.table_sizes()["grants"], "free_blocks": pool.get_num_free_blocks(),
                 "total_blocks": total, "ignored": worker.ignored_notifications,
                 "scheduler": _scheduler_connector(llm).table_sizes(),
                 "worker": worker.table_sizes()})
@@ -217,7 +224,7 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
             remote_block_ids=[p["remote_block_ids"]]))),
         # (a truthy non-object stops in vLLM's own front end, before any connector)
         ("a-notobject", "a5", []),
-        ("a-null", "a6", edit("a6", lambda p: p["remote_block_ids"][0].__setitem__(0, 0))),
+        ("a-null", "a6", edit("a6", lambda p: p["remote_block_ids"][0].__setitem__(0, -1))),
         ("a-repeated", "a7", edit("a7", lambda p: p["remote_block_ids"][0].__setitem__(
             1, p["remote_block_ids"][0][0]))),
         ("a-short", "a8", edit("a8", lambda p: p["remote_block_ids"][0].pop())),
@@ -398,15 +405,21 @@ def attack_pair(work: Path, model: str | None = None, progress=None) -> dict:
                              stderr=subprocess.STDOUT)
         try:
             while not (work / "prefill.ready").exists():
-                if p.poll() is not None or time.monotonic() - t0 > 600:
-                    raise RuntimeError("prefill: " +
+                if p.poll() is not None or time.monotonic() - t0 > 900:
+                    why = f"exited {p.returncode}" if p.poll() is not None else \
+                        "not ready within 900 s"
+                    raise RuntimeError(f"waiting for the prefill engine to start: {why}:\n" +
                                        (work / "prefill.log").read_text()[-4000:])
                 time.sleep(0.2)
             say(f"prefill engine ready ({time.monotonic() - t0:.0f} s); decode engine "
                 f"(example.torch, BLHNC, 64-token blocks) running the attacks")
-            d = subprocess.run(cmd + ["decode", str(work), model, str(p.pid)],
-                               env={**env, **KVABI_DECODE["env"]}, capture_output=True,
-                               text=True, timeout=900)
+            try:
+                d = subprocess.run(cmd + ["decode", str(work), model, str(p.pid)],
+                                   env={**env, **KVABI_DECODE["env"]}, capture_output=True,
+                                   text=True, timeout=1200)
+            except subprocess.TimeoutExpired as t:
+                raise RuntimeError("waited 1200 s for the decode side's phases to end:\n" +
+                                   str(t.stdout or "")[-4000:]) from None
             (work / "decode.log").write_text(d.stdout + d.stderr)
             if d.returncode:
                 raise RuntimeError("decode: " + (d.stdout + d.stderr)[-6000:])
@@ -471,17 +484,51 @@ def summary(run: dict) -> tuple[list[str], bool]:
     return lines, ok
 
 
+#: the cases ``kvabi-vllm guard`` runs: name -> (what, the module running it)
+CASES = {
+    "pd": "a P/D pair of in-process engines: hostile kv_transfer_params, lying handshakes, "
+          "changed bytes, replays, forged notifications, unreachable and frozen producers, "
+          "the host tier across tenants",
+    "proxy": "the quick start's servers behind kvabi-vllm proxy: hostile request bodies, "
+             "batches, n > 1, requests the decode server refuses (grants released at once)",
+    "fp8": "fp8 caches under other scales: the honest request and one whose handshakes "
+           "claim the decode engine's scales",
+    "tp": "TP 2 -> 1 and 1 -> 2: ranks swapped, reordered, lying about their heads, another "
+          "model, bytes changed, a producer that never answers",
+}
+
+
+def run_cases(cases, work: Path, progress=print) -> tuple[dict, list[str], bool]:
+    """Run ``cases`` (names of :data:`CASES`) in ``work``: (results by case, summary lines,
+    whether every rule held)."""
+    from . import guard_fp8, guard_proxy, guard_tp
+
+    runs = {"pd": lambda w: attack_pair(w, progress=progress), "proxy": guard_proxy.proxy_case,
+            "fp8": guard_fp8.fp8_case, "tp": guard_tp.tp_case}
+    sums = {"pd": summary, "proxy": guard_proxy.summary, "fp8": guard_fp8.summary,
+            "tp": guard_tp.summary}
+    results, lines, ok = {}, [], True
+    for case in cases:
+        progress(f"== {case}: {CASES[case]}")
+        t0 = time.monotonic()
+        results[case] = runs[case](work / case)
+        got, good = sums[case](results[case])
+        lines += [f"== {case} ({time.monotonic() - t0:.0f} s)", *got]
+        ok &= good
+    return results, lines, ok
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvabi-vllm guard",
-        description="A P/D pair of vLLM processes over NIXL (prefill on vLLM's CPU "
-                    "attention, decode on the kvabi backend example.torch) attacked the "
-                    "ways specs/security.md section 5 names: hostile kv_transfer_params, "
-                    "lying handshakes, changed bytes, replays, forged notifications, "
-                    "unreachable and frozen producers, the host tier across tenants; "
-                    "honest requests run beside the attacks. Prints what happened to each "
-                    "request; exit status 1 when a rule was broken. About 2 minutes on 2 "
-                    "cores.")
+        description="P/D between vLLM processes over NIXL attacked the ways specs/security.md "
+                    "section 5 names, honest requests beside the attacks: "
+                    + "; ".join(f"{k}: {v}" for k, v in CASES.items()) + ". Prints what "
+                    "happened to each request; exit status 1 when a rule was broken. A few "
+                    "minutes per case on 2 cores.")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                   metavar="CASE",
+                   help=f"which cases to run: {', '.join(CASES)} (default: all)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="where the checkpoint, the engines' logs and decode.json go "
                         "(default: a new temporary directory)")
@@ -491,11 +538,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """``kvabi-vllm guard``: run :func:`attack_pair` and print :func:`summary`."""
+    """``kvabi-vllm guard``: run the chosen cases (:func:`run_cases`) and print what
+    happened to each request."""
     args = _parser().parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kvabi-guard-"))
-    run = attack_pair(work, progress=lambda m: print(m, flush=True))
-    lines, ok = summary(run)
+    run, lines, ok = run_cases(args.cases, work, progress=lambda m: print(m, flush=True))
     print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps(run, indent=1))

@@ -141,7 +141,10 @@ def run_tp_pair(model, workdir, sides: dict, *, max_tokens: int = 12, timeout: f
         def wait(path, name):
             while not path.exists():
                 if procs[name].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"engine {name} failed:\n" +
+                    why = f"it exited {procs[name].returncode}" \
+                        if procs[name].poll() is not None else "the deadline passed"
+                    raise RuntimeError(f"waiting for engine {name} to write {path.name}: "
+                                       f"{why}:\n" +
                                        (work / f"{name}.log").read_text()[-6000:])
                 time.sleep(0.1)
 

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvabi_vllm.connector_host import HostIndex, chain_keys
+from kvabi.pd.host_index import HostIndex, chain_keys
 
 BS = 4
 

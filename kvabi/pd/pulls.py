@@ -1,9 +1,9 @@
-"""Pulls off the engine's thread, each bounded by a deadline.
+"""Pulls off the engine's thread, each bounded by a deadline (``specs/pd.md`` 6.2).
 
 A decode engine hands each request's pull to a few background threads and keeps stepping
 (a frozen peer holds one thread, not the others); at every step it collects the pulls
 that finished, and gives up on any not done by its deadline (``pull_timeout_s`` after it
-was queued): that request is reported failed at once (vLLM fails or recomputes it, its
+was queued): that request is reported failed at once (the engine fails or recomputes it, its
 blocks return to the pool), whatever the peer does next.  The bytes of a pull reach the
 request's blocks only inside its :class:`Commit`, and a given-up pull's commit refuses:
 a READ that completes after its deadline lands in a staging buffer, never in blocks that
@@ -12,17 +12,51 @@ may already belong to another request.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 
-from kvabi import KVABIError
+from ..util.errors import KVABIError
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
 #: seconds before its deadline a pull's own stages stop waiting
 GRACE = 0.5
+
+
+def any_core() -> None:
+    """Let the calling thread run on any core of the machine.  vLLM's CPU worker pins its
+    main thread to the cores of its OpenMP threads, and every thread it starts inherits
+    that: pulls and NIXL's progress thread would then share those cores with the engine's
+    compute and its message queues' spinning, which starved them (a first pull past
+    pull_timeout_s on two cores); the scheduler places them on the least busy core
+    instead."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError, ValueError):  # not Linux, or a cpuset without them
+        pass
+
+
+def on_any_core(make):
+    """``make()`` run on a thread of its own that may use any core (threads it starts, e.g.
+    NIXL's progress thread, inherit that); its result, or its exception raised here."""
+    got: dict = {}
+
+    def run():
+        any_core()
+        try:
+            got["value"] = make()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            got["error"] = e
+
+    t = threading.Thread(target=run, name="kvabi-start")
+    t.start()
+    t.join()
+    if "error" in got:
+        raise got["error"]
+    return got["value"]
 
 
 class Commit:
@@ -74,16 +108,20 @@ class Puller:
     """At most ``max_jobs`` pulls queued or running, run by ``threads`` threads (started on
     first use) with ``run(job)``."""
 
-    def __init__(self, run, max_jobs: int, timeout_s: float, threads: int = 4):
+    def __init__(self, run, max_jobs: int, timeout_s: float, threads: int = 4,
+                 settings_at: str = ""):
         self._run = run
         self.max_jobs = max_jobs
         self.timeout_s = timeout_s
         self.threads = threads
+        self._at = settings_at  # where the engine's configuration states max_pulls
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}           # queued or running
         self._done: list[tuple[str, str | None]] = []  # (request id, None or the reason)
         self._threads: list[threading.Thread] = []
+        #: set when a pull ends (an engine's idle wait wakes on it)
+        self.ended = threading.Event()
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -93,7 +131,7 @@ class Puller:
         with self._lock:
             if len(self._jobs) >= self.max_jobs:
                 return (f"max_pulls: {len(self._jobs)} pulls are already queued or running "
-                        f"(kv_connector_extra_config.max_pulls = {self.max_jobs})")
+                        f"({self._at}max_pulls = {self.max_jobs})")
             job = Job(req_id, work, time.monotonic() + self.timeout_s)
             self._jobs[req_id] = job
         if not self._threads:
@@ -104,9 +142,15 @@ class Puller:
         self._queue.put(job)
         return None
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a pull queued or running (None: none)."""
+        with self._lock:
+            return min((j.deadline for j in self._jobs.values()), default=None)
+
     def collect(self) -> list[tuple[str, str | None]]:
         """The pulls that ended since the last call, and those given up now (past their
         deadline): (request id, None when it succeeded, else the reason)."""
+        self.ended.clear()
         now = time.monotonic()
         late = []
         with self._lock:
@@ -122,6 +166,7 @@ class Puller:
         return done
 
     def _loop(self) -> None:
+        any_core()
         while True:
             job = self._queue.get()
             if job is _STOP:
@@ -135,11 +180,12 @@ class Puller:
             except KVABIError as e:
                 reason = str(e)
             except Exception as e:  # noqa: BLE001 - never let one pull end the thread
-                log.exception("KvabiConnector: pull of request %s failed", job.req_id)
+                log.exception("kvabi.pd: pull of request %s failed", job.req_id)
                 reason = f"pull: internal error: {type(e).__name__}: {e}"
             with self._lock:
                 if self._jobs.pop(job.req_id, None) is job:
                     self._done.append((job.req_id, reason))
+            self.ended.set()
 
     def stop(self, timeout: float = 5.0) -> None:
         for _ in self._threads:
@@ -149,4 +195,4 @@ class Puller:
         self._threads = []
 
 
-__all__ = ["Commit", "Job", "Puller"]
+__all__ = ["Commit", "Job", "Puller", "any_core", "on_any_core"]

@@ -1,13 +1,15 @@
-"""KvabiConnector's step arithmetic against direct formulas: token slots of a block list (null
+"""P/D's step arithmetic against direct formulas: token slots of a block list (null
 blocks left out), slot pairs across block sizes, the restorable prefix of a host tier with
 sliding-window groups."""
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvabi_vllm.connector_meta import NULL_BLOCK, paired_slots, token_slots, usable_prefix
+from kvabi.pd.slots import NULL as NULL_BLOCK
+from kvabi.pd.slots import (block_pairs, null_allowed, paired_slots, token_slots,
+                             usable_prefix)
 
-block_lists = st.lists(st.one_of(st.just(NULL_BLOCK), st.integers(1, 50)), max_size=8)
+block_lists = st.lists(st.one_of(st.just(NULL_BLOCK), st.integers(0, 50)), max_size=8)
 
 
 def slot_of(blocks, bs, p):
@@ -48,8 +50,6 @@ def test_usable_prefix_is_the_longest_restorable(present, data):
 
 
 def test_block_pairs_move_the_blocks_holding_the_range():
-    from kvabi_vllm.connector_worker import block_pairs
-
     s, d = block_pairs([5, 6, 7, 8], [9, NULL_BLOCK, 11, 12], 32, 32, 70)
     # positions 32..101 lie in blocks 1..3; block 1 is null on the destination
     assert s.tolist() == [7, 8] and d.tolist() == [11, 12]
@@ -59,7 +59,7 @@ def test_matching_parts_prefers_the_same_block_image_and_refuses_other_parts():
     import pytest
 
     from kvabi import KVABIError
-    from kvabi_vllm.connector_worker import matching_parts
+    from kvabi.pd.parts import matching_parts
 
     mine = [("k", "K"), ("v", "V"), ("image.kt_v.n32.d32", "I")]
     assert matching_parts(mine, {"k": "a", "v": "b", "image.kt_v.n32.d32": "c"}, 0) == \
@@ -73,9 +73,3 @@ def test_matching_parts_prefers_the_same_block_image_and_refuses_other_parts():
     assert matching_parts(both, {"k": "b", "v": "c"}, 0) == [("k", "K", "b"), ("v", "V", "c")]
     with pytest.raises(KVABIError, match=r"kvabi_handshakes\[2\]: must be an object"):
         matching_parts(mine, ["k"], 2)
-    # between shardings only what the plans take (here: not "kv", as a component layout)
-    usable = lambda name, cache: name != "kv"  # noqa: E731
-    assert matching_parts(both, {"kv": ("a", "a1"), "k": ("b", "b1"), "v": ("c", "c1")}, 0,
-                          usable) == [("k", "K", ("b", "b1")), ("v", "V", ("c", "c1"))]
-    with pytest.raises(KVABIError, match=r"no pair to copy between in the axis form"):
-        matching_parts(both, {"kv": ("a", "a1")}, 0, usable)

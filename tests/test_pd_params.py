@@ -2,7 +2,6 @@
 with a KVABIError naming the field (never another exception), at the decode engine's
 scheduler side, before anything is pulled; honest parameters (and a decode prompt that
 extends the prefilled one) are accepted."""
-import copy
 
 import numpy as np
 import pytest
@@ -13,9 +12,10 @@ import kvabi
 from kvabi import KVABIError
 from kvabi.transfer.handshake import make_handshake
 
-from kvabi_vllm.connector_checksum import tokens_digest
-from kvabi_vllm.connector_grants import table_layout
-from kvabi_vllm.connector_params import ParamsReader
+from kvabi.pd.digests import tokens_digest
+from kvabi.pd.params import ParamsReader
+from kvabi.pd.record import table_layout
+from json_edit import DELETE, edited
 
 BS, BLOCKS, N = 32, 64, 70   # the producer's block size and blocks; tokens prefilled
 PROMPT = list(range(1000, 1000 + N))
@@ -33,7 +33,7 @@ GRANTS = _msg(table_layout(8, 4096))
 
 
 def honest(groups=1):
-    return {"do_remote_prefill": True, "do_remote_decode": False,
+    return {"kvabi_pd": [1, 0], "do_remote_prefill": True, "do_remote_decode": False,
             "remote_num_tokens": N, "remote_block_ids": [[5, 9, 12]] * groups,
             "remote_engine_id": "p", "remote_request_id": "r0",
             "kvabi_handshakes": [{"kv": KV}] * groups, "kvabi_grants": GRANTS,
@@ -68,20 +68,18 @@ def test_no_params_or_other_roles():
 
 
 def _set(p, path, value):
-    q = copy.deepcopy(p)
-    at = q
-    for k in path[:-1]:
-        at = at[k]
-    if value is _DEL:
-        del at[path[-1]]
-    else:
-        at[path[-1]] = value
-    return q
+    return edited(p, path, value)
 
 
-_DEL = object()
+_DEL = DELETE
 NEGATIVE = [
     # (what the client sent, the field the refusal names)
+    (("kvabi_pd",), _DEL, "kvabi_pd: missing"),
+    (("kvabi_pd",), [2, 0], r"kvabi_pd: protocol 2.0, this engine reads major 1"),
+    (("kvabi_pd",), [1], r"kvabi_pd: must be \[major, minor\]"),
+    (("kvabi_pd",), [1, True], r"kvabi_pd: must be \[major, minor\]"),
+    (("kvabi_pd",), "1.0", r"kvabi_pd: must be \[major, minor\]"),
+    (("kvabi_pd",), [1, 7], None),  # a newer minor: read
     (("remote_num_tokens",), _DEL, "remote_num_tokens: missing"),
     (("kvabi_grant",), _DEL, "kvabi_grant: missing"),
     (("remote_num_tokens",), "70", "remote_num_tokens: must be an integer"),
@@ -97,9 +95,10 @@ NEGATIVE = [
     (("remote_block_ids", 0), [], r"remote_block_ids\[0\]: must list the 3 blocks .* got 0"),
     (("remote_block_ids", 0), [5, 9], r"remote_block_ids\[0\]: must list the 3 blocks .* got 2"),
     (("remote_block_ids", 0), [5, 9, None], r"remote_block_ids\[0\]\[2\]: must be an integer"),
-    (("remote_block_ids", 0), [5, 9, 0], r"remote_block_ids\[0\]\[2\]: the null block"),
+    (("remote_block_ids", 0), [5, 9, -1], r"remote_block_ids\[0\]\[2\]: the null block"),
     (("remote_block_ids", 0), [5, 9, 9], r"remote_block_ids\[0\]: block 9 appears twice"),
-    (("remote_block_ids", 0), [5, 9, -1], r"remote_block_ids\[0\]\[2\]: must be >= 0"),
+    (("remote_block_ids", 0), [5, 9, -2], r"remote_block_ids\[0\]\[2\]: must be >= 0"),
+    (("remote_block_ids", 0), [5, 0, 9], None),  # block 0 is a block like any other
     (("remote_block_ids", 0), [5, 9, BLOCKS], r"remote_block_ids\[0\]\[2\]: must be <= 63"),
     (("remote_block_ids", 0), [5, 9, 2**64 + 12], r"remote_block_ids\[0\]\[2\]: must be <= 63"),
     (("remote_block_ids", 0), [5, 9, 1.0], r"remote_block_ids\[0\]\[2\]: must be an integer"),
@@ -127,6 +126,9 @@ NEGATIVE = [
                          ids=[f"{'.'.join(map(str, p))}={v!r:.20}" if v is not _DEL else
                               f"{'.'.join(map(str, p))} missing" for p, v, _ in NEGATIVE])
 def test_malformed_params_are_refused_by_field(path, value, field):
+    if field is None:  # accepted
+        reader().read(_set(honest(), path, value), PROMPT)
+        return
     with pytest.raises(KVABIError, match=field):
         reader().read(_set(honest(), path, value), PROMPT)
 
@@ -145,11 +147,11 @@ def test_a_shorter_decode_prompt_is_refused():
 
 def test_null_blocks_only_before_a_sliding_window():
     w = 20  # the decode side computes position 69 again: it needs positions 50..69
-    p = _set(honest(), ("remote_block_ids", 0), [0, 9, 12])  # positions 0..31: droppable
-    assert reader(windows=(w,)).read(p, PROMPT).remote.blocks[0].tolist() == [0, 9, 12]
+    p = _set(honest(), ("remote_block_ids", 0), [-1, 9, 12])  # positions 0..31: droppable
+    assert reader(windows=(w,)).read(p, PROMPT).remote.blocks[0].tolist() == [-1, 9, 12]
     with pytest.raises(KVABIError, match=r"remote_block_ids\[0\]\[0\]: the null block"):
         reader(windows=(None,)).read(p, PROMPT)
-    p2 = _set(honest(), ("remote_block_ids", 0), [5, 0, 12])  # 32..63 holds 50..63
+    p2 = _set(honest(), ("remote_block_ids", 0), [5, -1, 12])  # 32..63 holds 50..63
     with pytest.raises(KVABIError, match=r"remote_block_ids\[0\]\[1\]: the null block"):
         reader(windows=(w,)).read(p2, PROMPT)
 

@@ -12,28 +12,30 @@ from hypothesis import strategies as st
 from kvabi import KVABIError
 
 import kvabi
-from kvabi_vllm.connector_checksum import head_checksums
-from kvabi_vllm.connector_grants import (EXPIRED, HEADER, LIVE, PENDING, RELEASED, GrantBook,
-                                         GrantRecord, GrantTable, PartClaim, decode, encode,
-                                         notify_message, parse_notification, read_header,
-                                         record_bytes)
+from kvabi.pd.digests import head_checksums
+from kvabi.pd.grants import PENDING, GrantBook, GrantTable
+from kvabi.pd.notify import notify_message, parse_notification
+from kvabi.pd.record import (EXPIRED, HEADER, LIVE, MAGIC, RELEASED, GrantRecord, PartClaim,
+                             decode, encode, part_claim, read_header, record_bytes)
 
 
-def _record(nonce=b"n" * 16, tokens=70, groups=2, heads=(2, 1)):
+def _record(nonce=b"n" * 16, tokens=70, groups=2, heads=(2, 1), rank=0, ranks=1):
     rng = np.random.default_rng(tokens)
     return GrantRecord(LIVE, nonce, tokens, b"t" * 16,
                        tuple(rng.integers(1, 99, size=3) for _ in range(groups)),
-                       tuple((PartClaim("k", b"a" * 16, b"b" * 16),
-                              PartClaim("image.kt_v.n32.d32", b"c" * 16, b"d" * 16))
+                       tuple((PartClaim("k", b"a" * 16, b"b" * 16, b"s" * 16, b"m" * 16),
+                              PartClaim("image.kt_v.n32.d32", b"c" * 16, b"d" * 16,
+                                        b"S" * 16, b"M" * 16))
                              for _ in range(groups)),
                        tuple(rng.integers(0, 2**32, size=(tokens, heads[g % len(heads)]))
-                             .astype(np.uint32) for g in range(groups)))
+                             .astype(np.uint32) for g in range(groups)), rank, ranks)
 
 
 def test_record_round_trip():
-    rec = _record()
+    rec = _record(rank=2, ranks=4)
     got = decode(np.frombuffer(encode(rec), np.uint8))
     assert (got.state, got.nonce, got.num_tokens, got.tokens) == (LIVE, rec.nonce, 70, rec.tokens)
+    assert (got.rank, got.ranks) == (2, 4)
     assert all(np.array_equal(a, b) for a, b in zip(got.blocks, rec.blocks))
     assert got.parts == rec.parts
     assert all(np.array_equal(a, b) for a, b in zip(got.checksums, rec.checksums))
@@ -69,6 +71,56 @@ def test_any_bytes_decode_or_are_refused(data):
         assert len(rec.checksums) == len(rec.blocks)
 
 
+def test_a_record_of_another_format_is_refused_naming_it():
+    raw = bytearray(encode(_record()))
+    raw[:8] = MAGIC[:7] + b"2"  # a producer of the format that bound neither scales nor rank
+    with pytest.raises(KVABIError, match="no grant record of format 3 .* format '2'"):
+        decode(np.frombuffer(bytes(raw), np.uint8))
+    raw = bytearray(encode(_record(rank=1, ranks=1)))  # a rank outside its size
+    with pytest.raises(KVABIError, match="malformed record .*rank 1 of 1"):
+        decode(np.frombuffer(bytes(raw), np.uint8))
+
+
+def _handshake(**kw):
+    """A parsed handshake of a small fp8-like cache (every field a reader interprets the
+    bytes with), with ``kw`` changed."""
+    from kvabi import KVSpec, Layout
+    from kvabi.transfer.handshake import make_handshake, parse_handshake
+
+    spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=32, dtype="float32")
+    args = dict(agent_name="prod", host="127.0.0.1", port=5555, memory="DRAM",
+                layout=Layout.preset("flashinfer.HND", spec, 8, 2),
+                planes=[(4096, 8 * 2 * 2 * 16 * 32 * 4, 0)] * 2, model="config:abc",
+                kv_scales=[(0.5, 0.25), (0.125, 0.75)])
+    args.update(kw)
+    return parse_handshake(make_handshake(**args))
+
+
+def test_a_part_claim_binds_what_a_reader_interprets_the_bytes_with():
+    """The claim of a handshake changes with, and only with, the layout, the planes (agent,
+    memory, addresses), the scales and the model: each field a client could rewrite in
+    kv_transfer_params to make a reader interpret the producer's bytes otherwise."""
+    from kvabi import KVSpec, Layout
+
+    base = part_claim("kv", _handshake())
+    assert part_claim("kv", _handshake()) == base  # the same statement: the same claim
+    spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=32, dtype="float32")
+    changed = {
+        "scales": dict(kv_scales=[(0.5, 0.25), (0.125, 1.5)]),
+        "model": dict(model="config:abd"),
+        "planes": dict(planes=[(4096 + 64, 8 * 2 * 2 * 16 * 32 * 4, 0)] * 2),
+        "layout": dict(layout=Layout.preset("flashinfer.NHD", spec, 8, 2)),
+    }
+    for field, kw in changed.items():
+        got = part_claim("kv", _handshake(**kw))
+        differ = {a for a, _, _ in PartClaim.FIELDS if getattr(got, a) != getattr(base, a)}
+        assert differ == {field}, (field, differ)
+    # no scales at all (an unscaled cache) and no model are claims of their own
+    assert part_claim("kv", _handshake(kv_scales=None)).scales != base.scales
+    assert part_claim("kv", _handshake(model=None)).model != base.model
+    assert part_claim("kv", _handshake(agent_name="other")).planes != base.planes
+
+
 def test_a_record_half_written_does_not_decode():
     raw = bytearray(encode(_record()))
     raw[HEADER + 40] ^= 1  # the body changed after the digest was taken
@@ -88,7 +140,9 @@ def test_notifications():
                 b"kvabi.pull:7:" + z,  # no decode rank
                 b"kvabi.pull:7:" + z + b":2/2", b"kvabi.pull:7:" + z + b":0/0",
                 b"kvabi.pull:7:" + z + b":0/65", b"kvabi.pull:7:" + z + b":-1/2",
-                b"kvabi.pull:7:" + z + b":0/1:x", b"kvabi.pull:7:" + z + b":01"):
+                b"kvabi.pull:7:" + z + b":0/1:x", b"kvabi.pull:7:" + z + b":01",
+                b"kvabi.pull:7:" + b"AB" * 16 + b":0/1",  # the nonce in lowercase only
+                b"kvabi.pull:7:" + z + b":0/1\n", b" kvabi.pull:7:" + z + b":0/1"):
         assert parse_notification(bad) is None, bad
 
 
@@ -234,3 +288,41 @@ def test_a_rank_holding_other_heads_checks_the_heads_it_holds():
         got = head_checksums(part, slots)
         assert np.array_equal(got[:, 0], want[:, rank])
         assert not np.array_equal(got[:, 0], want[:, 1 - rank])
+
+
+def test_a_grant_the_table_never_held_fails_naming_kvabi_grant():
+    """A decode engine reads a grant record over NIXL until the pull's own stages must stop;
+    a slot that never held this grant (never written, or another request's closed record)
+    then fails naming kvabi_grant and the slot, not the pull's deadline alone."""
+    import time
+    from types import SimpleNamespace
+
+    from kvabi.pd.consumer import Consumer
+    from kvabi.pd.pulls import GRACE, Job
+    from kvabi.transfer import nixl
+
+    if not nixl.available()[0]:
+        pytest.skip(nixl.available()[1])
+
+    producer, reader = nixl.NixlAgent("grants-producer"), nixl.NixlAgent("grants-reader")
+    try:
+        table = GrantTable(4, record_bytes(1, 16, 16))
+        producer.register(table.cache)
+        table.write(1, _record(b"a" * 16, tokens=10, groups=1), "req-a", deadline=1e9)
+        table.release(1, b"a" * 16)  # slot 1: another request's record, read and closed
+        worker = Consumer.__new__(Consumer)  # the pull's reader only
+        worker._agent = reader
+        peer = reader.connect(producer.handshake(table.cache, include_metadata=True))
+        for slot in (2, 1):
+            t0 = time.monotonic()
+            job = Job(f"r{slot}", None, t0 + GRACE + 1.0)
+            with pytest.raises(KVABIError) as e:
+                worker._read_grant(peer, SimpleNamespace(slot=slot, nonce=b"z" * 16), job)
+            assert str(e.value).startswith(
+                f"kvabi_grant: slot {slot}: the producer published no grant with this "
+                "nonce (read for "), str(e.value)
+            assert "until pull_timeout_s" in str(e.value)
+            assert time.monotonic() - t0 < GRACE + 1.0  # before the engine gives up
+    finally:
+        producer.close()
+        reader.close()

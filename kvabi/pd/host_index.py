@@ -1,5 +1,6 @@
-"""The host tier's index (scheduler side): which full blocks of which prefixes the host
-pools hold, with the tokens they hold, bounded, least recently used first out.
+"""The host tier's index (``specs/pd.md`` section 10, a front's): which full blocks of
+which prefixes the host pools hold, with the tokens they hold, bounded, least recently
+used first out.
 
 A block's key is a 128-bit chained hash: of the engine's *seed* (the model, its dtype,
 the cache dtype, the layout fingerprints of the parts the pools keep: whatever changes the
@@ -17,7 +18,7 @@ import hashlib
 import attrs
 import numpy as np
 
-from .connector_meta import usable_prefix
+from .slots import usable_prefix
 
 
 @attrs.frozen(eq=False)
@@ -32,7 +33,7 @@ def chain_keys(seed: bytes, salt, token_ids, block_size: int) -> tuple[list, lis
     under ``seed`` and ``salt`` (a request's ``cache_salt``, or None)."""
     toks = np.asarray(token_ids, np.int64)
     n = toks.size // block_size
-    blocks = toks[:n * block_size].reshape(n, block_size)
+    blocks = np.ascontiguousarray(toks[:n * block_size].reshape(n, block_size), "<i8")
     salt_bytes = b"" if salt is None else str(salt).encode()
     prev = hashlib.blake2b(seed + b"\0" + salt_bytes, digest_size=16).digest()
     keys, parents = [], []
@@ -73,8 +74,8 @@ class HostIndex:
         return out
 
     def hit(self, keys, parents, blocks, need_back) -> int:
-        """Blocks of the prefix restorable (see :func:`usable_prefix`); the entries used
-        become the most recently used (the first block last: it is evicted last)."""
+        """Blocks of the prefix restorable (see :func:`~.slots.usable_prefix`); the entries
+        used become the most recently used (the first block last: it is evicted last)."""
         if not keys or not self._entries:
             return 0
         k = usable_prefix(self.present(keys, parents, blocks), need_back)

@@ -1,6 +1,9 @@
-"""What both sides of KvabiConnector read from vLLM's configuration, once, at start.
+"""What both sides of KvabiConnector read from vLLM's configuration, once, at start: the
+engine's facts (block size, KV cache groups and their windows, the model, tensor
+parallelism) and the P/D settings (:class:`kvabi.pd.PDSettings`).
 
-``kv_connector_extra_config`` keys (all optional):
+``kv_connector_extra_config`` keys (all optional; any other key is refused, naming the
+closest of these: :func:`check_extra`, run at start by ``kvabi_vllm.startup``):
 
 | key | default | meaning |
 |---|---|---|
@@ -21,27 +24,42 @@ tensor-parallel sizes, serving each other's prefills); any role keeps a host tie
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import uuid
 
 import attrs
-import numpy as np
 
 from kvabi import KVABIError
 from kvabi.util.coerce import as_float, as_int
+from kvabi.pd import DEFAULTS as PD_DEFAULTS
+from kvabi.pd import PDSettings
 
-#: kv_connector_extra_config keys and their defaults
-DEFAULTS = {"host_blocks": 0, "nixl_host": "127.0.0.1", "pull_timeout_s": 30.0,
-            "hold_timeout_s": 120.0, "max_held": 256, "max_pulls": 64, "pull_threads": 4,
-            "max_peers": 16, "model_id": None}
+#: kv_connector_extra_config keys and their defaults (kvabi.pd's bounds, and where the NIXL
+#: agent listens, and the model identity the handshakes state)
+DEFAULTS = {"host_blocks": PD_DEFAULTS["host_blocks"], "nixl_host": "127.0.0.1",
+            **{k: v for k, v in PD_DEFAULTS.items() if k != "host_blocks"}, "model_id": None}
 
 
-def window_blocks(spec, block_size: int) -> int | None:
-    """Blocks a sliding-window group needs before a block boundary (None: all of them):
-    the first token computed after it attends back ``window - 1`` tokens."""
-    w = getattr(spec, "sliding_window", None)
-    return None if not w else max(-(-(int(w) - 1) // block_size), 1)
+def unknown_key(key, known) -> str:
+    """The refusal of a configuration key ``key`` that is not one of ``known``: the key,
+    the closest known one, and every known one."""
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{key!r} is not a key KvabiConnector reads ({hint}known: {', '.join(known)})"
+
+
+def check_extra(extra) -> dict:
+    """The settings of ``kv_connector_extra_config`` (None: the defaults), checked: an
+    object of known keys, each of its type (KVABIError naming the key and value; an
+    unknown key is refused with the closest known one, never ignored)."""
+    if extra is None:
+        return dict(DEFAULTS)
+    if not isinstance(extra, dict):
+        raise KVABIError(f"kv_connector_extra_config: must be an object, got "
+                         f"{type(extra).__name__}")
+    return _extra(extra)
 
 
 def _extra(extra: dict) -> dict:
@@ -49,6 +67,8 @@ def _extra(extra: dict) -> dict:
     out = dict(DEFAULTS)
     for key, value in extra.items():
         name = f"kv_connector_extra_config.{key}"
+        if key not in DEFAULTS:
+            raise KVABIError(f"kv_connector_extra_config: {unknown_key(key, DEFAULTS)}")
         if key == "model_id":
             if value is not None:
                 from kvabi.transfer.handshake import check_model
@@ -58,9 +78,9 @@ def _extra(extra: dict) -> dict:
             if not isinstance(value, str) or not value:
                 raise KVABIError(f"{name}: must be a host name or address, got {value!r}")
             out[key] = value
-        elif key.endswith("_s") and key in DEFAULTS:
+        elif key.endswith("_s"):
             out[key] = as_float(value, name, positive=True)
-        elif key in DEFAULTS:
+        else:
             out[key] = as_int(value, name, lo=0 if key == "host_blocks" else 1)
     return out
 
@@ -75,7 +95,6 @@ class ConnectorConfig:
     engine: str              # this engine's id (names its NIXL agent)
     block_size: int
     groups: tuple            # vLLM's KVCacheGroupSpec per KV cache group
-    need_back: np.ndarray    # per group: blocks it needs before a position (full: all)
     windows: tuple           # per group: its sliding window (None: full attention)
     model: str               # what makes one engine's KV bytes differ from another's
     max_model_len: int
@@ -94,11 +113,9 @@ class ConnectorConfig:
     @classmethod
     def from_vllm(cls, vllm_config, kv_cache_config) -> "ConnectorConfig":
         cfg = vllm_config.kv_transfer_config
-        extra = _extra(dict(cfg.kv_connector_extra_config or {}))
+        extra = check_extra(cfg.kv_connector_extra_config)
         block_size = int(vllm_config.cache_config.block_size)
         groups = tuple(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else ()
-        need = np.array([window_blocks(g.kv_cache_spec, block_size) or 1 << 40
-                         for g in groups], np.int64)
         windows = tuple(getattr(g.kv_cache_spec, "sliding_window", None) or None
                         for g in groups)
         mc = vllm_config.model_config
@@ -111,9 +128,20 @@ class ConnectorConfig:
         return cls(producer=cfg.kv_role in ("kv_producer", "kv_both"),
                    consumer=cfg.kv_role in ("kv_consumer", "kv_both"),
                    engine=cfg.engine_id or uuid.uuid4().hex[:8], block_size=block_size,
-                   groups=groups, need_back=need, windows=windows, model=model,
+                   groups=groups, windows=windows, model=model,
                    max_model_len=int(getattr(mc, "max_model_len", 0) or 0), tp_size=tp,
                    num_kv_heads=total_kv_heads(vllm_config), **extra)
+
+    @property
+    def settings(self) -> PDSettings:
+        """The P/D settings (role and bounds) of this engine."""
+        role = {(True, True): "both", (True, False): "producer", (False, True): "consumer",
+                (False, False): "none"}[(self.producer, self.consumer)]
+        return PDSettings(role=role, pull_timeout_s=self.pull_timeout_s,
+                          hold_timeout_s=self.hold_timeout_s, max_held=self.max_held,
+                          max_pulls=self.max_pulls, pull_threads=self.pull_threads,
+                          max_peers=self.max_peers, host_blocks=self.host_blocks,
+                          nixl_host=self.nixl_host, model_id=self.model_id)
 
 
 #: configuration keys that say where a checkpoint sits, not what the model is
@@ -144,4 +172,5 @@ def total_kv_heads(vllm_config) -> int:
         return 0
 
 
-__all__ = ["ConnectorConfig", "DEFAULTS", "model_identity", "total_kv_heads", "window_blocks"]
+__all__ = ["ConnectorConfig", "DEFAULTS", "check_extra", "model_identity", "total_kv_heads",
+           "unknown_key"]

@@ -8,12 +8,15 @@ import pytest
 
 from kvabi import KVABIError
 
-from kvabi_vllm.connector_pulls import Puller
+from kvabi.pd.pulls import Puller
 
 
-def _wait(puller, n, limit=10.0):
+def _wait(puller, n, limit=60.0):
+    """The first ``n`` pulls that end; AssertionError saying which ended after ``limit``."""
     out, t0 = [], time.monotonic()
-    while len(out) < n and time.monotonic() - t0 < limit:
+    while len(out) < n:
+        assert time.monotonic() - t0 < limit, \
+            f"waited {limit:g} s for {n} pulls to end, {len(out)} did: {out}"
         out += puller.collect()
         time.sleep(0.01)
     return dict(out)
@@ -90,7 +93,7 @@ def test_job_left_raises_past_the_deadline():
 
 
 def test_an_abandoned_commit_refuses():
-    from kvabi_vllm.connector_pulls import Commit
+    from kvabi.pd.pulls import Commit
 
     c = Commit()
     with c:

@@ -1,22 +1,12 @@
-"""``kv_transfer_params``: validated once, in full, where a request enters the connector
-(its scheduler side), against the request's own prompt and the producer's advertised
-layouts.  Anything wrong raises KVABIError naming the field and value; the scheduler side
-then fails that request alone through vLLM's path for a failed KV load.
+"""``kv_transfer_params`` (``specs/pd.md`` sections 4.1-4.3 and 6.1): the producer's answer,
+and the consumer's reading of it, once, in full, where a request enters, against the
+request's own prompt and the engine's KV cache groups.
 
-A client may send any JSON value there, so nothing is assumed about types: an object is
-required; ``do_remote_prefill``, ``do_remote_decode`` and ``kvabi_host`` must be booleans
-where present; a remote prefill must carry every field below, of the right type, with
-lengths matching the prompt and the producer's block size, block ids inside the producer's
-advertised blocks, no id twice in a group, and the null block only where a sliding window
-lets the producer drop it.  Keys this connector does not read are left alone.
-
-A producer of tensor-parallel size 1 sends one handshake message per part
-(``kvabi_handshakes[g][part]``) and one for its grant table (``kvabi_grants``); a producer
-of size M > 1 sends a list of M messages in each place, one per rank in rank order (at most
-:data:`~kvabi_vllm.connector_grants.MAX_RANKS`), every list of the same length, every rank
-of the same block size.  Whether the ranks really are that engine's ranks, in order, each
-holding its split of the heads, is checked by the decode rank before it reads (it needs
-the producer's answer to free what it holds).
+A client may send any JSON value there, so nothing is assumed about types.  Anything wrong
+raises KVABIError naming the field and value; the engine then fails that request alone.
+Keys this protocol does not read are left alone.  Whether the producer's ranks really are
+that engine's ranks, in order, each holding its split of the heads, and whether its
+records vouch for what the parameters say, is checked by the pull (:mod:`.consumer`).
 """
 from __future__ import annotations
 
@@ -26,26 +16,33 @@ import re
 import attrs
 import numpy as np
 
-from kvabi import KVABIError
-from kvabi.util.coerce import as_bool, as_int
-from kvabi.transfer.handshake import parse_handshake
+from ..util.coerce import as_bool, as_int
+from ..util.errors import KVABIError
+from ..transfer.handshake import parse_handshake
+from .digests import tokens_digest
+from .notify import MAX_RANKS
+from .parts import MAX_PARTS, NAME_CHARS, is_image
+from .record import TABLE_NAME
+from .slots import NULL, null_allowed
 
-from .connector_checksum import tokens_digest
-from .connector_grants import MAX_PARTS, MAX_RANKS, TABLE_NAME
-from .connector_layout import IMAGE
-from .connector_meta import NULL_BLOCK
-
+#: this protocol's [major, minor]
+PD_VERSION = (1, 0)
 _NONCE = re.compile(r"[0-9a-f]{32}")
 #: parsed handshakes kept (producers send the same messages with every request)
 HANDSHAKE_CACHE = 64
+#: the fields of a remote prefill, in the order their absence is named
+REQUIRED = ("kvabi_pd", "remote_num_tokens", "remote_block_ids", "kvabi_handshakes",
+            "kvabi_grants", "kvabi_grant")
+#: the ask (specs/pd.md 4.1): what a request to a producer carries
+ASK = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
 @attrs.frozen(eq=False)
 class RemotePrefill:
-    """A decode request's validated remote prefill."""
+    """A consumer request's validated remote prefill."""
 
     num_tokens: int          # tokens whose KV the producer holds (a prefix of the prompt)
-    blocks: tuple            # per group: the producer's block ids (int64, NULL_BLOCK: none)
+    blocks: tuple            # per group: the producer's block ids (int64, -1: none)
     handshakes: tuple        # per group: {part: (handshake message per producer rank)}
     grants: tuple            # the handshake of each producer rank's grant table
     slot: int                # the grant's slot in that table
@@ -62,22 +59,40 @@ class RemotePrefill:
 
 @attrs.frozen(eq=False)
 class Entry:
-    """What a request asks of the connector: a remote prefill to pull (decode side), to
-    hold its blocks for a decode engine (prefill side), and whether the host tier may
-    serve and keep it."""
+    """What a request asks: a remote prefill to pull (consumer), to hold its blocks for a
+    consumer (producer), and whether the host tier may serve and keep it."""
 
     remote: RemotePrefill | None = None
     remote_decode: bool = False
     host: bool = True
 
 
+def answer(*, slot: int, nonce: bytes, num_tokens: int, blocks, handshakes, grants,
+           engine_id: str | None = None, request_id: str | None = None) -> dict:
+    """A producer's answer for a held request (``specs/pd.md`` 4.2): ``blocks`` per group
+    (ids, -1 none), ``handshakes`` per group {part: message, or a list per rank},
+    ``grants`` the grant table's message (a list per rank under TP)."""
+    out = {"kvabi_pd": list(PD_VERSION), "do_remote_prefill": True,
+           "do_remote_decode": False, "remote_num_tokens": int(num_tokens),
+           "remote_block_ids": [[int(b) for b in g] for g in blocks],
+           "kvabi_handshakes": [{part: list(m) if isinstance(m, (list, tuple)) else m
+                                 for part, m in g.items()} for g in handshakes],
+           "kvabi_grants": list(grants) if isinstance(grants, (list, tuple)) else grants,
+           "kvabi_grant": {"slot": int(slot), "nonce": nonce.hex()}}
+    if engine_id is not None:
+        out["remote_engine_id"] = engine_id
+    if request_id is not None:
+        out["remote_request_id"] = request_id
+    return out
+
+
 class ParamsReader:
-    """Reads requests' ``kv_transfer_params`` (one per scheduler side: it keeps a few
-    parsed handshakes)."""
+    """Reads requests' ``kv_transfer_params`` (one per front: it keeps a few parsed
+    handshakes).  ``windows``: per KV cache group its sliding window (None: full)."""
 
     def __init__(self, *, consumer: bool, windows: tuple):
         self.consumer = consumer
-        self.windows = windows
+        self.windows = tuple(windows)
         self._parsed: collections.OrderedDict = collections.OrderedDict()
 
     def _handshake(self, message, field: str):
@@ -116,10 +131,10 @@ class ParamsReader:
 
     def _remote(self, p: dict, prompt) -> RemotePrefill:
         groups = len(self.windows)
-        for key in ("remote_num_tokens", "remote_block_ids", "kvabi_handshakes",
-                    "kvabi_grants", "kvabi_grant"):
+        for key in REQUIRED:
             if key not in p:
                 raise KVABIError(f"{key}: missing from a remote prefill's kv_transfer_params")
+        _version(p["kvabi_pd"])
         plen = len(prompt)
         n = as_int(p["remote_num_tokens"], "remote_num_tokens", lo=1)
         if n > plen:
@@ -153,25 +168,8 @@ class ParamsReader:
             raise KVABIError(f"remote_block_ids: must list {groups} KV cache groups, got {got}")
         blocks, bs_all, msgs_all, layouts_all = [], set(), [], []
         for g in range(groups):
-            parts = hs[g]
-            if not isinstance(parts, dict) or not parts or len(parts) > MAX_PARTS:
-                raise KVABIError(f"kvabi_handshakes[{g}]: must be an object of 1 to "
-                                 f"{MAX_PARTS} part -> message entries")
-            msgs, layouts = {}, {}
-            for name, sent in parts.items():
-                if not isinstance(name, str) or len(name) > 32:
-                    raise KVABIError(f"kvabi_handshakes[{g}]: part names are strings of at "
-                                     f"most 32 characters, got {name!r}")
-                field = f"kvabi_handshakes[{g}].{name}"
-                msgs[name] = _per_rank(sent, field)
-                if len(msgs[name]) != ranks:
-                    raise KVABIError(f"{field}: {len(msgs[name])} producer ranks, "
-                                     f"kvabi_grants lists {ranks}")
-                layouts[name] = tuple(
-                    self._handshake(m, field if isinstance(sent, str) else f"{field}[{i}]")
-                    .layout for i, m in enumerate(msgs[name]))
-            token_parts = [(name, lays) for name, lays in layouts.items()
-                           if not name.startswith(IMAGE)]
+            msgs, layouts = self._group(hs[g], g, ranks)
+            token_parts = [(name, lays) for name, lays in layouts.items() if not is_image(name)]
             if not token_parts:
                 raise KVABIError(f"kvabi_handshakes[{g}]: the producer serves no token "
                                  f"layout (only {sorted(layouts)})")
@@ -192,6 +190,25 @@ class ParamsReader:
                              bytes.fromhex(nonce), tokens_digest(prompt[:n]), bs_all.pop(),
                              tuple(layouts_all))
 
+    def _group(self, parts, g: int, ranks: int) -> tuple[dict, dict]:
+        if not isinstance(parts, dict) or not parts or len(parts) > MAX_PARTS:
+            raise KVABIError(f"kvabi_handshakes[{g}]: must be an object of 1 to "
+                             f"{MAX_PARTS} part -> message entries")
+        msgs, layouts = {}, {}
+        for name, sent in parts.items():
+            if not isinstance(name, str) or not 0 < len(name) <= NAME_CHARS:
+                raise KVABIError(f"kvabi_handshakes[{g}]: part names are strings of 1 to "
+                                 f"{NAME_CHARS} characters, got {name!r:.60}")
+            field = f"kvabi_handshakes[{g}].{name}"
+            msgs[name] = _per_rank(sent, field)
+            if len(msgs[name]) != ranks:
+                raise KVABIError(f"{field}: {len(msgs[name])} producer ranks, "
+                                 f"kvabi_grants lists {ranks}")
+            layouts[name] = tuple(
+                self._handshake(m, field if isinstance(sent, str) else f"{field}[{i}]")
+                .layout for i, m in enumerate(msgs[name]))
+        return msgs, layouts
+
     def _block_ids(self, row, g: int, n: int, bs: int, num_blocks: int) -> np.ndarray:
         field = f"remote_block_ids[{g}]"
         want = -(-n // bs)
@@ -201,17 +218,14 @@ class ParamsReader:
                              f"{bs}, got {got}")
         typed = [isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_))
                  for b in row]
-        if not all(typed) or (row and not 0 <= min(row) <= max(row) < num_blocks):
+        if not all(typed) or (row and not NULL <= min(row) <= max(row) < num_blocks):
             for i, b in enumerate(row):  # name the first offender
-                as_int(b, f"{field}[{i}]", lo=0, hi=num_blocks - 1)
+                if b != NULL or not typed[i]:
+                    as_int(b, f"{field}[{i}]", lo=0, hi=num_blocks - 1)
         ids = np.array(row, np.int64).reshape(-1)
-        null = ids == NULL_BLOCK
+        null = ids == NULL
         if null.any():
-            # a sliding window lets the producer drop blocks wholly before the window of
-            # the last prompt token (which the decode side computes again)
-            w = self.windows[g]
-            ok = (np.arange(1, want + 1) * bs <= n - w) if w else np.zeros(want, bool)
-            bad = np.flatnonzero(null & ~ok)
+            bad = np.flatnonzero(null & ~null_allowed(self.windows[g], bs, n))
             if bad.size:
                 raise KVABIError(f"{field}[{int(bad[0])}]: the null block where the prompt's "
                                  f"KV must be")
@@ -221,6 +235,15 @@ class ParamsReader:
             raise KVABIError(f"{field}: block {int(vals[counts > 1][0])} appears twice")
         ids.setflags(write=False)
         return ids
+
+
+def _version(v) -> None:
+    if not (isinstance(v, list) and len(v) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)):
+        raise KVABIError(f"kvabi_pd: must be [major, minor], two integers >= 0, got {v!r:.60}")
+    if v[0] != PD_VERSION[0]:
+        raise KVABIError(f"kvabi_pd: protocol {v[0]}.{v[1]}, this engine reads major "
+                         f"{PD_VERSION[0]}")
 
 
 def _per_rank(sent, field: str) -> tuple:
@@ -239,4 +262,4 @@ def _per_rank(sent, field: str) -> tuple:
     return tuple(sent)
 
 
-__all__ = ["Entry", "ParamsReader", "RemotePrefill"]
+__all__ = ["ASK", "Entry", "PD_VERSION", "ParamsReader", "RemotePrefill", "answer"]
