@@ -21,16 +21,23 @@ PROFILES = ("ci", "thorough", "quick")
 def _check_name(text: str) -> str:
     try:
         from ..testing.checks import CHECK_NAMES
+        from ..testing.pd.checks import CHECK_NAMES as PD_CHECK_NAMES
     except ImportError:  # reported by run() with the install hint
         return text
-    if text not in CHECK_NAMES:
+    if text not in CHECK_NAMES + PD_CHECK_NAMES:
         raise argparse.ArgumentTypeError(f"unknown check {text!r}; checks are "
-                                         f"{', '.join(CHECK_NAMES)}")
+                                         f"{', '.join(CHECK_NAMES)}; with --pd "
+                                         f"{', '.join(PD_CHECK_NAMES)}")
     return text
 
 
 def configure(parser) -> None:
     parser.add_argument("names", nargs="*", metavar="NAME", help="backend names")
+    parser.add_argument("--pd", default=None, metavar="ENGINE",
+                        help="run the P/D kit (specs/pd.md section 12) instead, against an "
+                             "engine's adapter: 'reference', or MODULE:CALLABLE returning a "
+                             "kvabi.testing.pd.EngineUnderTest (e.g. kvabi_vllm.tools."
+                             "pd_kit:engine); --check, --json and --seed apply")
     parser.add_argument("--all", action="store_true",
                         help="every registered backend (unavailable ones are skipped)")
     parser.add_argument("--max-examples", type=positive_int, default=None, metavar="N",
@@ -62,8 +69,42 @@ def configure(parser) -> None:
                              "backend and check)")
 
 
+def run_pd(args) -> int:
+    """The P/D kit against ``args.pd``."""
+    import json
+
+    from ..errors import KVABIError
+    from ..testing.pd import CHECK_NAMES, load_engine, report, run_kit
+
+    bad = [c for c in args.check or () if c not in CHECK_NAMES]
+    if bad:
+        raise KVABIError(f"check: {bad[0]!r} is not a P/D check; they are "
+                         f"{', '.join(CHECK_NAMES)}")
+    if args.names or args.all:
+        raise KVABIError("names: --pd runs the P/D kit against one engine, not backends")
+    engine = load_engine(args.pd)
+    print(f"kvabi conformance --pd: {engine.name}", file=sys.stderr)
+
+    def show(r):
+        print(f"  {r.name} {'ok' if r.ok else 'FAILED'} ({r.seconds:.1f} s)", file=sys.stderr,
+              flush=True)
+    results = run_kit(engine, args.check, seed=args.seed or 0, progress=show)
+    failed = [r for r in results if not r.ok]
+    if args.json:
+        print(json.dumps([{"check": r.name, "ok": r.ok, "problems": list(r.problems),
+                           "notes": list(r.notes), "seconds": round(r.seconds, 3)}
+                          for r in results], indent=1))
+    else:
+        print("\n".join(report(results)))
+        print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed ({engine.name})")
+    return 1 if failed else 0
+
+
 def run(args) -> int:
     from ..errors import KVABIError
+
+    if args.pd is not None:
+        return run_pd(args)
 
     try:
         from .. import registry

@@ -37,7 +37,7 @@ from .engine import EngineCaches
 from .notify import notify_message
 from .parts import is_image, kv_part, matching_parts
 from .peers import Peers
-from .pulls import Puller
+from .pulls import GRACE, Puller
 from .record import LIVE, MAX_SLOT_BYTES, STATES, GrantRecord, decode, read_header, table_layout
 from .settings import PDSettings
 from .slots import block_pairs, paired_slots, token_slots
@@ -213,7 +213,7 @@ class Consumer:
             elif head is not None and head[0] == LIVE:
                 raise KVABIError(f"kvabi_grant: slot {remote.slot} holds another request's "
                                  f"grant (forged or replayed parameters){who}")
-            if time.monotonic() + GRANT_POLL_S >= job.deadline:
+            if time.monotonic() + GRANT_POLL_S >= job.deadline - GRACE:  # before job.left()
                 raise KVABIError(f"kvabi_grant: slot {remote.slot}: {why} (until "
                                  f"pull_timeout_s passed){who}")
             time.sleep(GRANT_POLL_S)

@@ -5,6 +5,8 @@ Needs the ``test`` extra (hypothesis, pytest).  Subclass :class:`BackendConforma
 test file, run ``pytest --kvabi-backend NAME``, or ``kvabi conformance NAME``: all three run
 the same profile (``ci`` by default) and seed, so they draw the same examples; a failure
 prints its seed and the path of a standalone reproducer (:mod:`kvabi.testing.replay`).
+The P/D kit (:mod:`kvabi.testing.pd`, :class:`PDConformance`) holds an engine's P/D adapter
+to ``specs/pd.md``.
 """
 from . import strategies
 from .cases import AttentionCase, input_dtype
@@ -15,12 +17,13 @@ from .checks import (CHECK_NAMES, CHECKS, Check, KitOptions, NotApplicable, Refu
                      check_pad, check_permute, check_prefill_skip, check_split_ubatches,
                      check_unsupported, check_write_kv, get_check)
 from .conformance import BackendConformance
+from .pd import PDConformance
 from .measure import TOLERANCES, ConformanceFailure, lse_error, relative_l2, tolerance
 from .profiles import (PROFILE_ENV, SEED_ENV, kit_profile, kit_seed, load_profile,
                        register_profiles)
 from .runner import CheckResult, run_backend, run_check
 
-__all__ = ["AttentionCase", "BackendConformance", "CHECKS", "CHECK_NAMES", "Check",
+__all__ = ["AttentionCase", "BackendConformance", "PDConformance", "CHECKS", "CHECK_NAMES", "Check",
            "CheckResult", "ConformanceFailure", "KitOptions", "NotApplicable", "PROFILE_ENV", "SEED_ENV",
            "Refused", "TOLERANCES", "check_attention", "check_cascade",
            "check_hostile_cache", "check_huge_lengths", "check_poisoned_rows",
