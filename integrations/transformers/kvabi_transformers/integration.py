@@ -67,6 +67,8 @@ class Integration:
             self.plan_blocks()  # a budget that holds nothing fails here
         #: the Session of the latest step (its stats and timing), None before any
         self.session = None
+        #: weak reference to the latest continuous-batching manager (None before any)
+        self.manager = None
 
     def plan_blocks(self, workload_hints=None) -> int:
         """Blocks per KV group from kvabi's memory plan: of ``memory`` if given, else of

@@ -12,7 +12,9 @@ are written before they are read, as kvabi's write-then-attend contract does.
 from __future__ import annotations
 
 import copy
+import threading
 import uuid
+import weakref
 
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.continuous_api import (
@@ -25,7 +27,8 @@ from transformers.generation.continuous_batching.scheduler import (SCHEDULER_MAP
 from kvabi import KVABIError
 
 from .connector.front import Incoming, TransformersConnector
-from .connector.hooks import PDBatchProcessor, PDOutputRouter, pd_scheduler
+from .connector.hooks import KvabiOutputRouter, PDBatchProcessor, pd_scheduler
+from .serving.context import current_request
 from .session import Session
 
 ATTENTION_NAME = "kvabi"
@@ -110,14 +113,27 @@ class KvabiManager(ContinuousBatchingManager):
         #: the loop made one)
         self.connector = None
         self._incoming = Incoming()
-        if integration.pd is not None:
-            self.output_router = PDOutputRouter(lambda: self.connector)
+        # request id -> (prompt ids, generated ids) of finished requests whose caller asked
+        # for them (None while running); taken by take_token_ids
+        self._token_ids: dict = {}
+        self._token_lock = threading.Lock()
+        self.output_router = KvabiOutputRouter(self)
+        integration.manager = weakref.ref(self)
 
     def add_request(self, input_ids, request_id=None, max_new_tokens=None, streaming=False,
                     record_timestamps=False, eos_token_id=None, *, kv_transfer_params=None,
                     **logit_processor_kwargs):
         """transformers' ``add_request``; ``kv_transfer_params`` (P/D, ``use(..., pd=...)``):
         the ask of a producer (``kvabi.pd.ASK``) or a producer's answer to pull from."""
+        asked = current_request()
+        if asked is not None and asked.request_id == request_id:  # served over HTTP
+            if kv_transfer_params is None:
+                kv_transfer_params = asked.kv_transfer_params
+            if asked.ignore_eos:
+                eos_token_id = -1
+            if asked.return_token_ids:
+                with self._token_lock:
+                    self._token_ids[request_id] = None
         if kv_transfer_params is not None:
             if self.integration.pd is None:
                 raise KVABIError("kv_transfer_params: this model is not set up for P/D "
@@ -137,6 +153,24 @@ class KvabiManager(ContinuousBatchingManager):
         if got is None and kv_transfer_params is not None:  # dropped: never enters the loop
             self._incoming.pop(request_id)
         return got
+
+    def finished_output(self, output) -> None:
+        """Complete a finished output before it is delivered (the loop's thread):
+        ``output.kv_transfer_params`` (a producer's answer or None); token ids kept where
+        the caller asked for them."""
+        conn = self.connector
+        output.kv_transfer_params = None if conn is None else \
+            conn.producer.answer(output.request_id)
+        with self._token_lock:
+            if output.request_id in self._token_ids:
+                self._token_ids[output.request_id] = (list(output.prompt_ids),
+                                                      list(output.generated_tokens))
+
+    def take_token_ids(self, request_id: str):
+        """(prompt ids, generated ids) of a finished request served with
+        ``return_token_ids`` (then forgotten), or None."""
+        with self._token_lock:
+            return self._token_ids.pop(request_id, None)
 
     def take_kv_transfer_params(self, request_id: str):
         """The answer (``kv_transfer_params``) of finished producer request ``request_id``

@@ -1,7 +1,7 @@
 """Where the connector meets transformers' continuous batching: a scheduler that hands
 requests to it where they enter, end or are cancelled, a batch processor that steps it
-before each batch is scheduled, and an output router that attaches a producer's answer to
-the request's finished output.  Each calls the connector and otherwise does what
+before each batch is scheduled, and an output router that completes a finished output (a
+producer's answer, token ids).  Each calls the connector and otherwise does what
 transformers does (these methods are checked at ``use()``, ``compat.OVERRIDDEN``).
 """
 from __future__ import annotations
@@ -62,18 +62,18 @@ class PDBatchProcessor(ContinuousBatchProcessor):
         self.kvabi_pd.consumer.fail_all(error)
 
 
-class PDOutputRouter(OutputRouter):
-    """An output router that sets ``kv_transfer_params`` on every finished output: the
-    producer's answer (``connector()``'s, None when there is none)."""
+class KvabiOutputRouter(OutputRouter):
+    """An output router that completes every finished output before it is delivered:
+    ``kv_transfer_params``, the producer's answer (None where there is none), and the
+    request's token ids where its caller asked for them (``manager``: a KvabiManager)."""
 
-    def __init__(self, connector):
+    def __init__(self, manager):
         super().__init__()
-        self._connector = connector
+        self._manager = manager
 
     def _attach(self, output) -> None:
-        conn = self._connector()
-        if conn is not None and output.is_finished():
-            output.kv_transfer_params = conn.producer.answer(output.request_id)
+        if output.is_finished():
+            self._manager.finished_output(output)
 
     def deliver(self, output):
         self._attach(output)
@@ -85,4 +85,4 @@ class PDOutputRouter(OutputRouter):
         super().deliver_batch(outputs)
 
 
-__all__ = ["PDBatchProcessor", "PDOutputRouter", "PDSchedulerMixin", "pd_scheduler"]
+__all__ = ["PDBatchProcessor", "KvabiOutputRouter", "PDSchedulerMixin", "pd_scheduler"]

@@ -54,7 +54,8 @@ def pd_options(pd) -> PDOptions | None:
         raise KVABIError(f"pd: must be a role name, a dict or a kvabi.pd.PDSettings, got "
                          f"{type(pd).__name__}")
     flat = {k: v for k, v in pd.items() if k not in ("kv_connector_extra_config",) + IGNORED}
-    extra = pd.get("kv_connector_extra_config") or {}
+    extra = pd.get("kv_connector_extra_config")
+    extra = {} if extra is None else extra
     if not isinstance(extra, dict):
         raise KVABIError(f"pd.kv_connector_extra_config: must be an object, got "
                          f"{type(extra).__name__}")
