@@ -1,30 +1,29 @@
 """kvabi: a hardware-agnostic ABI for the KV cache of LLM inference engines."""
-from . import tensors
-from .backend import Backend
-from .cache import KVCache
-from .capabilities import Capabilities
-from .component import Component
-from .errors import KVABIError, UnsupportedError
-from .hookspecs import hookimpl
-from .layout import Layout
-from .metadata import CommonAttentionMetadata
-from .quant import check_scales
-from .shard import Shard
-from .spec import KVGroup, KVSpec, LayerKV, ModelKV
-from .step_checks import (AttentionOptions, check_layer, check_num_q_heads, check_step,
-                          index_dtype)
-from .step_limits import StepLimits
-from .step_plan import StepPlan
-from .tp_view import TPView
-from .version import ABI_VERSION, WIRE_VERSION
-
-__version__ = "0.1.0"
+from .backend.base import Backend
+from .backend.capabilities import Capabilities
+from .backend.hookspecs import hookimpl
+from .layout.check import check_layer
+from .layout.component import Component
+from .layout.descriptor import Layout
+from .layout.tp_view import TPView
+from .memory.cache import KVCache
+from .model.model_kv import KVGroup, ModelKV
+from .model.quant import check_scales
+from .model.shard import Shard
+from .model.spec import KVSpec, LayerKV
+from .step.checks import AttentionOptions, check_num_q_heads, check_step, index_dtype
+from .step.limits import StepLimits
+from .step.metadata import CommonAttentionMetadata
+from .step.plan import StepPlan
+from .util import tensors
+from .util.errors import KVABIError, UnsupportedError
+from .util.version import ABI_VERSION, WIRE_VERSION, __version__
 
 # Modules `import kvabi` does not load (the registry scans entry points on first use).
 _LAZY = {
-    "get_backend": ("kvabi.registry", "get_backend"),
-    "backend_names": ("kvabi.registry", "backend_names"),
-    "merge_attention": ("kvabi.merge", "merge_attention"),
+    "get_backend": ("kvabi.backend.registry", "get_backend"),
+    "backend_names": ("kvabi.backend.registry", "backend_names"),
+    "merge_attention": ("kvabi.step.merge", "merge_attention"),
     "transforms": ("kvabi.transforms", None),
 }
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvabi import registry
+from kvabi.backend import registry
 from kvabi.testing import profiles
 
 PLUGINS = Path(__file__).parent / "plugins"

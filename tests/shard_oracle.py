@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvabi import Component, KVCache, Layout
-from kvabi.dtypes import numpy_dtype
-from kvabi.shard import Shard, shard_of
+from kvabi.util.dtypes import numpy_dtype
+from kvabi.model.shard import Shard, shard_of
 from transfer_oracle import POISON, element_bytes
 
 GUARD = 64

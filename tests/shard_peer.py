@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 
 from kvabi import KVSpec, Layout
-from kvabi.shard import Shard
+from kvabi.model.shard import Shard
 from shard_oracle import (component_cache, component_model, model_kv, write_components,
                           write_rank)
 

@@ -12,7 +12,8 @@ import pytest
 
 import kvabi
 from kvabi import (Capabilities, CommonAttentionMetadata, KVABIError, KVCache, KVSpec, Layout,
-                   UnsupportedError, registry)
+                   UnsupportedError)
+from kvabi.backend import registry
 from kvabi.testing import KitOptions, get_check, run_check
 
 torch = pytest.importorskip("torch")

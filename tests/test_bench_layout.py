@@ -7,7 +7,7 @@ import numpy as np
 from kvabi.bench import layout as bench
 from kvabi.commands.bench import suites
 from kvabi.bench.layout import SPEC
-from kvabi.presets import preset_names
+from kvabi.layout.presets import preset_names
 
 
 def outside_b(name):

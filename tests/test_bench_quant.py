@@ -2,7 +2,7 @@
 settings; no figure is asserted beyond being measured)."""
 import json
 
-from kvabi.cli import main
+from kvabi.commands.cli import main
 
 
 def test_bench_quant_json(capsys):

@@ -6,7 +6,7 @@ import pytest
 
 import kvabi
 from kvabi import KVABIError, KVCache, KVSpec, Layout
-from kvabi.views import allocate_numpy
+from kvabi.memory.views import allocate_numpy
 
 torch = pytest.importorskip("torch")
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 import kvabi
 from kvabi import CommonAttentionMetadata, KVABIError, KVCache, KVSpec, Layout
-from kvabi.layout import MAX_BLOCK_REGIONS
-import kvabi.cache as cache_mod
+from kvabi.layout.descriptor import MAX_BLOCK_REGIONS
+import kvabi.memory.cache as cache_mod
 
 torch = pytest.importorskip("torch")
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import kvabi
-from kvabi import registry
-from kvabi.cli import main
-from kvabi.layout import Layout
-from kvabi.quant import quantize_per_tensor
-from kvabi.reference import ReferenceBackend
+from kvabi.backend import registry
+from kvabi.commands.cli import main
+from kvabi.layout.descriptor import Layout
+from kvabi.model.quant import quantize_per_tensor
+from kvabi.backend.reference import ReferenceBackend
 from kvabi.testing import (BackendConformance, ConformanceFailure, KitOptions, check_write_kv,
                            get_check, run_check)
 from kvabi.testing.cases import AttentionCase
@@ -270,7 +270,7 @@ class NoSaturation(_Quantized):
 
     def write(self, plan, cache, key, value, layer, scales):
         _, blk, off = plan.prepared.write_rows
-        dt = kvabi.dtypes.numpy_dtype(plan.spec.dtype)
+        dt = kvabi.util.dtypes.numpy_dtype(plan.spec.dtype)
         for kv, x in ((0, key), (1, value)):
             if x is None:
                 continue

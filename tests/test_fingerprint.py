@@ -11,8 +11,8 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.presets import PRESETS, preset_names
-from kvabi.shard import Shard, shard_of
+from kvabi.layout.presets import PRESETS, preset_names
+from kvabi.model.shard import Shard, shard_of
 
 AXES = ("L", "B", "KV", "N", "H", "D")
 

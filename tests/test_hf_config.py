@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvabi import KVABIError, KVSpec, LayerKV, ModelKV
-from kvabi.hf_config import hf_max_model_len, model_from_hf_config, resolve_kv_dtype
+from kvabi.model.hf_config import hf_max_model_len, resolve_kv_dtype
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 BUNDLED = sorted(p.name for p in CONFIGS.glob("*.json"))
@@ -130,11 +130,11 @@ def test_dtype_from_config_and_override():
     for torch_dtype, want in [("float16", "float16"), ("float32", "float32"),
                               ("auto", "bfloat16"), ("float64", "bfloat16")]:
         c = dict(cfg, torch_dtype=torch_dtype)
-        assert model_from_hf_config(c).layers[0].spec.dtype == want
+        assert ModelKV.from_hf_config(c).layers[0].spec.dtype == want
     c = {k: v for k, v in cfg.items() if k != "torch_dtype"}
-    assert model_from_hf_config(c).layers[0].spec.dtype == "bfloat16"
-    assert model_from_hf_config(dict(c, dtype="float16")).layers[0].spec.dtype == "float16"
-    m = model_from_hf_config(cfg, kv_dtype="fp8")
+    assert ModelKV.from_hf_config(c).layers[0].spec.dtype == "bfloat16"
+    assert ModelKV.from_hf_config(dict(c, dtype="float16")).layers[0].spec.dtype == "float16"
+    m = ModelKV.from_hf_config(cfg, kv_dtype="fp8")
     assert m.layers[0].spec.dtype == "float8_e4m3fn"
     assert m.kv_bytes_per_token == 131072 // 2
     assert resolve_kv_dtype("bf16") == "bfloat16"
@@ -149,7 +149,7 @@ def test_nested_config_inherits_outer_dtype():
 
 def test_head_dim_and_kv_heads_defaults():
     cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
-    spec = model_from_hf_config(cfg).layers[0].spec
+    spec = ModelKV.from_hf_config(cfg).layers[0].spec
     assert (spec.num_kv_heads, spec.head_dim, spec.kind) == (4, 16, "full")
 
 
@@ -157,32 +157,32 @@ def test_llama4_empty_no_rope_layers_uses_interval():
     cfg = load("llama-4-scout.json")
     t = cfg["text_config"]
     t["no_rope_layers"] = []
-    kinds = [l.spec.kind for l in model_from_hf_config(cfg).layers]
+    kinds = [l.spec.kind for l in ModelKV.from_hf_config(cfg).layers]
     assert kinds == ["full" if (i + 1) % 4 == 0 else "chunked_local" for i in range(48)]
     t["no_rope_layer_interval"] = 3
-    kinds = [l.spec.kind for l in model_from_hf_config(cfg).layers]
+    kinds = [l.spec.kind for l in ModelKV.from_hf_config(cfg).layers]
     assert kinds == ["full" if (i + 1) % 3 == 0 else "chunked_local" for i in range(48)]
     t["attention_chunk_size"] = None  # no chunking at all
-    assert {l.spec.kind for l in model_from_hf_config(cfg).layers} == {"full"}
+    assert {l.spec.kind for l in ModelKV.from_hf_config(cfg).layers} == {"full"}
 
 
 def test_gemma3_explicit_pattern_and_layer_types():
     cfg = load("gemma-3-27b.json")
     cfg["text_config"]["sliding_window_pattern"] = 2
-    kinds = [l.spec.kind for l in model_from_hf_config(cfg).layers]
+    kinds = [l.spec.kind for l in ModelKV.from_hf_config(cfg).layers]
     assert kinds == ["full" if i % 2 else "sliding_window" for i in range(62)]
     types = ["full_attention" if i < 3 else "sliding_attention" for i in range(62)]
     cfg["text_config"]["layer_types"] = types
-    kinds = [l.spec.kind for l in model_from_hf_config(cfg).layers]
+    kinds = [l.spec.kind for l in ModelKV.from_hf_config(cfg).layers]
     assert kinds == ["full" if i < 3 else "sliding_window" for i in range(62)]
 
 
 def test_qwen2_style_sliding_window_switch():
     base = {"model_type": "qwen2", "num_hidden_layers": 6, "num_attention_heads": 4,
             "num_key_value_heads": 2, "hidden_size": 64, "sliding_window": 32}
-    off = model_from_hf_config(dict(base, use_sliding_window=False))
+    off = ModelKV.from_hf_config(dict(base, use_sliding_window=False))
     assert {l.spec.kind for l in off.layers} == {"full"}
-    on = model_from_hf_config(dict(base, use_sliding_window=True, max_window_layers=4))
+    on = ModelKV.from_hf_config(dict(base, use_sliding_window=True, max_window_layers=4))
     assert [l.spec.kind for l in on.layers] == ["full"] * 4 + ["sliding_window"] * 2
 
 
@@ -191,14 +191,14 @@ def test_gemma3n_shared_layer_without_earlier_type_keeps_its_cache():
            "sliding_window": 4, "num_kv_shared_layers": 2,
            "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
                            "sliding_attention"]}
-    m = model_from_hf_config(cfg)
+    m = ModelKV.from_hf_config(cfg)
     assert [l.shares for l in m.layers] == [None, None, None, "layers.1"]
 
 
 def test_config_from_path_and_folder(tmp_path):
     (tmp_path / "config.json").write_text((CONFIGS / "llama-3-8b.json").read_text())
-    a = model_from_hf_config(tmp_path)
-    b = model_from_hf_config(str(tmp_path / "config.json"))
+    a = ModelKV.from_hf_config(tmp_path)
+    b = ModelKV.from_hf_config(str(tmp_path / "config.json"))
     assert a == b and a.kv_bytes_per_token == 131072
 
 
@@ -246,25 +246,25 @@ BAD = [
 @pytest.mark.parametrize("cfg,field", BAD, ids=[f for _, f in BAD])
 def test_bad_config_names_the_field(cfg, field):
     with pytest.raises(KVABIError) as e:
-        model_from_hf_config(cfg)
+        ModelKV.from_hf_config(cfg)
     assert str(e.value).startswith(field + ":"), str(e.value)
 
 
 def test_bad_arguments_and_files(tmp_path):
     with pytest.raises(KVABIError, match="kv_dtype"):
-        model_from_hf_config(LLAMA, kv_dtype="float64")
+        ModelKV.from_hf_config(LLAMA, kv_dtype="float64")
     with pytest.raises(KVABIError, match="block_size"):
-        model_from_hf_config(LLAMA, block_size=0)
+        ModelKV.from_hf_config(LLAMA, block_size=0)
     with pytest.raises(KVABIError, match="config"):
-        model_from_hf_config(tmp_path / "missing.json")
+        ModelKV.from_hf_config(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(KVABIError, match="config"):
-        model_from_hf_config(tmp_path / "bad.json")
+        ModelKV.from_hf_config(tmp_path / "bad.json")
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(KVABIError, match="config"):
-        model_from_hf_config(tmp_path / "list.json")
+        ModelKV.from_hf_config(tmp_path / "list.json")
     with pytest.raises(KVABIError, match="config"):
-        model_from_hf_config(42)
+        ModelKV.from_hf_config(42)
 
 
 # ---- ModelKV validation ----------------------------------------------------------------

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvabi.argtypes import float_arg, from_kvabi, int_arg, positive_int
-from kvabi.cli import main
-from kvabi.plan import parse_bytes
+from kvabi.util.argtypes import float_arg, from_kvabi, int_arg, positive_int
+from kvabi.commands.cli import main
+from kvabi.memory.planning import parse_bytes
 
 LLAMA = str(Path(__file__).parents[1] / "examples" / "configs" / "llama-3-8b.json")
 
@@ -93,7 +93,7 @@ def test_good_runs_are_unchanged(capsys):
 
 def test_real_process_exit_status():
     """The console entry point, as a shell sees it."""
-    p = subprocess.run([sys.executable, "-m", "kvabi.cli", "plan", "/no/such.json"],
+    p = subprocess.run([sys.executable, "-m", "kvabi.commands.cli", "plan", "/no/such.json"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr == "kvabi: error: config: cannot read '/no/such.json': No such file or " \
@@ -150,7 +150,7 @@ def test_path_options_are_checked_by_kind(tmp_path, capsys):
 
 
 def test_path_options_accept_paths_of_their_kind(tmp_path):
-    from kvabi.argtypes import directory_arg, output_file_arg
+    from kvabi.util.argtypes import directory_arg, output_file_arg
 
     (tmp_path / "old.xml").write_text("old")
     for good in (tmp_path / "new.xml", tmp_path / "old.xml", tmp_path / "x" / "y" / "r.xml"):
@@ -165,7 +165,7 @@ def test_path_options_accept_paths_of_their_kind(tmp_path):
 def test_bench_usage_errors_are_one_line(capsys):
     """Built-in suites and a plugin's suite with its own argparse parser: one line, status 2,
     no usage block; argparse's own error handling is restored afterwards."""
-    registry = pytest.importorskip("kvabi.registry")
+    registry = pytest.importorskip("kvabi.backend.registry")
     from kvabi import hookimpl
 
     def suite(argv):

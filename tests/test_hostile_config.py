@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from kvabi import KVABIError, KVSpec, LayerKV, ModelKV
-from kvabi.dtypes import DTYPES
-from kvabi.hf_config import MAX_LAYERS, MODEL_TYPE_DEFAULTS
+from kvabi.util.dtypes import DTYPES
+from kvabi.model.hf_config import MAX_LAYERS, MODEL_TYPE_DEFAULTS
 from kvabi.testing.profiles import current_profile
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
@@ -163,7 +163,7 @@ def mutated_configs(draw):
 
 
 def check_read_as_written(cfg: dict, model: ModelKV):
-    """What the fields say (independent of kvabi.hf_config's code paths)."""
+    """What the fields say (independent of kvabi.model.hf_config's code paths)."""
     dec = cfg.get("text_config", cfg)
     n = dec["num_hidden_layers"]
     assert type(n) is int and 1 <= n <= MAX_LAYERS and len(model) == n

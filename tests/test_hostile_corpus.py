@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvabi import KVABIError, Layout, ModelKV
-from kvabi.cli import main
+from kvabi.commands.cli import main
 
 HOSTILE = Path(__file__).parent / "data" / "hostile"
 MANIFEST = json.loads((HOSTILE / "manifest.json").read_text())
@@ -85,7 +85,7 @@ def test_kvabi_plan_refuses_in_one_line(name, capsys):
 
 
 def test_oversized_config_is_refused_before_parsing(tmp_path):
-    from kvabi.hf_config import MAX_CONFIG_BYTES
+    from kvabi.model.hf_config import MAX_CONFIG_BYTES
 
     path = tmp_path / "config.json"
     path.write_bytes(b'{"pad": "' + b"x" * MAX_CONFIG_BYTES + b'"}')

@@ -1,4 +1,4 @@
-"""The strict JSON reader (kvabi.safe_json): what it refuses, and that on everything else it
+"""The strict JSON reader (kvabi.util.safe_json): what it refuses, and that on everything else it
 agrees with the standard library's json.loads (the oracle)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvabi import KVABIError
-from kvabi.safe_json import MAX_BYTES, MAX_DEPTH, loads, nesting_depth
+from kvabi.util.safe_json import MAX_BYTES, MAX_DEPTH, loads, nesting_depth
 
 
 @pytest.mark.parametrize("data,match", [
@@ -96,7 +96,7 @@ def test_longest_digit_run_against_a_regex(text):
 
     import numpy as np
 
-    from kvabi.safe_json import longest_digit_run
+    from kvabi.util.safe_json import longest_digit_run
     want = max((len(m) for m in re.findall("[0-9]+", text)), default=0)
     assert longest_digit_run(np.frombuffer(text.encode(), np.uint8)) == want
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvabi import KVABIError, KVCache, KVSpec, Layout
-from kvabi.views import allocate_numpy
+from kvabi.memory.views import allocate_numpy
 
 SPEC = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 BASE = dict(order=("B", "N", "H", "D"), sizes={"B": 3, "N": 4, "H": 2, "D": 8},

@@ -15,9 +15,9 @@ import math
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from kvabi import KVABIError, KVCache, KVSpec, Layout
-from kvabi.presets import AXIS_PRESETS, preset_names
+from kvabi.layout.presets import AXIS_PRESETS, preset_names
 from kvabi.testing.profiles import current_profile
-from kvabi.views import allocate_numpy
+from kvabi.memory.views import allocate_numpy
 
 INT64_MAX = 2**63 - 1
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,

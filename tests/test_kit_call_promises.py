@@ -17,7 +17,7 @@ import pytest
 
 import kvabi
 from kvabi import tensors
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 from kvabi.testing import CHECKS, KitOptions, get_check, run_check
 
 torch = pytest.importorskip("torch")

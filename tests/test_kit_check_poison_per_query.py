@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import kvabi
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 from kvabi.testing import KitOptions, get_check, run_check
 from kvabi.testing.cases import AttentionCase
 from kvabi.testing.checks.poison import visible_slots

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kvabi
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 from kvabi.testing import KitOptions, get_check, run_check
 from kvabi.testing.cases import AttentionCase
 from kvabi.testing.checks.hostile import Guarded, huge_meta

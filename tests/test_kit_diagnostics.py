@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvabi
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 from kvabi.testing import (ConformanceFailure, KitOptions, check_attention, check_write_kv,
                            get_check, run_check)
 from kvabi.testing.cases import AttentionCase

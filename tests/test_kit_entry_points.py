@@ -12,7 +12,7 @@ from hypothesis import settings
 from kit_fixtures import planted, subprocess_env  # noqa: F401 - fixture
 
 from kvabi import KVABIError
-from kvabi.cli import main
+from kvabi.commands.cli import main
 from kvabi.testing import BackendConformance, ConformanceFailure, profiles
 
 
@@ -56,7 +56,7 @@ def test_same_examples_and_seed_on_failure_in_all_three(planted, tmp_path, monke
     # 3. pytest --kvabi-backend, in a fresh project directory (one child process for the
     # passing and the failing backend together).
     (work / "conftest.py").write_text(
-        "import kvabi_planted\nfrom kvabi import registry\n"
+        "import kvabi_planted\nfrom kvabi.backend import registry\n"
         "registry.register(kvabi_planted, name='planted')\n")
     env = subprocess_env(tmp_path)
     env["KVABI_RECORD"] = str(tmp_path / "pytest.txt")

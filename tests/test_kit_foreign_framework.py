@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvabi
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 from kvabi.testing import get_check, run_check
 
 

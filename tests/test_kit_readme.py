@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvabi
-from kvabi import registry
+from kvabi.backend import registry
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()

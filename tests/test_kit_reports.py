@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from kit_fixtures import planted  # noqa: F401 - fixture
 
-from kvabi.cli import main
+from kvabi.commands.cli import main
 from kvabi.testing import get_check, run_check
 from kvabi.testing.report_table import worst_error
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvabi import registry
-from kvabi.cli import build_parser
+from kvabi.backend import registry
+from kvabi.commands.cli import build_parser
 
 ROOT = Path(__file__).parents[1]
 WORKFLOW = (ROOT / ".github" / "workflows" / "conformance.yml").read_text()

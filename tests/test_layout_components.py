@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvabi import Component, KVABIError, KVCache, KVSpec, Layout
-from kvabi.layout_check import _common_plane
+from kvabi.layout.check import _common_plane
 
 DATA = Path(__file__).parent / "data"
 RECORDED = np.load(DATA / "preset_offsets_1x.npz")

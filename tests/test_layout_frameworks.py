@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from kvabi import KVCache, KVSpec, Layout
-from kvabi.presets import AXIS_PRESETS
-from kvabi.presets_components import CPU
+from kvabi.layout.presets import AXIS_PRESETS
+from kvabi.layout.presets_components import CPU
 
 SPEC = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 

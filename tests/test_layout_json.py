@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.presets import PRESETS, preset_names
+from kvabi.layout.presets import PRESETS, preset_names
 from pathlib import Path
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "specs" / "layout.schema.json").read_text())

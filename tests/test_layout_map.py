@@ -7,9 +7,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from kvabi import KVSpec, Layout
-from kvabi.cli import main
-from kvabi.layout_map import block_map, differences, svg, text
-from kvabi.layout_regions import block_cells
+from kvabi.commands.cli import main
+from kvabi.layout.byte_map import block_map, differences, svg, text
+from kvabi.layout.regions import block_cells
 
 from test_probe_cli import liar  # noqa: F401  (the planted backend's fixture)
 

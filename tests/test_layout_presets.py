@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvabi import KVABIError, KVCache, KVSpec, Layout
-from kvabi.dtypes import numpy_dtype
-from kvabi.presets import AXIS_PRESETS, PRESETS, preset_names
-from kvabi.presets_components import CPU, QUANTIZED
-from kvabi.views import allocate_numpy
+from kvabi.util.dtypes import numpy_dtype
+from kvabi.layout.presets import AXIS_PRESETS, PRESETS, preset_names
+from kvabi.layout.presets_components import CPU, QUANTIZED
+from kvabi.memory.views import allocate_numpy
 
 
 def anchor(name, L, B, N, H, D, dtype):
     """(plane shapes, index map) for a preset, written from the anchors' definitions:
-    logical (l, b, kv, n, h, d) -> (plane, index tuple).  Independent of kvabi.layout."""
+    logical (l, b, kv, n, h, d) -> (plane, index tuple).  Independent of kvabi.layout.descriptor."""
     if name == "vllm.cpu_kt":  # keys and values as [D, N] tiles per block and head
         return [(L, B, H, 2, D, N)], lambda l, b, kv, n, h, d: (0, (l, b, h, kv, d, n))
     if name.startswith("vllm."):

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import kvabi
 from kvabi import CommonAttentionMetadata, KVABIError, KVCache, KVSpec, Layout
-from kvabi.errors import FrozenError
-from kvabi.presets import preset_names
+from kvabi.util.errors import FrozenError
+from kvabi.layout.presets import preset_names
 from kvabi.testing.profiles import current_profile
 
 torch = pytest.importorskip("torch")

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from kvabi.cli import UsageError
+from kvabi.commands.cli import UsageError
 
 import kvabi
 from kvabi import KVABIError, hookimpl
 from kvabi.commands import bench
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 
 KEYS = {"backend", "abi", "framework", "dtype", "layout", "layer_us", "layer_us_min",
         "layer_cpu_us",
@@ -72,7 +72,7 @@ class BrokenPlugin:
 
 
 def test_a_failing_backend_is_reported(capsys):
-    registry = pytest.importorskip("kvabi.registry")
+    registry = pytest.importorskip("kvabi.backend.registry")
     registry.reset()
     try:
         registry.register(BrokenPlugin(), name="broken-ref")

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from kvabi import KVABIError, KVSpec, LayerKV, ModelKV
 from kvabi.commands import plan as plan_cmd
-from kvabi.dtypes import DTYPE_BITS
-from kvabi.plan import parse_bytes, plan_memory
+from kvabi.util.dtypes import DTYPE_BITS
+from kvabi.memory.planning import parse_bytes, plan_memory
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 GiB = 1 << 30
@@ -273,7 +273,7 @@ def test_layout_padding_is_paid_for():
     """tpu.combined pads head dim 64 to 128: a page costs twice the unpadded bytes, and the
     plan still never exceeds the budget."""
     from kvabi import KVSpec, LayerKV, ModelKV
-    from kvabi.plan import layout_page_bytes, plan_memory
+    from kvabi.memory.planning import layout_page_bytes, plan_memory
 
     spec = KVSpec(kind="full", block_size=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")
     model = ModelKV([LayerKV(f"l{i}", spec) for i in range(3)])

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvabi import KVCache, KVSpec, Layout
-from kvabi.presets import PRESETS, preset_names
-from kvabi.presets_components import CPU, QUANTIZED
+from kvabi.layout.presets import PRESETS, preset_names
+from kvabi.layout.presets_components import CPU, QUANTIZED
 
 L, B, N, H, D = 2, 3, 4, 2, 8
 RNG = np.random.default_rng(7)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import kvabi
-from kvabi import registry
-from kvabi.cli import main
-from kvabi.reference import ReferenceBackend
+from kvabi.backend import registry
+from kvabi.commands.cli import main
+from kvabi.backend.reference import ReferenceBackend
 from kvabi.testing.writers import layout_writer
 
 

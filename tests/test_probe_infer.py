@@ -10,12 +10,12 @@ from hypothesis import given, strategies as st
 
 from kvabi import KVABIError, KVCache, KVSpec, Layout
 from kvabi import tensors as kvabi_tensors
-from kvabi.dtypes import DTYPES
-from kvabi.presets import preset_names
+from kvabi.util.dtypes import DTYPES
+from kvabi.layout.presets import preset_names
 from kvabi.probe import infer_layout, placement_difference
 from kvabi.testing.strategies import random_layouts
 from kvabi.testing.writers import layout_writer
-from kvabi.views import allocate_numpy
+from kvabi.memory.views import allocate_numpy
 
 L, B = 3, 5
 

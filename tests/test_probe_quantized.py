@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.dtypes import numpy_dtype
+from kvabi.util.dtypes import numpy_dtype
 from kvabi.probe import verify_quantized
 
 B, H, N, D = 4, 2, 4, 16

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.presets import preset_names
+from kvabi.layout.presets import preset_names
 from kvabi.probe import verify_layout
 from kvabi.testing.strategies import random_layouts
 from kvabi.testing.writers import layout_writer
-from kvabi.views import allocate_numpy
+from kvabi.memory.views import allocate_numpy
 
 L, B = 3, 6
 SPEC = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")

@@ -1,4 +1,4 @@
-"""kvabi.quant against direct formulas: every code of every format enumerated, rounding
+"""kvabi.model.quant against direct formulas: every code of every format enumerated, rounding
 decided in exact float64 arithmetic on the sorted code table, ml_dtypes' own conversion,
 and the scale recipe written out in float64 with explicit float32 roundings."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvabi import KVABIError, KVSpec
-from kvabi.quant import (FORMATS, as_scale, check_quant, dequantize, quantize_per_tensor,
+from kvabi.model.quant import (FORMATS, as_scale, check_quant, dequantize, quantize_per_tensor,
                          quantize_per_token_head, round_codes)
 
 F8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}

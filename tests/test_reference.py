@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 
 import kvabi
 from kvabi import CommonAttentionMetadata, KVABIError, KVCache, KVSpec
-from kvabi.dtypes import DTYPES, numpy_dtype
-from kvabi.layout import Layout
-from kvabi.presets import AXIS_PRESETS, preset_names
-from kvabi.reference import ReferenceBackend, to_cache_dtype
-from kvabi.views import allocate_numpy
+from kvabi.util.dtypes import DTYPES, numpy_dtype
+from kvabi.layout.descriptor import Layout
+from kvabi.layout.presets import AXIS_PRESETS, preset_names
+from kvabi.backend.reference import ReferenceBackend, to_cache_dtype
+from kvabi.memory.views import allocate_numpy
 
 BACKEND = ReferenceBackend()
 #: the same oracle with tiny query pieces and memory chunks: exercises the batching
@@ -78,7 +78,7 @@ def oracle(spec, hist_k, hist_v, query, qsl, ctx, *, scale, softcap, sinks):
 
 # -- random batches ------------------------------------------------------------------------
 @st.composite
-def specs(draw, kinds=kvabi.spec.KINDS):
+def specs(draw, kinds=kvabi.model.spec.KINDS):
     kind = draw(st.sampled_from(kinds))
     dtype = draw(st.sampled_from(DTYPES))
     bs = draw(st.sampled_from([1, 2, 3, 4, 8]))
@@ -106,7 +106,7 @@ def poison(dtype):
 
 
 @st.composite
-def batches(draw, kinds=kvabi.spec.KINDS):
+def batches(draw, kinds=kvabi.model.spec.KINDS):
     """A spec, a preset layout for it, and a step: mixed decodes, prefills, chunked
     prefills and empty requests over shuffled block ids, plus trailing padding tokens."""
     spec = draw(specs(kinds))
@@ -427,7 +427,7 @@ def test_plan_is_frozen_with_default_scale():
 def test_capabilities_and_layouts():
     assert BACKEND.available() == (True, "numpy float64")
     caps = BACKEND.capabilities()
-    assert set(caps.kinds) == set(kvabi.spec.KINDS) and set(caps.dtypes) == set(DTYPES)
+    assert set(caps.kinds) == set(kvabi.model.spec.KINDS) and set(caps.dtypes) == set(DTYPES)
     assert caps.softcap and caps.sinks and caps.head_dims is None and caps.block_sizes is None
     full = KVSpec("full", 16, 8, 128)
     mla = KVSpec("mla", 16, 1, 576, head_dim_v=512)
@@ -614,7 +614,7 @@ def test_work_built_per_call_equals_work_kept_in_the_plan(b):
     call: same results as the oracle."""
     from unittest import mock
 
-    import kvabi.reference_attention as ra
+    import kvabi.backend.reference_attention as ra
 
     with mock.patch.object(ra, "WORK_KEEP_ELEMENTS", 0), \
             mock.patch.object(ra, "MASK_KEEP_ELEMENTS", 0):

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 import kvabi
-from kvabi import KVABIError, registry
+from kvabi import KVABIError
+from kvabi.backend import registry
 from kvabi.commands import backends as backends_cmd
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 
 PLUGINS = Path(__file__).parent / "plugins"
 PLUGIN_MODULES = ("kvabi_fake_plugin", "kvabi_broken_plugin", "kvabi_future_plugin",

@@ -9,8 +9,8 @@ import pytest
 
 import kvabi
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.shard import Shard, check_group, shard_of
-from kvabi.tp_view import TPView
+from kvabi.model.shard import Shard, check_group, shard_of
+from kvabi.layout.tp_view import TPView
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "specs" / "layout.schema.json").read_text())
 CONFIGS = Path(__file__).parents[1] / "examples" / "configs"

@@ -7,7 +7,7 @@ import pytest
 import kvabi
 from kvabi import (AttentionOptions, CommonAttentionMetadata, KVABIError, KVSpec, Layout,
                    check_step)
-from kvabi.step_checks import check_kv, check_query, check_sinks
+from kvabi.step.checks import check_kv, check_query, check_sinks
 
 SPEC = KVSpec(kind="full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 META = CommonAttentionMetadata.from_lengths([2, 1], [3, 0], [[0, 1], [2, 0]], 4)

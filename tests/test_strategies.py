@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from kvabi import KVSpec
-from kvabi.dtypes import DTYPES, numpy_dtype
-from kvabi.layout import Layout
-from kvabi.presets import preset_names
-from kvabi.spec import KINDS
+from kvabi.util.dtypes import DTYPES, numpy_dtype
+from kvabi.layout.descriptor import Layout
+from kvabi.layout.presets import preset_names
+from kvabi.model.spec import KINDS
 from kvabi.testing import lse_error, relative_l2
 from kvabi.testing.cases import exact_values, input_dtype
 from kvabi.testing.strategies import (batches, kv_sharing_models, kv_specs, layouts,

@@ -1,4 +1,4 @@
-"""kvabi.tensors (bit-exact conversion) and kvabi.coerce (strict boundary types)."""
+"""kvabi.util.tensors (bit-exact conversion) and kvabi.util.coerce (strict boundary types)."""
 from __future__ import annotations
 
 from decimal import Decimal
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kvabi import KVABIError, coerce, tensors
-from kvabi.dtypes import DTYPES, numpy_dtype
+from kvabi import KVABIError, tensors
+from kvabi.util import coerce
+from kvabi.util.dtypes import DTYPES, numpy_dtype
 
 torch = pytest.importorskip("torch")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvabi.tensors import to_jax
+from kvabi.util.tensors import to_jax
 
 jax = pytest.importorskip("jax")
 _count = {"n": 0}

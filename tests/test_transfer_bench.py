@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvabi.bench import transfer as bench
-from kvabi.cli import main
+from kvabi.commands.cli import main
 from kvabi.transfer.nixl import available
 
 

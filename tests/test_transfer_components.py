@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvabi import Component, KVABIError, KVCache, KVSpec, Layout
-from kvabi.dtypes import numpy_dtype
+from kvabi.util.dtypes import numpy_dtype
 from kvabi.transfer import execute, plan_block_transfer, plan_transfer
 from kvabi.transfer.host_pool import cross_layer_twin
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvabi import KVABIError, KVCache, KVSpec
-from kvabi.layout import Layout
-from kvabi.presets import AXIS_PRESETS
+from kvabi.layout.descriptor import Layout
+from kvabi.layout.presets import AXIS_PRESETS
 from kvabi.transfer import HostPool, execute, plan_block_transfer, plan_transfer
 from transfer_oracle import POISON, element_bytes, gather, raw_planes, written_mask
 

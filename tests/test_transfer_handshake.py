@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvabi import WIRE_VERSION, KVABIError, KVSpec
-from kvabi.layout import Layout
+from kvabi.layout.descriptor import Layout
 from kvabi.transfer.handshake import MAX_HANDSHAKE_BYTES, make_handshake, parse_handshake
 
 SPEC = KVSpec("full", block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")
@@ -53,7 +53,7 @@ def test_planes_are_compact():
 
 def test_shard_and_model_travel():
     import attrs
-    from kvabi.shard import Shard
+    from kvabi.model.shard import Shard
 
     lay = attrs.evolve(LAYOUT, shard=Shard.tp(3, 4, 8))
     text = make_handshake(agent_name="prefill-3", host="127.0.0.1", port=5600, memory="DRAM",

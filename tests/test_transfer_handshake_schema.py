@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvabi import WIRE_VERSION, KVABIError, KVSpec
-from kvabi.layout import Layout
+from kvabi.layout.descriptor import Layout
 from kvabi.transfer.handshake import MAX_ADDRESS, make_handshake, parse_handshake
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvabi import KVABIError, KVCache, KVSpec
-from kvabi.dtypes import numpy_dtype
-from kvabi.layout import Layout
+from kvabi.util.dtypes import numpy_dtype
+from kvabi.layout.descriptor import Layout
 from kvabi.testing.profiles import current_profile
 from kvabi.transfer import HostPool, execute, plan_block_transfer, plan_transfer
 from transfer_oracle import POISON

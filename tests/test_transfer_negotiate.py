@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.shard import Shard
+from kvabi.model.shard import Shard
 from kvabi.transfer import Refused, negotiate, plan_shard_block_transfer
 from kvabi.transfer.handshake import make_handshake, parse_handshake
 

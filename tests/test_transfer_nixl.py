@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvabi import KVABIError, KVCache, KVSpec
-from kvabi.layout import Layout
+from kvabi.layout.descriptor import Layout
 from kvabi.transfer import TransferPlan, plan_block_transfer, plan_transfer
 from kvabi.transfer import nixl as kv_nixl
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvabi import KVABIError, KVCache
-from kvabi.shard import Shard
+from kvabi.model.shard import Shard
 from kvabi.transfer import nixl as kv_nixl
 from kvabi.transfer.checksum import KVChecksums
 from kvabi.transfer.handshake import make_handshake, parse_handshake

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvabi import KVABIError, KVCache, KVSpec
-from kvabi.layout import Layout
+from kvabi.layout.descriptor import Layout
 from kvabi.testing.strategies import SMALL_BLOCK_SIZES, kv_specs, layouts
 from kvabi.transfer import HostPool, execute, plan_block_transfer, plan_transfer
 from kvabi.transfer.pattern import GroupedPattern, block_strides

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvabi import KVABIError, KVSpec
-from kvabi.layout import Layout
-from kvabi.presets import AXIS_PRESETS, preset_names
+from kvabi.layout.descriptor import Layout
+from kvabi.layout.presets import AXIS_PRESETS, preset_names
 from kvabi.testing.strategies import SMALL_BLOCK_SIZES, kv_specs, layouts
 from kvabi.transfer import TransferPlan, execute, plan_block_transfer, plan_transfer
 from transfer_oracle import POISON, check_moved, raw_planes

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.presets import preset_names
-from kvabi.shard import Shard
+from kvabi.layout.presets import preset_names
+from kvabi.model.shard import Shard
 from kvabi.transfer.shards import (assign, execute_shards, plan_shard_block_transfer,
                                    plan_shard_transfer, plan_tp_transfer)
 from shard_oracle import check_rank, guarded_cache, model_kv, table, write_rank

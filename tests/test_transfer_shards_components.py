@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvabi import Component, KVABIError, KVSpec, Layout
-from kvabi.shard import Shard
+from kvabi.model.shard import Shard
 from kvabi.transfer.host_pool import cross_layer_twin
 from kvabi.transfer.shards import (execute_shards, plan_shard_block_transfer,
                                    plan_shard_transfer, plan_tp_transfer)

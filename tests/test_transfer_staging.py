@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvabi import KVCache, KVSpec
-from kvabi.dtypes import numpy_dtype
-from kvabi.layout import Layout
+from kvabi.util.dtypes import numpy_dtype
+from kvabi.layout.descriptor import Layout
 from kvabi.transfer import execute, plan_block_transfer, plan_transfer
 from kvabi.transfer.execute import byte_view, copy_from_staging
 from kvabi.transfer.pattern import GroupedPattern
@@ -109,7 +109,7 @@ def test_staging_chosen_only_where_it_saves_descriptors():
     (each prefill rank of TP 2 holds its heads of a block contiguously), direct where
     every region stays a span of its own (a decode rank of TP 2 reading half the heads of
     each block of a TP 1 prefill: gaps of the other heads between the regions)."""
-    from kvabi.shard import Shard
+    from kvabi.model.shard import Shard
     from kvabi.transfer.shards import plan_shard_transfer
     from kvabi.transfer.staging import staging_pays, worth_staging
 

@@ -45,7 +45,7 @@ def test_table_and_errors(capsys):
 
 
 def test_plugin_suites():
-    registry = pytest.importorskip("kvabi.registry")
+    registry = pytest.importorskip("kvabi.backend.registry")
     calls = []
 
     class Good:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvabi import CommonAttentionMetadata, KVABIError
-from kvabi.merge import merge_attention
+from kvabi.step.merge import merge_attention
 from kvabi.transforms import cascade_split
 from oracle_dense import (assert_unchanged, attention_data, batches, oracle, paged_attention,
                           snapshot)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvabi.dtypes import numpy_dtype
+from kvabi.util.dtypes import numpy_dtype
 
 POISON = 0xA5
 

@@ -22,8 +22,8 @@ import numpy as np
 
 import kvabi
 from kvabi import CommonAttentionMetadata, KVCache, KVSpec
-from kvabi.layout import Layout
-from kvabi.tensors import convert, to_numpy
+from kvabi.layout.descriptor import Layout
+from kvabi.util.tensors import convert, to_numpy
 from kvabi.transfer import plan_transfer
 from kvabi.transfer.nixl import NixlAgent
 

@@ -13,9 +13,9 @@ import json
 
 import numpy as np
 
-from ..layout import Layout
-from ..presets import preset_names
-from ..spec import KVSpec
+from ..layout.descriptor import Layout
+from ..layout.presets import preset_names
+from ..model.spec import KVSpec
 from .transforms import median_us
 
 SPEC = KVSpec(kind="full", block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")

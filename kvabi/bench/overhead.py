@@ -32,12 +32,12 @@ import time
 
 import numpy as np
 
-from ..cache import KVCache
-from ..errors import KVABIError
-from ..metadata import CommonAttentionMetadata
-from ..spec import KVSpec
-from ..step_checks import check_step
-from ..tensors import framework
+from ..memory.cache import KVCache
+from ..model.spec import KVSpec
+from ..step.checks import check_step
+from ..step.metadata import CommonAttentionMetadata
+from ..util.errors import KVABIError
+from ..util.tensors import framework
 from .transforms import median_us
 
 NUM_LAYERS = 32
@@ -65,7 +65,7 @@ def _spec(backend) -> KVSpec | None:
 def _layout(backend, spec):
     """(layout, why): vllm.BLHNC when the backend plans and allocates it, else the first
     preferred layout it does."""
-    from ..layout import Layout
+    from ..layout.descriptor import Layout
 
     names = [LAYOUT] + [n for n in backend.preferred_layouts(spec) if n != LAYOUT]
     meta = _meta()
@@ -102,7 +102,7 @@ def _sync(x) -> None:
 
 def measure(backend, *, repeat: int, layers: int = NUM_LAYERS, log=None) -> dict:
     """The figures of one backend (see the module docstring)."""
-    from .. import tensors
+    from ..util import tensors
 
     log = log or (lambda msg: None)
     row = {"backend": backend.name, "abi": ".".join(map(str, backend.abi_version)),
@@ -116,7 +116,7 @@ def measure(backend, *, repeat: int, layers: int = NUM_LAYERS, log=None) -> dict
     meta = _meta()
     fw, dev = row["framework"], backend.device()
     rng = np.random.default_rng(0)
-    from ..dtypes import numpy_dtype
+    from ..util.dtypes import numpy_dtype
 
     def arr(shape):
         a = rng.standard_normal(shape).astype(np.float32).astype(numpy_dtype(spec.dtype))
@@ -225,7 +225,7 @@ def run(argv=None) -> int:
         p.error(f"--repeat: must be >= 1, got {a.repeat}")
     if not 1 <= a.layers <= NUM_LAYERS:
         p.error(f"--layers: must be in [1, {NUM_LAYERS}], got {a.layers}")
-    from .. import registry
+    from ..backend import registry
 
     found = {b.name: b for b in registry.all_backends()}
     names = a.backends if a.backends is not None else sorted(found)

@@ -14,9 +14,9 @@ import json
 import statistics
 import time
 
-from ..layout import Layout
-from ..spec import KVSpec
-from ..views import allocate_numpy
+from ..layout.descriptor import Layout
+from ..memory.views import allocate_numpy
+from ..model.spec import KVSpec
 
 SPEC = KVSpec(kind="full", block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 NUM_LAYERS = 32

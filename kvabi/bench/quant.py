@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from ..argtypes import int_arg
+from ..util.argtypes import int_arg
 
 KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
 #: (label, cache dtype, quant, rounding, layout preset)
@@ -41,7 +41,7 @@ GOAL = 1.5
 
 def _steps(batch: int, context: int, prefill: int):
     """{setting: metadata} of the decode batch and the prefill."""
-    from ..metadata import CommonAttentionMetadata
+    from ..step.metadata import CommonAttentionMetadata
 
     per = -(-(context + 1) // BLOCK)
     decode = CommonAttentionMetadata.from_lengths(
@@ -58,8 +58,8 @@ def _steps(batch: int, context: int, prefill: int):
 def _variant(backend, label, dtype, quant, rounding, preset, meta, rng):
     """(per-layer callable) for one variant over ``meta``: a cache whose context holds
     values, then the step's write and attention."""
-    from ..layout import Layout
-    from ..spec import KVSpec
+    from ..layout.descriptor import Layout
+    from ..model.spec import KVSpec
 
     spec = KVSpec("full", BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype, quant=quant,
                   rounding=rounding)
@@ -81,7 +81,7 @@ def _variant(backend, label, dtype, quant, rounding, preset, meta, rng):
 
 def measure(batch=8, context=256, prefill=128, repeat=5, progress=None) -> dict:
     """{setting: {variant: figures}}; every repetition runs every variant."""
-    from ..registry import get_backend
+    from ..backend.registry import get_backend
 
     backend = get_backend("reference")
     rng = np.random.default_rng(0)

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import sys
 import time
 
 import attrs
 import numpy as np
 
-from ..cache import KVCache
-from ..layout import Layout
-from ..presets import PRESETS, preset_names
-from ..spec import KVSpec
+from ..layout.descriptor import Layout
+from ..layout.presets import PRESETS, preset_names
+from ..memory.cache import KVCache
+from ..model.spec import KVSpec
 from ..transfer import HostPool, TransferPlan, execute, plan_block_transfer, plan_transfer
 from . import transfer_tp
+from .rig import ServingRig
 
 SPEC = KVSpec(kind="full", block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 NUM_LAYERS = 32
@@ -130,36 +130,6 @@ def _serve(conn):
             agent.deregister(cache)
             agent.close()
             conn.send("ok")
-
-
-class ServingRig:
-    """This process's NIXL agent ``name`` plus a spawned serving process running
-    ``target(conn)``, asked over a pipe (``_ask``) and stopped by :meth:`close`."""
-
-    def __init__(self, name: str, target):
-        from ..transfer.nixl import NixlAgent
-
-        self.agent = NixlAgent(name)
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child,), daemon=True)
-        self.proc.start()
-
-    def _ask(self, *msg, timeout=120):
-        self.conn.send(msg)
-        if not self.conn.poll(timeout):
-            raise RuntimeError(f"bench: the NIXL serving process did not answer {msg[0]!r}")
-        return self.conn.recv()
-
-    def close(self):
-        try:
-            self._ask("stop", timeout=30)
-        except Exception:  # noqa: BLE001 - the child may be gone already
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.agent.close()
 
 
 class NixlRig(ServingRig):
@@ -379,7 +349,7 @@ def _torch_over(plane):
     """A torch tensor over the memory of numpy ``plane`` (same shape, strides, bytes)."""
     import torch
 
-    from ..tensors import torch_dtype
+    from ..util.tensors import torch_dtype
 
     isz = plane.dtype.itemsize
     return torch.from_numpy(plane.view(np.dtype(f"i{isz}"))).view(torch_dtype(SPEC.dtype))
@@ -389,7 +359,7 @@ def from_lengths_lists(repeat: int, requests: int = 1024) -> tuple[float, float]
     """(seconds of ``from_lengths`` given Python lists, seconds of ``np.asarray`` of the
     same lists plus ``from_lengths`` of the arrays) at ``requests`` requests, decode-like
     (1-3 new tokens, contexts up to 2,000, 128 block ids per row), timed alternately."""
-    from ..metadata import CommonAttentionMetadata
+    from ..step.metadata import CommonAttentionMetadata
 
     rng = np.random.default_rng(2)
     q = rng.integers(1, 4, requests).tolist()

@@ -29,11 +29,12 @@ import time
 import attrs
 import numpy as np
 
-from ..cache import KVCache
-from ..layout import Layout
-from ..shard import Shard
-from ..spec import KVSpec
+from ..layout.descriptor import Layout
+from ..memory.cache import KVCache
+from ..model.shard import Shard
+from ..model.spec import KVSpec
 from ..transfer.shards import plan_shard_transfer
+from .rig import ServingRig
 
 #: the layouts compared (both sides the same preset: only the TP split differs)
 PRESETS = ("flashinfer.HND", "vllm.BHLNC", "vllm.LBHNC")
@@ -86,8 +87,6 @@ class TPRig:
     """This process's decode agent and a spawned process holding prefill ranks."""
 
     def __init__(self):
-        from .transfer import ServingRig
-
         self._rig = ServingRig("bench-tp-decode", _serve)
         self.agent = self._rig.agent
 

@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from .. import transforms as T
-from ..errors import KVABIError
-from ..metadata import CommonAttentionMetadata
+from ..step.metadata import CommonAttentionMetadata
+from ..util.errors import KVABIError
 
 DEFAULT_SIZES = ((256, 8192), (1024, 32768))
 BLOCK_SIZE = 16

@@ -12,10 +12,10 @@ import json
 
 import attrs
 
-from ..version import ABI_VERSION
-from ..dtypes import DTYPES
-from ..spec import KINDS, KVSpec
-from ..argtypes import positive_int
+from ..model.spec import KINDS, KVSpec
+from ..util.argtypes import positive_int
+from ..util.dtypes import DTYPES
+from ..util.version import ABI_VERSION
 
 
 def configure(parser) -> None:
@@ -144,7 +144,7 @@ def _spec_label(s: KVSpec) -> str:
 
 
 def run(args) -> int:
-    from .. import registry
+    from ..backend import registry
 
     spec = _typical_spec(args)
     items = [describe(b, claimed_spec(b, args)) for b in registry.all_backends()]

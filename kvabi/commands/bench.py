@@ -1,7 +1,7 @@
 """``kvabi bench SUITE [ARGS...]``: run a built-in or plugin-provided benchmark suite.
 
 A suite parses its own arguments with argparse; while it runs, argparse's usage errors are
-raised as :class:`kvabi.cli.UsageError`, so every suite's (plugins' included) prints the
+raised as :class:`kvabi.commands.cli.UsageError`, so every suite's (plugins' included) prints the
 one-line ``kvabi: error: bench SUITE: ...`` form of ``specs/security.md``.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import contextlib
 import sys
 
-from ..errors import KVABIError
+from ..util.errors import KVABIError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +61,7 @@ def suites() -> dict:
              "overhead": _builtin_overhead, "transfer": _builtin_transfer, "probe": _builtin_probe,
              "quant": _builtin_quant}
     try:
-        from .. import registry
+        from ..backend import registry
     except ImportError:  # registry not available: built-in suites only
         return found
     # One hook implementation at a time, so that a broken plugin cannot hide the others.
@@ -81,9 +81,9 @@ def suites() -> dict:
 
 @contextlib.contextmanager
 def _one_line_usage_errors(suite: str):
-    """argparse's ``error`` raising UsageError (printed by ``kvabi.cli.main`` as one line)
+    """argparse's ``error`` raising UsageError (printed by ``kvabi.commands.cli.main`` as one line)
     instead of printing the usage block and exiting, for as long as a suite runs."""
-    from ..cli import UsageError
+    from .cli import UsageError
 
     def error(parser, message):
         raise UsageError(f"bench {suite}: {message} (see '{parser.prog} --help')")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..dtypes import DTYPES
-from ..argtypes import directory_arg, float_arg, int_arg, output_file_arg, positive_int
+from ..util.argtypes import directory_arg, float_arg, int_arg, output_file_arg, positive_int
+from ..util.dtypes import DTYPES
 
 PROFILES = ("ci", "thorough", "quick")
 
@@ -101,13 +101,13 @@ def run_pd(args) -> int:
 
 
 def run(args) -> int:
-    from ..errors import KVABIError
+    from ..util.errors import KVABIError
 
     if args.pd is not None:
         return run_pd(args)
 
     try:
-        from .. import registry
+        from ..backend import registry
         from ..testing import checks as kit
         from ..testing import report_json, report_junit, report_table
         from ..testing.failure import failure_report

@@ -9,9 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from ..argtypes import int_arg, output_file_arg, positive_int
-from ..dtypes import DTYPES
-from ..errors import KVABIError
+from ..util.argtypes import int_arg, output_file_arg, positive_int
+from ..util.dtypes import DTYPES
+from ..util.errors import KVABIError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -48,9 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def load(args):
     """The layout the arguments name: a descriptor file, or a preset for their spec."""
-    from ..layout import Layout
-    from ..presets import PRESETS
-    from ..spec import KVSpec
+    from ..layout.descriptor import Layout
+    from ..layout.presets import PRESETS
+    from ..model.spec import KVSpec
 
     name = args.layout
     if name in PRESETS:
@@ -77,7 +77,7 @@ def colour_wanted(choice: str, stream=None) -> bool:
 
 
 def run(args) -> int:
-    from ..layout_map import block_map, svg, text
+    from ..layout.byte_map import block_map, svg, text
 
     layout = load(args)
     for what, v, n in (("layer", args.layer, layout.num_layers),

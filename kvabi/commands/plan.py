@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..hf_config import (hf_max_model_len, load_hf_config, model_from_hf_config,
-                         resolve_kv_dtype, text_config)
-from ..plan import SCHEMES, MemoryPlan, parse_bytes, plan_memory
-from ..presets import PRESETS
-from ..argtypes import from_kvabi, positive_int
+from ..layout.presets import PRESETS
+from ..memory.planning import SCHEMES, MemoryPlan, parse_bytes, plan_memory
+from ..model.hf_config import hf_max_model_len, load_hf_config, resolve_kv_dtype, text_config
+from ..model.model_kv import ModelKV
+from ..util.argtypes import from_kvabi, positive_int
 
 EPILOG = """\
 With --json, one config prints one JSON object and several print a JSON array of
@@ -60,7 +60,7 @@ _bytes_arg = from_kvabi(parse_bytes, "size")
 def plan_config(path: str, args: argparse.Namespace) -> tuple[dict, MemoryPlan]:
     """The plan of one config under the command's options, and its JSON object."""
     raw = load_hf_config(path)
-    model = model_from_hf_config(raw, block_size=args.block_size, kv_dtype=args.kv_dtype)
+    model = ModelKV.from_hf_config(raw, block_size=args.block_size, kv_dtype=args.kv_dtype)
     max_len = args.max_model_len if args.max_model_len is not None else hf_max_model_len(raw)
     plan = plan_memory(model, args.memory, max_model_len=max_len,
                        max_query_len=args.max_query_len, scheme=args.scheme,

@@ -11,10 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 
-
-from ..dtypes import DTYPES
-from ..errors import KVABIError
-from ..argtypes import directory_arg, positive_int
+from ..util.argtypes import directory_arg, positive_int
+from ..util.dtypes import DTYPES
+from ..util.errors import KVABIError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def probe_backend(backend, spec, num_blocks: int, num_layers: int) -> list[dict]:
     """One row per preferred layout: declared, inferred, match, detail."""
-    from ..layout import Layout
+    from ..layout.descriptor import Layout
     from ..probe import backend_writer, infer_layout, placement_difference
 
     rows = []
@@ -82,7 +81,7 @@ def _spec_for(backend, args):
 
 
 def run(args) -> int:
-    from ..registry import get_backend
+    from ..backend.registry import get_backend
 
     rows = []
     for name in args.names:
@@ -110,7 +109,7 @@ def run(args) -> int:
             if not r["match"]:
                 print(f"{r['backend']} {r['layout']}: {r['detail']}")
         if args.draw:
-            from ..layout_map import text
+            from ..layout.byte_map import text
             from .layout import colour_wanted
 
             for r, d in zip(rows, drawings):
@@ -125,8 +124,8 @@ def run(args) -> int:
 def _drawing(row):
     """(declared map, landed map) of block 0 of layer 0 over the declared layout's bytes
     of it, or None where no layout was found."""
-    from ..layout_map import block_map
-    from ..layout_regions import block_cells
+    from ..layout.byte_map import block_map
+    from ..layout.regions import block_cells
 
     if "_layouts" not in row:
         return None
@@ -139,7 +138,7 @@ def _drawing(row):
 def _write_svgs(rows, drawings, folder):
     from pathlib import Path
 
-    from ..layout_map import svg
+    from ..layout.byte_map import svg
 
     for r, d in zip(rows, drawings):
         if d is not None:

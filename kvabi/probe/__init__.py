@@ -8,6 +8,8 @@ write produces (``specs/layout.md``, "Inference and verification").
 - :func:`verify_quantized` checks where a quantizing write puts values and scales;
 - :func:`placement_difference` says whether two layouts place every element alike;
 - :func:`backend_writer` makes a kvabi backend's ``write_kv`` the probe's ``write``.
+
+May import: util, model, layout, memory, step.
 """
 from .backend import backend_writer
 from .compare import placement_difference, same_placement

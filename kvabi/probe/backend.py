@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import KVCache
-from ..metadata import CommonAttentionMetadata
-from ..tensors import FRAMEWORKS, convert
+from ..memory.cache import KVCache
+from ..step.metadata import CommonAttentionMetadata
+from ..util.tensors import FRAMEWORKS, convert
 
 
 def backend_writer(backend, layout, spec, cache=None):

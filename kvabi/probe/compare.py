@@ -6,8 +6,8 @@ asks is about placement: the same plane and byte offset for every logical elemen
 """
 from __future__ import annotations
 
-from ..errors import KVABIError
-from ..layout import Layout
+from ..layout.descriptor import Layout
+from ..util.errors import KVABIError
 
 _AXES = ("L", "B", "KV", "N", "H", "D")
 _ARG = {"L": "layer", "B": "block", "KV": "kv", "N": "token", "H": "head", "D": "dim"}

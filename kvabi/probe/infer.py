@@ -24,11 +24,11 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from ..dtypes import itemsize
-from ..errors import KVABIError
-from ..component import Component
-from ..layout import Layout
-from ..presets import preset_names
+from ..layout.component import Component
+from ..layout.descriptor import Layout
+from ..layout.presets import preset_names
+from ..util.dtypes import itemsize
+from ..util.errors import KVABIError
 from .compare import placement_difference
 from .markers import Alphabet
 from .marking import Geometry, Marked, gather, read_ids, scan

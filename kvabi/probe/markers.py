@@ -18,7 +18,7 @@ import functools
 import attrs
 import numpy as np
 
-from ..dtypes import check_dtype, itemsize, numpy_dtype
+from ..util.dtypes import check_dtype, itemsize, numpy_dtype
 from .memory import POISON
 
 _F32_BASE = 0x3F800000  # 1.0: float32 digits are the floats in [1, 2), 2**23 of them

@@ -10,8 +10,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from ..coerce import as_int
-from ..errors import KVABIError
+from ..util.coerce import as_int
+from ..util.errors import KVABIError
 from .markers import Alphabet
 from .memory import PlaneBytes, _TooMany
 
@@ -30,7 +30,7 @@ class Geometry:
 
     @classmethod
     def of_spec(cls, spec, num_blocks, num_layers) -> "Geometry":
-        from ..spec import KVSpec
+        from ..model.spec import KVSpec
 
         if not isinstance(spec, KVSpec):
             raise KVABIError(f"spec: must be a KVSpec, got {type(spec).__name__}")

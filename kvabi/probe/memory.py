@@ -14,8 +14,8 @@ import ctypes
 
 import numpy as np
 
-from ..errors import KVABIError
-from ..tensors import framework
+from ..util.errors import KVABIError
+from ..util.tensors import framework
 
 #: the byte every probed byte is set to first.  0xBB.. is a finite, normal value in every
 #: float dtype (-69 in int8), so it survives engines whose writes pass untouched elements

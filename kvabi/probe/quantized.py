@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import numpy_dtype
-from ..errors import KVABIError
-from ..layout import Layout, check_layout
-from ..layout_regions import block_cells
+from ..layout.descriptor import Layout, check_layout
+from ..layout.regions import block_cells
+from ..util.dtypes import numpy_dtype
+from ..util.errors import KVABIError
 from .marking import Geometry
 from .memory import POISON
 from .verify import probe_arguments, sample_rows

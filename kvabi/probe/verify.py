@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..coerce import as_int
-from ..errors import KVABIError
-from ..layout import Layout, check_layout
+from ..layout.descriptor import Layout, check_layout
+from ..util.coerce import as_int
+from ..util.errors import KVABIError
 from .markers import Alphabet
 from .marking import Geometry, Marked, gather, read_ids, scan
 from .memory import plane_bytes
@@ -46,7 +46,7 @@ def sample_rows(geo: Geometry, samples: int, seed: int, avoid=()) -> Marked:
 def _cells(layout: Layout, rows: Marked):
     """[(plane, lo, hi)] covering each sampled (layer, block) cell with the padding that
     follows it, merged per plane."""
-    from ..layout_regions import block_cells
+    from ..layout.regions import block_cells
 
     return block_cells(layout, zip(rows.layer.tolist(), rows.block.tolist()))
 

@@ -14,11 +14,11 @@ import functools
 import attrs
 import numpy as np
 
-from ..dtypes import numpy_dtype
-from ..layout import Layout
-from ..metadata import CommonAttentionMetadata
-from ..quant import quant_format, quantize_per_tensor, quantize_per_token_head
-from ..spec import KVSpec
+from ..layout.descriptor import Layout
+from ..model.quant import quant_format, quantize_per_tensor, quantize_per_token_head
+from ..model.spec import KVSpec
+from ..step.metadata import CommonAttentionMetadata
+from ..util.dtypes import numpy_dtype
 
 #: standard deviation of query entries; with unit keys and scale 1/sqrt(D) the logits have
 #: about this spread, so softmax is neither uniform nor one-hot

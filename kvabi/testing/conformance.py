@@ -58,7 +58,7 @@ class BackendConformance:
     # -- the backend ------------------------------------------------------------------------
     def make_backend(self):
         """The backend under test (default: ``get_backend(backend_name)``)."""
-        from ..registry import get_backend
+        from ..backend.registry import get_backend
 
         if not self.backend_name:
             raise TypeError(f"{type(self).__name__}: set backend_name")
@@ -102,9 +102,9 @@ class BackendConformance:
         """The backend is a kvabi Backend with a dotted name and sane capabilities, built
         for this ABI's major version, leaving the calls (and their checks) to the base
         class."""
-        from ..backend import BOUNDARY, Backend
-        from ..capabilities import Capabilities
-        from ..version import ABI_VERSION
+        from ..backend.base import BOUNDARY, Backend
+        from ..backend.capabilities import Capabilities
+        from ..util.version import ABI_VERSION
 
         backend = self.make_backend()
         assert isinstance(backend, Backend)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ..cache import KVCache
-from ..dtypes import numpy_dtype
-from ..errors import KVABIError
-from ..layout import Layout
-from ..metadata import CommonAttentionMetadata
-from ..tensors import convert, to_numpy
+from ..layout.descriptor import Layout
+from ..memory.cache import KVCache
+from ..step.metadata import CommonAttentionMetadata
+from ..util.dtypes import numpy_dtype
+from ..util.errors import KVABIError
+from ..util.tensors import convert, to_numpy
 from .cases import AttentionCase, input_dtype, stored
 from .measure import ConformanceFailure
 
@@ -57,7 +57,7 @@ def dtype_str(x) -> str:
 
 def is_reference(backend) -> bool:
     """The numpy oracle (and its subclasses) returns float64 outputs and lse."""
-    from ..reference import ReferenceBackend
+    from ..backend.reference import ReferenceBackend
 
     return isinstance(backend, ReferenceBackend)
 
@@ -236,7 +236,7 @@ class StepData:
 def _token_bits(x, dt, u, width, spec=None, kv=0, scales=None):
     """[T, H * width] cache-dtype bits of a step's K or V rows (a quantized spec's codes
     under the layer's ``scales``)."""
-    from ..reference import to_cache_dtype
+    from ..backend.reference import to_cache_dtype
 
     a = np.asarray(x)[..., :width]
     a = stored(spec, a, kv, scales)[0] if spec is not None and spec.is_quantized \

@@ -55,7 +55,7 @@ _selected: dict[str, object] = {}
 
 
 def _error(msg: str):
-    from ..errors import KVABIError
+    from ..util.errors import KVABIError
 
     return KVABIError(msg)
 

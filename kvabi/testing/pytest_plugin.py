@@ -35,7 +35,7 @@ def pytest_configure(config):
     profile = config.getoption("kvabi_profile", None)
     seed = config.getoption("kvabi_seed", None)
     if profile or seed is not None:
-        from ..errors import KVABIError
+        from ..util.errors import KVABIError
         from .profiles import parse_seed, select
 
         try:

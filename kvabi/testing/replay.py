@@ -94,7 +94,7 @@ class _Code:
         """``np.array([...], dtype=...)`` with the values as plain Python numbers."""
         name = a.dtype.name
         if name == "bfloat16" or name.startswith("float8"):  # ml_dtypes: name them
-            self.imports.add(("kvabi.dtypes", "numpy_dtype"))
+            self.imports.add(("kvabi.util.dtypes", "numpy_dtype"))
             dt = f"numpy_dtype({name!r})"
             values = a.astype(np.float64).tolist()
         else:

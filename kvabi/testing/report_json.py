@@ -54,7 +54,7 @@ def result_dict(r) -> dict:
 
 
 def document(results, *, profile: str, seed: int) -> dict:
-    from .. import __version__
+    from ..util.version import __version__
 
     failed = sum(r.status == FAILED for r in results)
     return {"kvabi": __version__, "profile": profile, "seed": seed,

@@ -71,7 +71,7 @@ class CheckResult:
 
 
 def reference_backend():
-    from ..registry import get_backend
+    from ..backend.registry import get_backend
 
     return get_backend("reference")
 

@@ -12,13 +12,14 @@ import attrs
 import numpy as np
 from hypothesis import strategies as st
 
-from ..dtypes import DTYPE_BITS, DTYPES, itemsize
-from ..errors import KVABIError
-from ..layout import Layout
-from ..metadata import CommonAttentionMetadata
-from ..presets import preset_names
-from ..quant import FORMATS, QUANT_MODES, ROUNDINGS
-from ..spec import KINDS, KVSpec, LayerKV, ModelKV
+from ..layout.descriptor import Layout
+from ..layout.presets import preset_names
+from ..model.model_kv import ModelKV
+from ..model.quant import FORMATS, QUANT_MODES, ROUNDINGS
+from ..model.spec import KINDS, KVSpec, LayerKV
+from ..step.metadata import CommonAttentionMetadata
+from ..util.dtypes import DTYPE_BITS, DTYPES, itemsize
+from ..util.errors import KVABIError
 
 #: head dims drawn when a backend accepts any
 SMALL_HEAD_DIMS = (4, 8, 16, 32)
@@ -189,7 +190,7 @@ def random_layouts(draw, spec: KVSpec, num_blocks: int, num_layers: int = 1) -> 
 
 def layouts(spec: KVSpec, num_blocks: int = 4, num_layers: int = 1, *, presets=True,
             random=True, names=None):
-    """Layouts for ``spec``: every preset of :func:`kvabi.presets.preset_names` that holds
+    """Layouts for ``spec``: every preset of :func:`kvabi.layout.presets.preset_names` that holds
     it (or those of ``names``), and/or :func:`random_layouts`.  Presets shrink first."""
     parts = []
     if presets:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import KVABIError
 from ..probe.memory import plane_bytes
+from ..util.errors import KVABIError
 
 
 def layout_writer(layout, planes):

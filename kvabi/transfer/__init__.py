@@ -2,6 +2,8 @@
 processes on NIXL (``specs/transfer.md``).
 
 numpy only at import time; torch, jax and nixl are imported when used.
+
+May import: util, model, layout, memory.
 """
 from .execute import execute
 from .host_pool import HostPool, cross_layer_twin

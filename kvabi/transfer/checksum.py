@@ -18,14 +18,14 @@ import json
 import attrs
 import numpy as np
 
-from ..cache import KVCache
-from ..coerce import as_int, int_array
-from ..errors import KVABIError
-from ..frozen import frozen_array
-from ..safe_json import loads
-from ..shard import shard_of
-from ..component import NAMES
-from ..tensors import to_numpy
+from ..layout.component import NAMES
+from ..memory.cache import KVCache
+from ..model.shard import shard_of
+from ..util.coerce import as_int, int_array
+from ..util.errors import KVABIError
+from ..util.frozen import frozen_array
+from ..util.safe_json import loads
+from ..util.tensors import to_numpy
 from .execute import byte_view
 
 #: tokens per checksum chunk by default (one per chunk and global head)

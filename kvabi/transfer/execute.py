@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import KVCache
-from ..errors import KVABIError
-from ..tensors import framework
+from ..memory.cache import KVCache
+from ..util.errors import KVABIError
+from ..util.tensors import framework
 from .pattern import plane_sizes
 from .pattern_copy import copy_pattern
 from .plan import TransferPlan

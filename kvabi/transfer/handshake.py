@@ -22,12 +22,12 @@ import re
 import attrs
 import numpy as np
 
-from ..coerce import as_int, int_array
-from ..version import WIRE_VERSION, wire_version
-from ..errors import KVABIError
-from ..frozen import frozen_array
-from ..layout import Layout
-from ..safe_json import loads
+from ..layout.descriptor import Layout
+from ..util.coerce import as_int, int_array
+from ..util.errors import KVABIError
+from ..util.frozen import frozen_array
+from ..util.safe_json import loads
+from ..util.version import WIRE_VERSION, wire_version
 from .kv_scales import parse_kv_scales, scales_to_json
 
 MESSAGE = "kvabi.transfer.handshake"
@@ -196,7 +196,7 @@ def _planes(p, layout: Layout, closed: bool) -> np.ndarray:
         raise KVABIError(f"planes: plane {int(far[0])}'s address + nbytes passes "
                          f"{MAX_ADDRESS}")
     # Checked here and trusted by whoever holds the handshake: read-only over an immutable
-    # buffer (kvabi.frozen), so that not even its writeable flag can be turned back on.
+    # buffer (kvabi.util.frozen), so that not even its writeable flag can be turned back on.
     return frozen_array(np.stack([a, nb, dev], axis=1).reshape(-1, 3))
 
 

@@ -14,12 +14,12 @@ import os
 
 import numpy as np
 
-from ..cache import KVCache
-from ..coerce import as_int, int_array
-from ..errors import KVABIError
-from ..component import Component
-from ..layout import Layout, check_layout
-from ..spec import KVSpec
+from ..layout.component import Component
+from ..layout.descriptor import Layout, check_layout
+from ..memory.cache import KVCache
+from ..model.spec import KVSpec
+from ..util.coerce import as_int, int_array
+from ..util.errors import KVABIError
 from .execute import execute_pattern
 from .plan import _layers, block_pattern, block_template, check_compatible
 

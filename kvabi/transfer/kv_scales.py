@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import KVABIError
-from ..quant import as_scale
+from ..model.quant import as_scale
+from ..util.errors import KVABIError
 
 #: largest number of layers a handshake's kv_scales may list (as many as a layout's L)
 MAX_LAYERS = 65536

@@ -29,11 +29,11 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from ..component import DATA, NAMES
-from ..errors import KVABIError
-from ..layout import Layout
-from ..shard import shard_of
-from ..version import WIRE_VERSION
+from ..layout.component import DATA, NAMES
+from ..layout.descriptor import Layout
+from ..model.shard import shard_of
+from ..util.errors import KVABIError
+from ..util.version import WIRE_VERSION
 from .handshake import Handshake
 from .plan import granularity
 from .shards import HeadRun, _check, assign, plan_shard_transfer, run_problems

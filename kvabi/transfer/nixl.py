@@ -25,19 +25,19 @@ import time
 import attrs
 import numpy as np
 
-from ..cache import KVCache
-from ..coerce import as_bool, as_float
-from ..errors import KVABIError
-from ..layout import Layout
-from ..tensors import framework
+from ..layout.descriptor import Layout
+from ..memory.cache import KVCache
+from ..model.shard import shard_of
+from ..util.coerce import as_bool, as_float
+from ..util.errors import KVABIError
+from ..util.tensors import framework
+from .checksum import check_checksums, kv_checksums
 from .execute import check_in_use, copy_from_staging
 from .handshake import (Handshake, check_agent_name, check_host, check_port, make_handshake,
                         parse_handshake)
+from .kv_scales import check_same_scales
 from .nixl_progress import create_agent
 from .pattern import plane_sizes
-from ..shard import shard_of
-from .checksum import check_checksums, kv_checksums
-from .kv_scales import check_same_scales
 from .plan import TransferPlan, plan_transfer
 from .shards import ShardPlan, plan_shard_transfer
 from .staging import ALIGN, stage, stage_blocks, staging_pays, worth_staging

@@ -15,9 +15,9 @@ import weakref
 import attrs
 import numpy as np
 
-from ..errors import KVABIError
-from ..frozen import frozen_array, is_frozen
-from ..layout import Layout
+from ..layout.descriptor import Layout
+from ..util.errors import KVABIError
+from ..util.frozen import frozen_array, is_frozen
 
 
 def plane_sizes(layout: Layout) -> np.ndarray:

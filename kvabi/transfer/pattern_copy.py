@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import Layout
+from ..layout.descriptor import Layout
 
 
 def runs(base_s: np.ndarray, base_t: np.ndarray) -> list[tuple[int, int, int, int]]:

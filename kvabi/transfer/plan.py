@@ -30,13 +30,11 @@ import math
 import attrs
 import numpy as np
 
-from ..coerce import int_array
-from ..errors import KVABIError
-from ..frozen import frozen_array, is_frozen
-from ..layout import Layout, check_layout
-from .pattern import (BlockPattern, GroupedPattern, base_offsets, component_groups,
-                      plane_sizes)
-
+from ..layout.descriptor import Layout, check_layout
+from ..util.coerce import int_array
+from ..util.errors import KVABIError
+from ..util.frozen import frozen_array, is_frozen
+from .pattern import BlockPattern, GroupedPattern, base_offsets, component_groups, plane_sizes
 
 
 def _own_regions(r) -> np.ndarray:

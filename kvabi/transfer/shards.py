@@ -32,9 +32,9 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from ..errors import KVABIError
-from ..layout import Layout, check_layout
-from ..shard import Shard, check_group, shard_of
+from ..layout.descriptor import Layout, check_layout
+from ..model.shard import Shard, check_group, shard_of
+from ..util.errors import KVABIError
 from .execute import execute
 from .plan import (TransferPlan, _made, check_token_data, granularity, merge_regions,
                    plan_block_transfer, plan_transfer)
@@ -251,7 +251,7 @@ def plan_shard_transfer(src_layouts, dst_layout: Layout, src_slots, dst_slots, *
     ``dst_layout`` (one rank of another), for the heads ``dst_layout`` holds.
 
     ``standard``: the shards must be the tensor-parallel split of their ranks
-    (:meth:`Shard.tp <kvabi.shard.Shard.tp>`), which is how a peer that lies about its
+    (:meth:`Shard.tp <kvabi.model.shard.Shard.tp>`), which is how a peer that lies about its
     heads is caught; without it any shards that together hold every head are accepted.
     KVABIError naming the field for anything the heads do not allow, before any plan."""
     srcs, shards, dst = _check(src_layouts, dst_layout, standard)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from ..errors import KVABIError
-from ..layout import Layout
+from ..layout.descriptor import Layout
+from ..util.errors import KVABIError
 from .pattern import BlockPattern, GroupedPattern, base_offsets, component_strides
 from .plan import TransferPlan, block_template, plan_from_template
 

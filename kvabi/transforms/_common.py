@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import coerce
-from ..errors import KVABIError
-from ..metadata import CommonAttentionMetadata
+from ..step.metadata import CommonAttentionMetadata
+from ..util import coerce
+from ..util.errors import KVABIError
 
 
 def check_meta(meta) -> CommonAttentionMetadata:

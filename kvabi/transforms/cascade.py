@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import KVABIError
-from ..metadata import CommonAttentionMetadata
+from ..step.metadata import CommonAttentionMetadata
+from ..util.errors import KVABIError
 from ._common import assemble, check_int, check_meta, query_bounds
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import require
-from ..metadata import MAX_STEP_REQS, MAX_STEP_TOKENS, CommonAttentionMetadata
+from ..step.metadata import MAX_STEP_REQS, MAX_STEP_TOKENS, CommonAttentionMetadata
+from ..util.errors import require
 from ._common import assemble, check_int, check_meta, query_bounds
 
 
@@ -16,7 +16,7 @@ def pad(meta: CommonAttentionMetadata, num_tokens: int, num_reqs: int
     the real ones) have no query tokens, no context, and all-zero block table rows.  The
     block table keeps its width.  ``num_tokens`` may be below ``meta.num_tokens`` as long as
     it keeps every real token (existing padding may shrink).  At most
-    :data:`~kvabi.metadata.MAX_STEP_TOKENS` tokens and ``MAX_STEP_REQS`` requests.
+    :data:`~kvabi.step.metadata.MAX_STEP_TOKENS` tokens and ``MAX_STEP_REQS`` requests.
     """
     meta = check_meta(meta)
     total = meta.num_actual_tokens

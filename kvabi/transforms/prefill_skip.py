@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import KVABIError, require
-from ..metadata import CommonAttentionMetadata
+from ..step.metadata import CommonAttentionMetadata
+from ..util.errors import KVABIError, require
 from ._common import assemble, check_meta, int_array, query_bounds
 
 

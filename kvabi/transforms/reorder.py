@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import KVABIError, require
-from ..metadata import CommonAttentionMetadata
+from ..step.metadata import CommonAttentionMetadata
+from ..util.errors import KVABIError, require
 from ._common import assemble, check_int, check_meta, expand, int_array, query_bounds
 
 

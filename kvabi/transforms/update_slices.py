@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..coerce import INT32_MAX
-from ..metadata import CommonAttentionMetadata
+from ..step.metadata import CommonAttentionMetadata
+from ..util.coerce import INT32_MAX
 from ._common import check_int, check_meta, expand, query_bounds
 
 #: Largest padding factor: the slices are padded to a multiple of it, so it bounds memory

@@ -3,7 +3,7 @@ and 1.x descriptors of every preset, recorded with the layout code of ABI 1.2 (b
 components) from the repository root.  Kept to show what the recording is; not run by the tests."""
 import numpy as np, json
 from kvabi import KVSpec, Layout
-from kvabi.presets import PRESETS, preset_names
+from kvabi.layout.presets import PRESETS, preset_names
 out = {}
 cases = [("full", "float32", 2, 8, 1), ("full", "float16", 1, 4, 1), ("full", "bfloat16", 2, 6, 1),
          ("full", "int8", 2, 16, 1), ("full", "float16", 2, 8, 96), ("mla", "bfloat16", 1, 12, 1),

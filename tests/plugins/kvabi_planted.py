@@ -12,7 +12,7 @@ import attrs
 import numpy as np
 
 import kvabi
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 
 
 class NoWindow(ReferenceBackend):

@@ -22,7 +22,7 @@ import numpy as np
 
 
 def _parser():
-    from kvabi.argtypes import int_arg
+    from kvabi.util.argtypes import int_arg
 
     pos = int_arg(lo=1, hi=1 << 24, name="positive integer")
     p = argparse.ArgumentParser(prog="kvabi bench cuda",
@@ -76,7 +76,7 @@ def measure(tokens=None, heads=8, head_dim=128, block_size=16, dtype="float16",
         torch.set_num_threads(threads)
 
     from kvabi import KVCache, KVSpec, Layout
-    from kvabi.tensors import torch_dtype
+    from kvabi.util.tensors import torch_dtype
 
     from . import runtime
     from .torch_write import write_kv_torch, write_rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from kvabi.tensors import to_torch, torch_dtype
+from kvabi.util.tensors import to_torch, torch_dtype
 
 from .flash_attn_args import flash_attn_args
 from .library_backend import LibraryBackend

@@ -15,7 +15,7 @@ import inspect
 import attrs
 import numpy as np
 
-from kvabi.tensors import to_torch, torch_dtype
+from kvabi.util.tensors import to_torch, torch_dtype
 
 from .flashinfer_args import append_args, flashinfer_args, paged_kv_tensors
 from .layouts import nhd_or_hnd

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvabi import KVABIError, UnsupportedError
-from kvabi.coerce import INT32_MAX, index_array
+from kvabi.util.coerce import INT32_MAX, index_array
 
 #: headroom for a key tile past the last position (the kernels' largest BLOCK_N, rounded up)
 POSITION_MARGIN = 1024

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvabi import KVABIError, Layout
-from kvabi.presets import preset_names
+from kvabi.layout.presets import preset_names
 
 #: preferred first; every other servable preset follows in kvabi's order
 FIRST = ("flash_attn", "flashinfer.NHD", "flashinfer.HND")

@@ -9,7 +9,7 @@ so it is not bound to the real kernels' dtypes and head sizes).
 from __future__ import annotations
 
 from kvabi import Backend, Capabilities
-from kvabi.tensors import ConvertOnce
+from kvabi.util.tensors import ConvertOnce
 
 from . import runtime
 from .layouts import CUDA_FAMILIES, d_contiguous_presets

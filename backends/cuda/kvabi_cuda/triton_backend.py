@@ -6,8 +6,8 @@ import attrs
 import numpy as np
 
 from kvabi import Backend, Capabilities, UnsupportedError
-from kvabi.coerce import INT32_MAX
-from kvabi.tensors import ConvertOnce, to_torch
+from kvabi.util.coerce import INT32_MAX
+from kvabi.util.tensors import ConvertOnce, to_torch
 
 from . import runtime
 from .index_width import index_dtype, needs_int64, tensor_extent

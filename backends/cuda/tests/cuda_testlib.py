@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 import kvabi
 from kvabi import CommonAttentionMetadata, KVSpec, Layout
-from kvabi.dtypes import numpy_dtype
-from kvabi.tensors import convert, to_numpy
+from kvabi.util.dtypes import numpy_dtype
+from kvabi.util.tensors import convert, to_numpy
 
 
 @attrs.frozen

@@ -55,7 +55,7 @@ def test_bad_options_are_usage_errors(bad, capsys):
 
 
 def test_bench_does_not_depend_on_the_command_line():
-    """A backend's bench parses its options with the public kvabi.argtypes, without
+    """A backend's bench parses its options with the public kvabi.util.argtypes, without
     importing kvabi.commands (a fresh interpreter, so other tests' imports do not count)."""
     import subprocess
     import sys

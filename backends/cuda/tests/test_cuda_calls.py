@@ -9,7 +9,7 @@ import torch
 
 import kvabi
 from kvabi import KVABIError, UnsupportedError
-from kvabi.tensors import convert
+from kvabi.util.tensors import convert
 
 from cuda_testlib import (TOL, arr, compare, fill_layer, host, make_step, reference,
                           reference_layer, run_step)

@@ -9,7 +9,7 @@ import torch
 
 import kvabi
 from kvabi import KVABIError, KVSpec, Layout
-from kvabi.coerce import INT32_MAX
+from kvabi.util.coerce import INT32_MAX
 
 from cuda_testlib import (TOL, arr, compare, fill_layer, host, make_step, reference,
                           reference_layer, run_step, visible_slots)

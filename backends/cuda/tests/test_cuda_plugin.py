@@ -5,7 +5,8 @@ import importlib.metadata
 import pytest
 
 import kvabi
-from kvabi import UnsupportedError, registry
+from kvabi import UnsupportedError
+from kvabi.backend import registry
 
 from cuda_testlib import arr, make_step
 

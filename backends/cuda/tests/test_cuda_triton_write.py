@@ -4,8 +4,8 @@ import pytest
 
 import kvabi
 from kvabi import UnsupportedError
-from kvabi.presets import preset_names
-from kvabi.tensors import to_numpy
+from kvabi.layout.presets import preset_names
+from kvabi.util.tensors import to_numpy
 
 from cuda_testlib import arr, make_step, reference, step_data
 

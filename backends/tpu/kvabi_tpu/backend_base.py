@@ -15,8 +15,8 @@ import numpy as np
 
 import kvabi
 from kvabi import KVABIError
-from kvabi.dtypes import numpy_dtype
-from kvabi.tensors import ConvertOnce, to_jax
+from kvabi.util.dtypes import numpy_dtype
+from kvabi.util.tensors import ConvertOnce, to_jax
 
 from .cache_format import CacheFormat
 from .dtype import SUPPORTED

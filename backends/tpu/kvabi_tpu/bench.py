@@ -28,8 +28,8 @@ import numpy as np
 
 import kvabi
 from kvabi import KVABIError, KVCache
-from kvabi.dtypes import numpy_dtype
-from kvabi.views import allocate_numpy
+from kvabi.util.dtypes import numpy_dtype
+from kvabi.memory.views import allocate_numpy
 
 from .env import on_tpu
 

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import kvabi
-from kvabi.dtypes import numpy_dtype
+from kvabi.util.dtypes import numpy_dtype
 
 from .compile_count import compiles
 

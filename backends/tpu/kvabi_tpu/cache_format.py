@@ -145,7 +145,7 @@ class CacheFormat:
         ``[T, *write_slot_shape]`` except that the last dim is head_dim."""
         import jax.numpy as jnp
 
-        from kvabi.dtypes import numpy_dtype
+        from kvabi.util.dtypes import numpy_dtype
 
         dt = numpy_dtype(self.dtype)
         t, h, d = key.shape

@@ -15,7 +15,7 @@ import jax
 from jax import lax
 from jax import numpy as jnp
 
-from kvabi.tensors import to_jax
+from kvabi.util.tensors import to_jax
 
 from .plan import (TILE_KVLEN, TILE_NPAGES, TILE_PAGE_LO, TILE_POS0, TILE_QLEN, TILE_REQ,
                    next_pow2)

@@ -1,7 +1,7 @@
 """Backend ``tpu.pallas``: the Pallas TPU kernels (natively on a TPU, else TPU interpret)."""
 from __future__ import annotations
 
-from kvabi.dtypes import tpu_packing
+from kvabi.util.dtypes import tpu_packing
 
 from .backend_base import TPUBackendBase
 from .env import interpret_arg, on_tpu, pallas_status

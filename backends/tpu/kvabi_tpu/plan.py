@@ -24,7 +24,7 @@ import numpy as np
 
 import kvabi
 from kvabi import KVABIError
-from kvabi.coerce import INT32_MAX
+from kvabi.util.coerce import INT32_MAX
 
 #: rows of TPUPlan.tile_info
 TILE_REQ, TILE_POS0, TILE_QLEN, TILE_KVLEN, TILE_PAGE_LO, TILE_NPAGES = range(6)

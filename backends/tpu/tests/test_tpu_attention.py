@@ -17,7 +17,7 @@ from tpu_helpers import (JAX, PALLAS, REFERENCE, TOL, batches, cross_layer_layou
                          filled_cache, make_spec, rel_l2, to_backend, values)
 
 import kvabi
-from kvabi.tensors import to_jax, to_numpy
+from kvabi.util.tensors import to_jax, to_numpy
 
 
 def check_attention(backend, spec, form, meta, group, options, seed, layer=0):

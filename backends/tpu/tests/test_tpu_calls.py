@@ -11,7 +11,7 @@ from tpu_helpers import (JAX, PALLAS, REFERENCE, TOL, filled_cache, make_spec, r
                          to_backend, values)
 
 import kvabi
-from kvabi.tensors import to_jax, to_numpy
+from kvabi.util.tensors import to_jax, to_numpy
 from kvabi import KVABIError
 from kvabi_tpu.steps import compiled
 

@@ -10,7 +10,7 @@ import pytest
 from tpu_helpers import JAX, PALLAS, filled_cache, make_spec, to_backend, values
 
 import kvabi
-from kvabi.tensors import to_jax, to_numpy
+from kvabi.util.tensors import to_jax, to_numpy
 from kvabi import KVABIError, UnsupportedError
 from kvabi_tpu.env import on_tpu
 from kvabi_tpu.jax_backend import JaxBackend

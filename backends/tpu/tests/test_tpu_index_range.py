@@ -11,9 +11,9 @@ import pytest
 from tpu_helpers import JAX, PALLAS, make_spec
 
 import kvabi
-from kvabi.tensors import to_jax, to_numpy
+from kvabi.util.tensors import to_jax, to_numpy
 from kvabi import KVABIError
-from kvabi.views import allocate_numpy
+from kvabi.memory.views import allocate_numpy
 
 BACKENDS = [PALLAS, JAX]
 ids = lambda b: b.name  # noqa: E731

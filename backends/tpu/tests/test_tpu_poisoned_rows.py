@@ -20,7 +20,7 @@ from tpu_helpers import (JAX, PALLAS, REFERENCE, TOL, batches, filled_cache, mak
                          poison_invisible, rel_l2, to_backend, values, visible_slots)
 
 import kvabi
-from kvabi.tensors import to_jax, to_numpy
+from kvabi.util.tensors import to_jax, to_numpy
 
 
 def check_poisoned(backend, spec, form, meta, group, options, seed, *, min_poisoned=1):

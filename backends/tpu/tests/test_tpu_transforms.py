@@ -10,7 +10,7 @@ from tpu_helpers import (JAX, PALLAS, REFERENCE, TOL, filled_cache, make_spec, r
                          to_backend, values)
 
 import kvabi
-from kvabi.tensors import to_jax, to_numpy
+from kvabi.util.tensors import to_jax, to_numpy
 from kvabi import transforms
 
 META = dict(query_lens=[1, 23, 0, 9], context_lens=[40, 0, 7, 18],

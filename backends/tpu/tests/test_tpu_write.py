@@ -16,7 +16,7 @@ from tpu_helpers import (JAX, PALLAS, REFERENCE, batches, cross_layer_layout, fi
                          make_spec, same_bytes, to_backend, values)
 
 import kvabi
-from kvabi.tensors import to_jax, to_numpy
+from kvabi.util.tensors import to_jax, to_numpy
 
 FORMS = ("tpu.combined", "tpu.hidden", "tpu.combined.cross_layer", "tpu.hidden.cross_layer")
 

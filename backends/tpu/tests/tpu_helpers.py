@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 import kvabi
 from kvabi import KVCache
-from kvabi.dtypes import numpy_dtype
-from kvabi.views import allocate_numpy
+from kvabi.util.dtypes import numpy_dtype
+from kvabi.memory.views import allocate_numpy
 
 #: a value no written K/V takes (exact in every dtype tested): marks untouched bytes
 POISON = -7.75

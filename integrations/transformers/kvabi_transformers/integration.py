@@ -6,8 +6,8 @@ import sys
 
 import kvabi
 from kvabi import KVABIError
-from kvabi.coerce import as_bool, as_int
-from kvabi.plan import layout_page_bytes, parse_bytes, plan_memory
+from kvabi.util.coerce import as_bool, as_int
+from kvabi.memory.planning import layout_page_bytes, parse_bytes, plan_memory
 
 from .compat import TransformersMismatch, ensure_transformers, slice_problems
 from .connector.settings import pd_options

@@ -10,7 +10,7 @@ import kvabi_transformers.tools.demo as demo
 
 
 def test_bench_suite_is_registered_through_the_kvabi_hook():
-    from kvabi.registry import plugin_manager
+    from kvabi.backend.registry import plugin_manager
 
     suites = {}
     for d in plugin_manager().hook.kvabi_bench_suites():

@@ -2,7 +2,7 @@
 import pytest
 import kvabi
 import kvabi_transformers
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 from kvabi_transformers.model_kv import config_dict
 from kvabi_transformers.tools.compare import cb_config, run_batch, worst_step_error
 

@@ -1,7 +1,7 @@
 """kvabi's memory plan decides the pool; transformers' allocator hands out exactly it."""
 import kvabi
 import kvabi_transformers
-from kvabi.plan import plan_memory
+from kvabi.memory.planning import plan_memory
 from kvabi_transformers.tools.compare import cb_config, run_batch
 from kvabi_transformers.model_kv import config_dict
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import kvabi
 import kvabi_transformers
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 from kvabi_transformers.tools.compare import cb_config, run_batch
 from kvabi_transformers.tools.tiny_models import tiny_prompts
 

@@ -1,6 +1,6 @@
 """Plans are made once per step and KV group and reused by every layer, each layer's sinks
 coming with its attention call."""
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 import kvabi_transformers
 from kvabi_transformers.tools.compare import cb_config, run_batch, worst_step_error
 from kvabi_transformers.tools.tiny_models import tiny_model

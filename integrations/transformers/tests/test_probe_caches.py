@@ -5,7 +5,7 @@ import pytest
 
 import kvabi
 import kvabi_transformers
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 from kvabi.testing.writers import layout_writer
 from kvabi_transformers.tools.compare import cb_config, run_batch
 

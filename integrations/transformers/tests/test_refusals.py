@@ -2,7 +2,7 @@
 import pytest
 import kvabi
 import kvabi_transformers
-from kvabi.reference import ReferenceBackend
+from kvabi.backend.reference import ReferenceBackend
 from kvabi_transformers.tools.tiny_models import tiny_config, tiny_model
 
 from tf_cases import model_of

@@ -23,7 +23,7 @@ import torch
 
 import kvabi
 from kvabi import UnsupportedError
-from kvabi.errors import KVABIError
+from kvabi.util.errors import KVABIError
 from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer,
@@ -32,9 +32,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWind
 
 from . import kv_quant as kq
 from . import layouts as vl
+from .env import ENV_BACKEND, ENV_LAYOUT, ConfigError, backend_from_env, backend_of, say_once
 from .metadata import from_vllm, keep_indices
-from .startup import (ENV_BACKEND, ENV_LAYOUT, ConfigError, backend_from_env, backend_of,
-                      say_once)
 
 
 #: Per process: kvabi plans made (one per step and attention group), and how many of them
@@ -47,7 +46,7 @@ _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 
 def kvabi_backend() -> kvabi.Backend:
     """The kvabi backend named by ``KVABI_VLLM_BACKEND``, available here (else
-    :class:`~kvabi_vllm.startup.ConfigError` naming the variable)."""
+    :class:`~kvabi_vllm.env.ConfigError` naming the variable)."""
     name = backend_from_env()
     if name is None:
         raise ConfigError(f"{ENV_BACKEND}: not set; name a kvabi backend "

@@ -54,7 +54,7 @@ from .connector_meta import KvabiHandshakeMetadata
 from .connector_scheduler import KvabiConnectorScheduler
 from .connector_stats import KvabiConnectorStats, KvabiPromMetrics
 from .connector_worker import KvabiConnectorWorker
-from .startup import log_with_vllm
+from .env import log_with_vllm
 
 
 class KvabiConnector(KVConnectorBase_V1, SupportsHMA):

@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 
 from kvabi import KVABIError
-from kvabi.coerce import as_float, as_int
+from kvabi.util.coerce import as_float, as_int
 
 #: kv_connector_extra_config keys and their defaults
 DEFAULTS = {"host_blocks": 0, "nixl_host": "127.0.0.1", "pull_timeout_s": 30.0,

@@ -285,7 +285,7 @@ def kvabi_backend_part(tensors, vllm_config):
     (``KVABI_VLLM_BACKEND``): the plugin's own byte-exact layout of vLLM's views, and a
     write through the kvabi backend's ``write_kv`` into that memory (for verification)."""
     import kvabi
-    from kvabi.tensors import convert
+    from kvabi.util.tensors import convert
 
     from . import layouts as vl
     from .attention import kvabi_backend

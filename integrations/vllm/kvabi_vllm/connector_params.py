@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 
 from kvabi import KVABIError
-from kvabi.coerce import as_bool, as_int
+from kvabi.util.coerce import as_bool, as_int
 from kvabi.transfer.handshake import parse_handshake
 
 from .connector_checksum import tokens_digest

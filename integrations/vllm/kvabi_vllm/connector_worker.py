@@ -36,7 +36,7 @@ import uuid
 import numpy as np
 
 from kvabi import KVABIError, KVCache
-from kvabi.shard import shard_of
+from kvabi.model.shard import shard_of
 from kvabi.transfer import (HostPool, negotiate, plan_block_transfer,
                             plan_shard_transfer, plan_transfer)
 from kvabi.transfer.handshake import parse_handshake

@@ -25,7 +25,7 @@ from the same keys (a second pass; engines decoding through vLLM never ask for i
 
 fp8 caches (``float8_e4m3fn``, ``float8_e5m2``) are ``per_tensor`` quantized with the
 rounding of vLLM's CPU writer, ``toward_zero`` (``specs/semantics.md`` section 11): the
-write stores ``kvabi.quant`` codes under the layer's ``k_scale``/``v_scale``, the kernels
+write stores ``kvabi.model.quant`` codes under the layer's ``k_scale``/``v_scale``, the kernels
 read the codes with the same scales (``kv_cache_dtype`` ``fp8``/``fp8_e5m2``, ISA ``vec``:
 head dims and block sizes multiples of 32) and compute in the query's dtype.
 
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 import kvabi
-from kvabi.tensors import ConvertOnce
+from kvabi.util.tensors import ConvertOnce
 
 from .cpu_layout import (BLOCK_MULTIPLE, HEAD_SIZES, choose_isa, kernel_scratch, key_tiles,
                          keys_in_kernel_order, to_kernel_blocks, value_scratch,
@@ -366,8 +366,8 @@ def _views(cache, layer, spec):
 
 
 def _codes(x, scale: float, spec, field: str) -> torch.Tensor:
-    """``kvabi.quant``'s codes of rows ``x`` under a static scale, as uint8 bytes."""
-    from kvabi.quant import quantize_per_tensor
+    """``kvabi.model.quant``'s codes of rows ``x`` under a static scale, as uint8 bytes."""
+    from kvabi.model.quant import quantize_per_tensor
 
     c = quantize_per_tensor(x.float().numpy(), scale, spec.dtype, spec.rounding, field)
     return torch.from_numpy(c.view(np.uint8))

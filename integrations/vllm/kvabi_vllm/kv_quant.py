@@ -30,7 +30,7 @@ def quantize_spec(backend, spec: kvabi.KVSpec, cache_dtype: str) -> kvabi.KVSpec
     if dtype is None:
         raise UnsupportedError(f"{backend.name}: kv_cache_dtype {cache_dtype!r} is not served "
                                f"through kvabi (auto, {', '.join(FP8)})")
-    from kvabi.quant import quant_format
+    from kvabi.model.quant import quant_format
 
     caps = backend.capabilities(attrs.evolve(spec, dtype=dtype, quant="per_tensor",
                                              rounding=VLLM_ROUNDING))

@@ -23,7 +23,7 @@ import attrs
 
 import kvabi
 from kvabi import UnsupportedError
-from kvabi.errors import KVABIError
+from kvabi.util.errors import KVABIError
 
 #: vLLM's ``KVCacheLayout`` names, in vLLM's default preference order (LBNHC first).
 VLLM_LAYOUTS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 import kvabi
-from kvabi.errors import KVABIError
+from kvabi.util.errors import KVABIError
 
 
 def _np(t) -> np.ndarray:

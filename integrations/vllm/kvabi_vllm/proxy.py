@@ -150,7 +150,7 @@ def build_app(prefill: str, decode: str, *, timeout: float = 300.0):
 
 
 def parser() -> argparse.ArgumentParser:
-    from kvabi.argtypes import int_arg
+    from kvabi.util.argtypes import int_arg
 
     p = argparse.ArgumentParser(
         prog="kvabi-vllm proxy",

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     _answer_vllm_version()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    from .startup import ConfigError
+    from .env import ConfigError
 
     saved = sys.argv
     sys.argv = ["vllm", "serve", *argv]  # vLLM's command reads sys.argv

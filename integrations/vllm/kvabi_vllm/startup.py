@@ -1,6 +1,6 @@
 """kvabi-vllm's configuration checks, at the earliest point each can run.
 
-- :func:`backend_from_env` (the vLLM plugin, in every vLLM process, before vLLM reads its
+- :func:`~kvabi_vllm.env.backend_from_env` (the vLLM plugin, in every vLLM process, before vLLM reads its
   configuration): the kvabi variables themselves.  ``KVABI_VLLM_BACKEND`` set but empty,
   ``KVABI_VLLM_LAYOUT`` without a backend or not one of vLLM's names, a backend that is not
   registered or not available here: each is refused naming the variable, its value and
@@ -19,78 +19,14 @@ configured (vLLM then runs exactly as without kvabi-vllm).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import kvabi
 from kvabi import UnsupportedError
-from kvabi.errors import KVABIError
+from kvabi.util.errors import KVABIError
 
-# a child of vLLM's logger: its handler, format and level apply, and vLLM's command line,
-# which reconfigures logging and disables the loggers it does not know, keeps it
-log = logging.getLogger("vllm.kvabi")
-
-#: The kvabi backend vLLM's attention runs on (unset: the plugin changes nothing).
-ENV_BACKEND = "KVABI_VLLM_BACKEND"
-#: Optional: one of vLLM's six layout names to allocate (default: the backend's first fit).
-ENV_LAYOUT = "KVABI_VLLM_LAYOUT"
-#: vLLM's CPU worker: GiB of KV cache (unset: a fraction of the NUMA node's memory).
-ENV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
-#: vLLM's six layout names (kvabi_vllm.layouts.VLLM_LAYOUTS; here without importing kvabi's
-#: layout code into every vLLM process that only checks the environment).
-VLLM_LAYOUTS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC")
-CONNECTOR = "KvabiConnector"
-
-
-class ConfigError(KVABIError):
-    """A configuration kvabi-vllm refuses at engine start; the message names the variable
-    or option, its value and the fix."""
-
-
-def _registered() -> str:
-    return ", ".join(kvabi.backend_names()) or "(none)"
-
-
-def backend_from_env(environ=None) -> str | None:
-    """The kvabi backend named by ``KVABI_VLLM_BACKEND`` (None: unset, vLLM's own
-    attention), after checking both kvabi variables; :class:`ConfigError` otherwise."""
-    env = os.environ if environ is None else environ
-    name, layout = env.get(ENV_BACKEND), env.get(ENV_LAYOUT)
-    if name is not None and not name.strip():
-        raise ConfigError(f"{ENV_BACKEND}: set but empty; name a kvabi backend "
-                          f"({_registered()}) or unset it for vLLM's own attention")
-    if layout is not None and layout not in VLLM_LAYOUTS:
-        raise ConfigError(f"{ENV_LAYOUT}={layout!r}: not one of vLLM's layout names "
-                          f"{', '.join(VLLM_LAYOUTS)}; set one of them or unset it (the "
-                          f"backend's first preferred layout is used)")
-    if name is None:
-        if layout is not None:
-            raise ConfigError(f"{ENV_LAYOUT}={layout}: takes effect only with {ENV_BACKEND}; "
-                              f"set {ENV_BACKEND} to a kvabi backend ({_registered()}), or "
-                              f"unset {ENV_LAYOUT} (vLLM's own attention takes its layout "
-                              f"from VLLM_KV_CACHE_LAYOUT)")
-        return None
-    backend_of(name)
-    return name
-
-
-def backend_of(name: str) -> kvabi.Backend:
-    """The registered, available kvabi backend ``name``, as ``KVABI_VLLM_BACKEND`` names it;
-    :class:`ConfigError` naming the variable otherwise."""
-    try:
-        backend = kvabi.get_backend(name)
-    except KVABIError as e:
-        # the registry's message says more only when a plugin was refused or failed
-        why = "" if str(e).endswith(f"known: {_registered()}") else f" ({e})"
-        raise ConfigError(f"{ENV_BACKEND}={name}: not a kvabi backend registered here"
-                          f"{why}; set it to one of {_registered()} (`kvabi backends` "
-                          f"lists them with their capabilities)") from None
-    ok, why = backend.available()
-    if not ok:
-        raise ConfigError(f"{ENV_BACKEND}={name}: not available here: {why}; choose "
-                          f"another backend (`kvabi backends`)")
-    return backend
-
+from .env import (CONNECTOR, ENV_BACKEND, ENV_LAYOUT, ENV_SPACE, ConfigError, backend_from_env,
+                  backend_of, say_once)
 
 def _uses_connector(vllm_config) -> bool:
     kv = getattr(vllm_config, "kv_transfer_config", None)
@@ -201,7 +137,7 @@ def _check_connector(vllm_config) -> None:
         return
     # each rank's layouts state its shard of the KV heads (kvabi.Shard.tp): the split must
     # exist for a peer of another TP size to know which heads each rank holds
-    from kvabi.shard import split_heads
+    from kvabi.model.shard import split_heads
 
     heads = int(vllm_config.model_config.get_total_num_kv_heads())
     if split_heads(0, tp, heads) is None:
@@ -211,18 +147,6 @@ def _check_connector(vllm_config) -> None:
             f"divide the KV heads, or the KV heads the TP size); {CONNECTOR} moves each "
             f"rank's shard of the heads; choose a --tensor-parallel-size that divides "
             f"{heads} or that {heads} divides")
-
-
-_said: set[str] = set()
-
-
-def say_once(message: str, *args) -> None:
-    """Log ``message`` at INFO once per process (an in-process engine is main process and
-    worker at once)."""
-    text = message % args if args else message
-    if text not in _said:
-        _said.add(text)
-        log.info(text)
 
 
 def check_config(vllm_config) -> None:
@@ -243,17 +167,6 @@ def check_config(vllm_config) -> None:
         say_once("kvabi-vllm: attention on kvabi backend %s, kvabi layout %s in vLLM's "
                  "layout %s (vLLM's log names the entry it replaces, CPU_ATTN)", name,
                  choice.preset, choice.vllm_name)
-
-
-def log_with_vllm() -> None:
-    """Let kvabi-vllm's module loggers (``kvabi_vllm.*``, e.g. the connector's) write
-    through vLLM's handlers, in vLLM's format and at its level (``VLLM_LOGGING_LEVEL``): a
-    vLLM process configures only its own logger, so their INFO lines went nowhere."""
-    ours, theirs = logging.getLogger("kvabi_vllm"), logging.getLogger("vllm")
-    if theirs.handlers and not ours.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(theirs.level)
 
 
 def install() -> None:

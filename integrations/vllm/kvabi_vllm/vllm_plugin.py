@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from .startup import backend_from_env, install, log_with_vllm
+from .env import backend_from_env, log_with_vllm
+from .startup import install
 
 BACKEND_CLASS = "kvabi_vllm.attention.KvabiAttentionBackend"
 
@@ -18,7 +19,7 @@ def register() -> None:
     vLLM's CPU platform ignores a user-selected attention backend and always takes
     ``CPU_ATTN``, so the plugin replaces that entry (and ``CUSTOM``, for platforms that
     honour a selection); the backend is read again when an engine starts.  A kvabi variable
-    set wrong raises :class:`~kvabi_vllm.startup.ConfigError` here, before vLLM builds its
+    set wrong raises :class:`~kvabi_vllm.env.ConfigError` here, before vLLM builds its
     configuration."""
     if "vllm.logger" in sys.modules:
         log_with_vllm()

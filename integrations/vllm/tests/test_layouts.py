@@ -7,7 +7,7 @@ import torch
 
 import kvabi
 from kvabi import UnsupportedError
-from kvabi.errors import KVABIError
+from kvabi.util.errors import KVABIError
 from kvabi_vllm import layouts as vl
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheLayout, KVCacheTensor,
                                         compute_layout_strides, create_kv_cache_views)

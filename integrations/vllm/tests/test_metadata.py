@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvabi.errors import KVABIError
+from kvabi.util.errors import KVABIError
 from kvabi_vllm.metadata import from_vllm, keep_indices
 
 BS = 4

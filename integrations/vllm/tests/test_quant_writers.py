@@ -1,4 +1,4 @@
-"""vLLM's own quantizing writers against kvabi's quantization oracle (``kvabi.quant``,
+"""vLLM's own quantizing writers against kvabi's quantization oracle (``kvabi.model.quant``,
 ``specs/semantics.md`` section 11), byte for byte.
 
 - CPU_ATTN's fp8 writer (``cpu_attn_reshape_and_cache(..., kv_cache_dtype="fp8"|"fp8_e5m2",
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import kvabi
-import kvabi.quant as q
-from kvabi.dtypes import numpy_dtype
+import kvabi.model.quant as q
+from kvabi.util.dtypes import numpy_dtype
 
 ops = pytest.importorskip("vllm._custom_ops")
 cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")

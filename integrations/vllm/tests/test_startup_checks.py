@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from kvabi_vllm import startup
-from kvabi_vllm.startup import ConfigError
+from kvabi_vllm import env
+from kvabi_vllm.env import ConfigError
 from kvabi_vllm.tools.checkpoints import write_checkpoint
 from kvabi_vllm.tools.engine import setup_env
 
@@ -30,30 +30,30 @@ def refused(fn, *words):
 
 # -- the variables, where the plugin loads -------------------------------------------------
 def test_an_empty_backend_variable_is_refused():
-    refused(lambda: startup.backend_from_env({"KVABI_VLLM_BACKEND": " "}),
+    refused(lambda: env.backend_from_env({"KVABI_VLLM_BACKEND": " "}),
             "KVABI_VLLM_BACKEND", "empty", "reference", "unset it")
 
 
 def test_a_layout_without_a_backend_is_refused():
-    refused(lambda: startup.backend_from_env({"KVABI_VLLM_LAYOUT": "BLHNC"}),
+    refused(lambda: env.backend_from_env({"KVABI_VLLM_LAYOUT": "BLHNC"}),
             "KVABI_VLLM_LAYOUT=BLHNC", "KVABI_VLLM_BACKEND", "unset KVABI_VLLM_LAYOUT")
 
 
 def test_a_layout_vllm_does_not_name_is_refused():
-    refused(lambda: startup.backend_from_env({"KVABI_VLLM_BACKEND": "reference",
+    refused(lambda: env.backend_from_env({"KVABI_VLLM_BACKEND": "reference",
                                               "KVABI_VLLM_LAYOUT": "NHD"}),
             "KVABI_VLLM_LAYOUT='NHD'", "LBHNC", "BLHNC")
 
 
 def test_an_unknown_backend_names_the_variable_and_the_registered_ones():
-    refused(lambda: startup.backend_from_env({"KVABI_VLLM_BACKEND": "trial.naiv"}),
+    refused(lambda: env.backend_from_env({"KVABI_VLLM_BACKEND": "trial.naiv"}),
             "KVABI_VLLM_BACKEND=trial.naiv", "cpu.vllm", "example.torch", "kvabi backends")
 
 
 def test_set_variables_are_accepted_and_unset_ones_leave_vllm_alone():
-    assert startup.backend_from_env({"KVABI_VLLM_BACKEND": "reference",
+    assert env.backend_from_env({"KVABI_VLLM_BACKEND": "reference",
                                      "KVABI_VLLM_LAYOUT": "BLHNC"}) == "reference"
-    assert startup.backend_from_env({}) is None
+    assert env.backend_from_env({}) is None
 
 
 # -- the configuration, right after vLLM builds it -------------------------------------------
@@ -111,11 +111,11 @@ def test_the_kv_cache_memory_vllm_would_refuse_names_its_variable(llama, monkeyp
 
 def test_a_served_configuration_passes_and_names_what_runs(llama, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    startup._said.clear()
+    env._said.clear()
     cfg = config(llama["llama"], monkeypatch, "cpu.vllm")
     assert cfg.cache_config.block_size == 32
     # the line said in this process (a server's log shows it: test_serving)
-    line, = startup._said
+    line, = env._said
     # cpu.vllm's first layout is vLLM's own cache (vllm.cpu), allocated as vLLM's LBHNC
     assert "kvabi backend cpu.vllm" in line and "kvabi layout vllm.cpu " in line and \
         "LBHNC" in line

@@ -10,21 +10,19 @@ from __future__ import annotations
 
 from .attention import attention_strategy, check_attention
 from .base import Check, KitOptions, NotApplicable, Refused, attention_cases, spec_strategy
-from .layouts import (check_foreign_layouts, check_layouts, foreign_layouts_strategy,
-                      layouts_strategy)
 from .frameworks import check_foreign_framework, foreign_framework_strategy
 from .hostile import (check_hostile_cache, check_huge_lengths, hostile_cache_strategy,
                       huge_lengths_strategy)
+from .layouts import (check_foreign_layouts, check_layouts, foreign_layouts_strategy,
+                      layouts_strategy)
 from .poison import check_poisoned_rows, poison_strategy
 from .poison_per_query import check_poisoned_per_query, poison_per_query_strategy
 from .refusal import check_unsupported, unsupported_strategy
 from .sharing import check_kv_sharing, sharing_strategy
-from .transforms import (cascade_strategy, check_cascade, check_local_virtual_batches,
-                         check_pad, check_permute, check_prefill_skip, check_split_ubatches,
-                         local_strategy, pad_strategy, permute_strategy, prefill_skip_strategy,
-                         ubatch_strategy)
-from .write import (check_kv_update_slices, check_write_kv, update_slices_strategy,
-                    write_strategy)
+from .transforms import (cascade_strategy, check_cascade, check_local_virtual_batches, check_pad,
+                         check_permute, check_prefill_skip, check_split_ubatches, local_strategy,
+                         pad_strategy, permute_strategy, prefill_skip_strategy, ubatch_strategy)
+from .write import check_kv_update_slices, check_write_kv, update_slices_strategy, write_strategy
 
 CHECKS: tuple[Check, ...] = (
     Check("write_kv", "writes exactly the batch's slots, byte for byte", check_write_kv,
@@ -72,7 +70,7 @@ def get_check(name: str) -> Check:
     for c in CHECKS:
         if c.name == name:
             return c
-    from ...errors import KVABIError
+    from ...util.errors import KVABIError
 
     raise KVABIError(f"check: unknown check {name!r}; checks are {', '.join(CHECK_NAMES)}")
 

@@ -7,8 +7,8 @@ from typing import Callable
 import attrs
 from hypothesis import strategies as st
 
-from ...errors import KVABIError
-from ...spec import KVSpec
+from ...model.spec import KVSpec
+from ...util.errors import KVABIError
 from ..cases import AttentionCase
 from ..strategies import batches, kv_specs, preset_layouts_for, random_layouts
 

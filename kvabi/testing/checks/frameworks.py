@@ -7,9 +7,9 @@ import importlib.util
 
 import numpy as np
 
-from ...cache import KVCache
-from ...errors import KVABIError
-from ...tensors import to_numpy
+from ...memory.cache import KVCache
+from ...util.errors import KVABIError
+from ...util.tensors import to_numpy
 from ..harness import Runner, in_framework, step_inputs
 from ..measure import ConformanceFailure
 from .base import KitOptions, NotApplicable, Refused, attention_cases, not_refused

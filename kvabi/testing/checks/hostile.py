@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from ...cache import KVCache
-from ...dtypes import numpy_dtype
-from ...errors import KVABIError
-from ...layout import Layout
-from ...metadata import CommonAttentionMetadata
-from ...presets import preset_names
-from ...tensors import to_numpy
+from ...layout.descriptor import Layout
+from ...layout.presets import preset_names
+from ...memory.cache import KVCache
+from ...step.metadata import CommonAttentionMetadata
+from ...util.dtypes import numpy_dtype
+from ...util.errors import KVABIError
+from ...util.tensors import to_numpy
 from ..harness import UINT, Runner, in_framework, step_inputs
 from ..measure import ConformanceFailure
 from .base import KitOptions, Refused, WithExtra, attention_cases, not_refused
@@ -104,7 +104,7 @@ def _to_framework(backend, arrays):
         return list(arrays)
     import torch
 
-    from ...tensors import torch_dtype
+    from ...util.tensors import torch_dtype
 
     out = []
     for a in arrays:

@@ -6,9 +6,9 @@ import attrs
 import numpy as np
 from hypothesis import strategies as st
 
-from ...dtypes import numpy_dtype
-from ...errors import KVABIError
-from ...layout import Layout
+from ...layout.descriptor import Layout
+from ...util.dtypes import numpy_dtype
+from ...util.errors import KVABIError
 from ..cases import exact_values, input_dtype, stored
 from ..harness import (UINT, StepData, expect_same_cache, fill_meta, in_framework, raw_items,
                        step_inputs, take_cache, to_planes)

@@ -11,9 +11,8 @@ import attrs
 import numpy as np
 from hypothesis import strategies as st
 
-from ...dtypes import numpy_dtype
-from ..harness import (Runner, StepData, expect_same_cache, raw_items, step_inputs,
-                       use_host_planes)
+from ...util.dtypes import numpy_dtype
+from ..harness import Runner, StepData, expect_same_cache, raw_items, step_inputs, use_host_planes
 from .attention import compare_outputs
 from .base import KitOptions, WithExtra, attention_cases, supported
 
@@ -172,7 +171,7 @@ def variants(backend, case, kinds, options):
 
 
 def _preferred(backend, spec):
-    from ...errors import KVABIError
+    from ...util.errors import KVABIError
 
     try:
         return tuple(backend.preferred_layouts(spec))

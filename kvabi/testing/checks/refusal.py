@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from ...dtypes import DTYPES
-from ...errors import KVABIError
-from ...spec import KINDS
+from ...model.spec import KINDS
+from ...util.dtypes import DTYPES
+from ...util.errors import KVABIError
 from ..measure import ConformanceFailure, expect_close, lse_error, relative_l2, tolerance
 from ..strategies import SMALL_BLOCK_SIZES, SMALL_HEAD_DIMS, kv_specs, preset_layouts_for
 from .attention import reference_step
-from .base import (KitOptions, NotApplicable, Refused, WithExtra, attention_cases,
-                   step_or_refusal)
+from .base import KitOptions, NotApplicable, Refused, WithExtra, attention_cases, step_or_refusal
 
 #: head dims and block sizes tried when a backend restricts them
 ODD_HEAD_DIMS = SMALL_HEAD_DIMS + (12, 24, 40, 48, 64, 72, 96, 128)

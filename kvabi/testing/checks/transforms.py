@@ -6,7 +6,7 @@ import attrs
 import numpy as np
 from hypothesis import strategies as st
 
-from ...merge import merge_attention
+from ...step.merge import merge_attention
 from ...transforms import (cascade_split, local_virtual_batches, pad, permute_requests,
                            prefill_skip, reorder_decode_first, split_ubatches)
 from ..cases import exact_values

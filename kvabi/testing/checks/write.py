@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from ...cache import KVCache
+from ...memory.cache import KVCache
 from ...transforms import kv_update_slices
 from ..harness import Runner, StepData, copy_planes, expect_same_cache, put_rows, step_inputs
 from ..measure import ConformanceFailure

@@ -36,7 +36,7 @@ PATHS = (("vllm", None), ("kvabi cpu.vllm", "cpu.vllm"), ("kvabi reference", "re
 
 
 def parser() -> argparse.ArgumentParser:
-    from kvabi.argtypes import int_arg
+    from kvabi.util.argtypes import int_arg
 
     pos = int_arg(1, 1 << 16)
     p = argparse.ArgumentParser(
@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
-    from kvabi.errors import KVABIError
+    from kvabi.util.errors import KVABIError
 
     if args.prefill_layers < 4 or args.prefill_layers % 2:
         raise KVABIError(f"--prefill-layers: must be an even number >= 4, got "

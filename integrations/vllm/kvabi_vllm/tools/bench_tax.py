@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     import tempfile
     from pathlib import Path
 
-    from kvabi.argtypes import int_arg
+    from kvabi.util.argtypes import int_arg
 
     ap = argparse.ArgumentParser(prog="python -m kvabi_vllm.tools.bench_tax",
                                  description=__doc__.split("\n\n")[0])

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvabi.errors import KVABIError
+from kvabi.util.errors import KVABIError
 
 LINEAR_STD = 0.3
 #: the tokenizer's special tokens, at the ids the configs name (pad 0, bos 1, eos 2), then
@@ -161,7 +161,7 @@ def distinct_tokens(outputs: list[list[int]]) -> int:
 
 def main(argv=None) -> int:
     """``python -m kvabi_vllm.tools.checkpoints PATH``: write a checkpoint vLLM can serve."""
-    from kvabi.argtypes import int_arg
+    from kvabi.util.argtypes import int_arg
 
     p = argparse.ArgumentParser(
         prog="python -m kvabi_vllm.tools.checkpoints",

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from kvabi.argtypes import int_arg
+from kvabi.util.argtypes import int_arg
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 LAYOUTS = ("vllm.cpu", "vllm.cpu_kt", "vllm.LBHNC")

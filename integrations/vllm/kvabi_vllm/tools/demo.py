@@ -18,7 +18,7 @@ DEFAULT_BACKENDS = ("cpu.vllm", "reference")
 
 
 def parser() -> argparse.ArgumentParser:
-    from kvabi.argtypes import int_arg
+    from kvabi.util.argtypes import int_arg
 
     pos = int_arg(1, 1 << 12)
     p = argparse.ArgumentParser(

@@ -15,7 +15,7 @@ import gc
 import os
 import time
 
-from kvabi.errors import KVABIError
+from kvabi.util.errors import KVABIError
 
 from ..startup import ENV_BACKEND, ENV_LAYOUT
 #: Environment every in-process engine here runs with (set unless already set).
