@@ -73,7 +73,7 @@ def run_pd(args) -> int:
     """The P/D kit against ``args.pd``."""
     import json
 
-    from ..errors import KVABIError
+    from ..util.errors import KVABIError
     from ..testing.pd import CHECK_NAMES, load_engine, report, run_kit
 
     bad = [c for c in args.check or () if c not in CHECK_NAMES]

@@ -26,9 +26,9 @@ import time
 
 import numpy as np
 
-from ..cache import KVCache
-from ..errors import KVABIError
-from ..shard import shard_of
+from ..memory.cache import KVCache
+from ..util.errors import KVABIError
+from ..model.shard import shard_of
 from ..transfer import negotiate, plan_block_transfer, plan_shard_transfer, plan_transfer
 from ..transfer.handshake import parse_handshake
 from ..transfer.kv_scales import check_same_scales

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import attrs
 
-from ..cache import KVCache
-from ..coerce import as_int
-from ..errors import KVABIError
+from ..memory.cache import KVCache
+from ..util.coerce import as_int
+from ..util.errors import KVABIError
 from .parts import KV, MAX_PARTS, NAME_CHARS, split_kv
 
 

@@ -20,7 +20,7 @@ import logging
 
 import numpy as np
 
-from ..errors import KVABIError
+from ..util.errors import KVABIError
 from .digests import tokens_digest
 from .grants import GrantBook
 from .host_index import HostIndex, chain_keys

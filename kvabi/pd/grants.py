@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from ..cache import KVCache
-from ..errors import KVABIError
+from ..memory.cache import KVCache
+from ..util.errors import KVABIError
 from .record import EXPIRED, HEADER, RELEASED, GrantRecord, encode, table_layout
 
 #: :meth:`GrantTable.release`: the notification counted, other consumer ranks still read

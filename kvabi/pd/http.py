@@ -12,7 +12,7 @@ import urllib.parse
 
 import attrs
 
-from ..errors import KVABIError
+from ..util.errors import KVABIError
 
 #: bytes of a request line plus headers, at most
 HEAD_LIMIT = 64 * 1024

@@ -16,8 +16,8 @@ import re
 import attrs
 import numpy as np
 
-from ..coerce import as_bool, as_int
-from ..errors import KVABIError
+from ..util.coerce import as_bool, as_int
+from ..util.errors import KVABIError
 from ..transfer.handshake import parse_handshake
 from .digests import tokens_digest
 from .notify import MAX_RANKS

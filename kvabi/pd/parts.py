@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import attrs
 
-from ..cache import KVCache
-from ..errors import KVABIError
-from ..layout import Layout
+from ..memory.cache import KVCache
+from ..util.errors import KVABIError
+from ..layout.descriptor import Layout
 
 KV, K, V = "kv", "k", "v"
 #: prefix of a part holding opaque block images
@@ -102,7 +102,7 @@ def with_shard(cache: KVCache, rank: int, size: int, heads: int) -> KVCache:
     of the model's ``heads`` KV heads (a peer of another TP size then knows which global
     head each byte holds); unchanged at size 1.  KVABIError when the cache holds another
     head count than the split gives this rank."""
-    from ..shard import Shard
+    from ..model.shard import Shard
 
     if size == 1:
         return cache

@@ -227,7 +227,7 @@ class Proxy:
 
 
 def parser(prog: str = "kvabi proxy", p=None) -> argparse.ArgumentParser:
-    from ..argtypes import float_arg, int_arg
+    from ..util.argtypes import float_arg, int_arg
 
     p = p or argparse.ArgumentParser(prog=prog)
     p.description = ("An OpenAI-compatible front (/v1/completions, /v1/chat/completions, "

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 
-from ..errors import KVABIError
+from ..util.errors import KVABIError
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import struct
 import attrs
 import numpy as np
 
-from ..errors import KVABIError
-from ..layout import Layout
+from ..util.errors import KVABIError
+from ..layout.descriptor import Layout
 from .parts import MAX_PARTS, NAME_CHARS
 
 MAGIC = b"KVABIG02"

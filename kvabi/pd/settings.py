@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import attrs
 
-from ..coerce import as_float, as_int
-from ..errors import KVABIError
+from ..util.coerce import as_float, as_int
+from ..util.errors import KVABIError
 
 ROLES = ("producer", "consumer", "both", "none")
 #: the bounds and their defaults (specs/pd.md section 11)

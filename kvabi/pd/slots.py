@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import KVABIError
+from ..util.errors import KVABIError
 
 #: the null block of the protocol: no block
 NULL = -1

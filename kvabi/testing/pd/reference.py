@@ -29,13 +29,13 @@ import time
 import attrs
 import numpy as np
 
-from ...cache import KVCache
-from ...layout import Layout
+from ...memory.cache import KVCache
+from ...layout.descriptor import Layout
 from ...pd import ASK, CacheGroup, CacheSide, EngineCaches, Front, PDSettings, with_shard
 from ...pd.record import GrantRecord
 from ...pd.slots import NULL, null_allowed, token_slots
-from ...shard import Shard
-from ...spec import KVSpec
+from ...model.shard import Shard
+from ...model.spec import KVSpec
 from .engine import EngineUnderTest, ModelFacts, Outcome
 from .values import kv_values, merge
 
@@ -232,7 +232,7 @@ class ReferenceEngine(EngineUnderTest):
     def kv(self, answer: dict) -> list:
         """What the engine computed for the request (its truth, not its blocks now), at the
         positions it holds."""
-        from ...dtypes import numpy_dtype
+        from ...util.dtypes import numpy_dtype
 
         rid, n, blocks = self._by_nonce[answer["kvabi_grant"]["nonce"]]
         prompt = self._prompts[rid]

@@ -55,7 +55,7 @@ def report(results) -> list[str]:
 def load_engine(spec: str) -> EngineUnderTest:
     """The engine a command line names: ``reference``, or ``module:callable`` returning an
     :class:`EngineUnderTest` (a class or a factory)."""
-    from ...errors import KVABIError
+    from ...util.errors import KVABIError
 
     if spec == "reference":
         from .reference import ReferenceEngine

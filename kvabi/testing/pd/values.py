@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...shard import shard_of
-from ...tensors import to_numpy
+from ...model.shard import shard_of
+from ...util.tensors import to_numpy
 
 
 def kv_values(cache, slots) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import attrs
 
 from kvabi import KVABIError
-from kvabi.coerce import as_int
+from kvabi.util.coerce import as_int
 from kvabi.pd import PDSettings
 
 #: vLLM's role names and the protocol's

@@ -21,7 +21,7 @@ import json
 import logging
 
 from kvabi import KVABIError
-from kvabi.coerce import as_bool
+from kvabi.util.coerce import as_bool
 
 from .context import RequestAsk, asking
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvabi.dtypes import numpy_dtype
+from kvabi.util.dtypes import numpy_dtype
 from kvabi.pd import token_slots
 from kvabi.testing.pd import kv_values
 
