@@ -209,8 +209,7 @@ def test_hostile_parameters_fail_alone_on_the_transformers_server(pair):
 
 
 def wait_idle(url, timeout=90.0):
-    keep = ("cache_peers", "cache_pull_stats", "cache_used_grants", "answers", "refusals",
-            "cache_refusals")
+    keep = ("peers", "pull_stats", "used_grants", "answers", "refusals")  # bounded history
     deadline = time.monotonic() + timeout
     while True:
         tables = status(url)["pd"]["tables"]

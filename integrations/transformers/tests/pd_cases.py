@@ -65,6 +65,5 @@ def wait_until(cond, what: str, timeout: float = 60.0) -> None:
 def idle(mgr) -> bool:
     """Whether ``mgr``'s connector and kvabi.pd hold nothing for any request."""
     sizes = mgr.connector.table_sizes()
-    keep = ("cache_peers", "cache_pull_stats", "cache_used_grants", "answers", "refusals",
-            "cache_refusals")
+    keep = ("peers", "pull_stats", "used_grants", "answers", "refusals")  # bounded history
     return all(v == 0 for k, v in sizes.items() if k not in keep)

@@ -169,14 +169,17 @@ class TransformersConnector:
         return self.endpoint.cache_side.part_layouts()
 
     def table_sizes(self) -> dict[str, int]:
-        """Entries of every per-request table here and in kvabi.pd (tests, monitoring)."""
-        incoming = len(self._incoming)
-        return {**self.endpoint.front.table_sizes(),
-                **{f"cache_{k}": v for k, v in self.endpoint.cache_side.table_sizes().items()},
-                "incoming": incoming, "params": len(self.params),
-                "waiting": len(self.consumer.waiting), "pulling": len(self.consumer.pulling),
-                "pulled": len(self.consumer.pulled), "held": len(self.producer.held),
-                "answers": len(self.producer.answers)}
+        """Entries of every per-request table here and in kvabi.pd (the front's and the
+        cache side's added up, as the P/D kit reads them; tests, monitoring)."""
+        out = dict(self.endpoint.front.table_sizes())
+        for k, v in self.endpoint.cache_side.table_sizes().items():
+            out[k] = out.get(k, 0) + v
+        out.update(incoming=len(self._incoming), params=len(self.params),
+                   waiting=len(self.consumer.waiting),
+                   pulling_requests=len(self.consumer.pulling),
+                   pulled=len(self.consumer.pulled), held_requests=len(self.producer.held),
+                   answers=len(self.producer.answers))
+        return out
 
     def close(self) -> None:
         self.endpoint.close()
