@@ -55,6 +55,26 @@ def test_guide_runs(monkeypatch):
             got = d[(pos + 32) // 32, (pos + 32) % 32]
             assert np.array_equal(got, want)
     check_tp_section(ns)
+    check_pd_section(ns)
+
+
+def check_pd_section(ns):
+    """Joining P/D: the consumer's blocks 2, 7 (32 tokens each) hold the producer's 40
+    prompt tokens of blocks 3, 5, 6 (16 each), every layer, K and V; the pull ended, and
+    the producer freed its blocks."""
+    from kvabi.transfer import nixl
+
+    if not nixl.available()[0]:
+        return
+    assert "d-1" in ns["pulled"] and "p-1" in ns["freed"] and ns["hold"]
+    pos = np.arange(40)
+    src_slot = np.array([3, 5, 6])[pos // 16] * 16 + pos % 16
+    dst_slot = np.array([2, 7])[pos // 32] * 32 + pos % 32
+    for layer in range(2):
+        for kv in (0, 1):
+            s = np.asarray(ns["pd_src"].kv_view(layer, kv))
+            d = np.asarray(ns["pd_dst"].kv_view(layer, kv))
+            assert np.array_equal(d[dst_slot // 32, dst_slot % 32], s[src_slot // 16, src_slot % 16])
 
 
 def _element_bytes(cache, name, layer, slots, head, c):
@@ -100,6 +120,6 @@ def check_tp_section(ns):
 def test_readme_links_the_guide_and_placeholders_are_marked():
     assert "docs/integrating.md" in (ROOT / "README.md").read_text()
     text = GUIDE.read_text()
-    for section in ("## 9. vLLM", "## 10. Proving a layout"):
+    for section in ("## 9. vLLM", "## 10. Joining P/D", "## 11. Proving a layout"):
         assert section in text
 

@@ -23,8 +23,9 @@ def _record(nonce=b"n" * 16, tokens=70, groups=2, heads=(2, 1)):
     rng = np.random.default_rng(tokens)
     return GrantRecord(LIVE, nonce, tokens, b"t" * 16,
                        tuple(rng.integers(1, 99, size=3) for _ in range(groups)),
-                       tuple((PartClaim("k", b"a" * 16, b"b" * 16, b"h" * 16),
-                              PartClaim("image.kt_v.n32.d32", b"c" * 16, b"d" * 16, b"i" * 16))
+                       tuple((PartClaim("k", b"a" * 16, b"b" * 16, b"s" * 16, b"m" * 16),
+                              PartClaim("image.kt_v.n32.d32", b"c" * 16, b"d" * 16, b"e" * 16,
+                                        b"f" * 16))
                              for _ in range(groups)),
                        tuple(rng.integers(0, 2**32, size=(tokens, heads[g % len(heads)]))
                              .astype(np.uint32) for g in range(groups)))

@@ -120,7 +120,7 @@ def test_a_decoded_record_is_the_schemas(tokens, groups, state):
     rng = np.random.default_rng(tokens)
     rec = GrantRecord(state, bytes(range(16)), tokens, b"t" * 16,
                       tuple(rng.integers(-1, 99, size=3) for _ in groups),
-                      tuple(tuple(PartClaim(f"p{j}", b"a" * 16, b"b" * 16, b"c" * 16)
+                      tuple(tuple(PartClaim(f"p{j}", b"a" * 16, b"b" * 16, b"c" * 16, b"d" * 16)
                                   for j in range(parts)) for _, parts in groups),
                       tuple(rng.integers(0, 2**32, size=(tokens, h)).astype(np.uint32)
                             for h, _ in groups))

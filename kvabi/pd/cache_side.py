@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 import uuid
 
 from .consumer import Consumer
@@ -20,6 +21,12 @@ from .work import Results, Served, StepWork
 
 #: refusals kept for inspection (the log has every one)
 REFUSALS = 256
+#: longest wait of an engine step that computes nothing while the cache side holds grants
+#: or runs pulls (an engine would otherwise step back to back for nothing); it ends at once
+#: when a pull ends or a notification comes
+IDLE_WAIT_S = 0.02
+#: how often that wait looks for notifications (NIXL has no blocking wait for them)
+NOTIFY_POLL_S = 0.002
 
 
 class CacheSide:
@@ -63,6 +70,8 @@ class CacheSide:
         self._finished: set[str] = set()             # of those, ids the engine said ended
         #: (request id, reason) of the latest failed loads
         self.refusals: collections.deque = collections.deque(maxlen=REFUSALS)
+        #: idle steps waited and the seconds they waited (monitoring, tests)
+        self.idle_waits = [0, 0.0]
 
     def served(self) -> Served | None:
         """What this rank serves (for the front), or None (nothing)."""
@@ -118,6 +127,34 @@ class CacheSide:
                 self.refusals.append((req_id, why))
                 failed[req_id] = str(why)
         return Results(sent=done, received={r for r, _ in ended}, failed=failed)
+
+    def idle_wait(self) -> None:
+        """For a step that computes nothing, taken only because this cache side holds grants
+        or runs pulls: wait (up to IDLE_WAIT_S, never past a pull's deadline) until a pull
+        ends or a notification arrives, so that the engine does not spin meanwhile."""
+        holds = self.producer is not None and bool(self.producer.table.live)
+        pulls = self.consumer is not None and self.consumer.running() > 0
+        if not (holds or pulls) or self._refused:
+            return
+        t0 = time.monotonic()
+        end = t0 + IDLE_WAIT_S
+        if pulls:
+            end = min(end, self.consumer.next_deadline() or end)
+        while not (pulls and self.consumer.ended.is_set()):
+            if holds:
+                got = self.agent.drain_notifications()
+                if got:
+                    self.producer.notes += got
+                    break
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            if pulls:
+                self.consumer.ended.wait(min(left, NOTIFY_POLL_S) if holds else left)
+            else:
+                time.sleep(min(left, NOTIFY_POLL_S))
+        self.idle_waits[0] += 1
+        self.idle_waits[1] += time.monotonic() - t0
 
     def part_layouts(self) -> list[dict[str, str]]:
         """Per KV cache group, each part's layout name (what this rank serves and reads)."""

@@ -32,13 +32,14 @@ from ..model.shard import shard_of
 from ..transfer import negotiate, plan_block_transfer, plan_shard_transfer, plan_transfer
 from ..transfer.handshake import parse_handshake
 from ..transfer.kv_scales import check_same_scales
-from .digests import head_checksums, handshake_digest, layout_fingerprint, planes_digest
+from .digests import head_checksums
 from .engine import EngineCaches
 from .notify import notify_message
 from .parts import is_image, kv_part, matching_parts
 from .peers import Peers
 from .pulls import GRACE, Puller
-from .record import LIVE, MAX_SLOT_BYTES, STATES, GrantRecord, decode, read_header, table_layout
+from .record import (LIVE, MAX_SLOT_BYTES, STATES, GrantRecord, PartClaim, decode, part_claim,
+                     read_header, table_layout)
 from .settings import PDSettings
 from .slots import block_pairs, paired_slots, token_slots
 from .work import PullWork
@@ -91,6 +92,19 @@ class Consumer:
         """(request id, None or the reason) of the pulls that ended (or were given up)."""
         return self._puller.collect()
 
+    def running(self) -> int:
+        """Pulls queued or running."""
+        return len(self._puller)
+
+    @property
+    def ended(self):
+        """An event set when a pull ends (cleared by :meth:`collect`)."""
+        return self._puller.ended
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a pull queued or running (None: none)."""
+        return self._puller.next_deadline()
+
     def table_sizes(self) -> dict[str, int]:
         return {"pulls": len(self._puller), "peers": len(self._peers),
                 "pull_stats": len(self.pull_stats), "used_grants": len(self._used)}
@@ -132,30 +146,34 @@ class Consumer:
             if i == 0:  # a second pull of this grant on this engine stops here
                 self._use(r.nonce, p.req_id)
             job.tables.append((i, peer))
+            _check_rank(rec, r, i)
         grant_s = time.perf_counter() - t0
-        todo = []  # (group, part, own cache, producer ranks' messages and peers, sharded)
+        todo = []  # (group, part, own cache, producer ranks' peers, sharded)
         for g, grp in enumerate(self._groups):
             sharded = self._sharded(r, g)
             lays = r.layouts[g]
             usable = (lambda name, cache, lays=lays: cache.layout.is_axis_form and all(
                 x.is_axis_form for x in lays[name])) if sharded else None
             for part, cache, msgs in matching_parts(grp.parts, r.handshakes[g], g, usable):
-                todo.append((g, part, cache, msgs, [self._peers.get(m, job) for m in msgs],
+                todo.append((g, part, cache, [self._peers.get(m, job) for m in msgs],
                              sharded))
+        # every producer rank's handshake of every part read states what that rank's
+        # record vouches for (the negotiation and the plans use all of them), and its
+        # scales are this cache's, before anything is negotiated or read
+        for g, part, _, peers, _ in todo:
+            for i, peer in enumerate(peers):
+                _check_claim(recs[i], g, part, peer, rank_of(i))
+                check_same_scales(self._groups[g].kv_scales, peer.handshake.kv_scales,
+                                  f"kvabi_handshakes[{g}].{part}{rank_of(i)}.kv_scales")
         # negotiated before any KV moves: which producer ranks hold this rank's heads
-        runs, reads = {}, []
-        for g, part, cache, _, peers, _ in todo:
+        runs, heads = {}, {}
+        for g, part, cache, peers, _ in todo:
             got = self._negotiate(g, part, cache, peers)
             runs.setdefault(g, got.runs)
-            reads.append(got.sources)
-        for (g, part, _, msgs, peers, _), read in zip(todo, reads):
-            for i in read:
-                _check_claim(recs[i], g, part, peers[i], msgs[i], rank_of(i))
-                check_same_scales(self._groups[g].kv_scales, peers[i].handshake.kv_scales,
-                                  f"kvabi_handshakes[{g}].{part}{rank_of(i)}.kv_scales")
+            heads.setdefault(g, [shard_of(x.layout).heads for x in peers])
         bs = self._block_size
         note = notify_message(r.slot, r.nonce, *self._tp)
-        for n, (g, part, cache, _, peers, sharded) in enumerate(todo):
+        for n, (g, part, cache, peers, sharded) in enumerate(todo):
             if is_image(part):  # same interior and block size: whole blocks
                 s, d = block_pairs(r.blocks[g], p.dst_blocks[g], bs, p.start, p.num_tokens)
             else:
@@ -180,7 +198,7 @@ class Consumer:
             if self._after_pull is not None:
                 self._after_pull(p, g, part, cache, d)
         v0 = time.perf_counter()
-        self._verify(p, recs, runs)
+        self._verify(p, recs, runs, heads)
         t1 = time.perf_counter()
         self.pull_stats.append((p.req_id, t1 - t0, regions, nbytes, read_s, grant_s, t1 - v0))
         self.figures.append((t1 - t0, read_s, nbytes, regions,
@@ -197,9 +215,9 @@ class Consumer:
         local = KVCache.allocate(table_layout(1, lay.size("D")), "numpy")
         plan = plan_block_transfer(lay, local.layout, [remote.slot], [0])
         why = "the producer published no grant with this nonce"
+        t0, left = time.monotonic(), job.left()
         while True:
-            self._agent.pull_plan(peer, plan, local, timeout=job.left(), notify=b"",
-                                  staged=True)
+            self._agent.pull_plan(peer, plan, local, timeout=left, notify=b"", staged=True)
             row = local[0].reshape(-1).view(np.uint8)
             head = read_header(row)
             if head is not None and head[1] == remote.nonce:
@@ -213,10 +231,14 @@ class Consumer:
             elif head is not None and head[0] == LIVE:
                 raise KVABIError(f"kvabi_grant: slot {remote.slot} holds another request's "
                                  f"grant (forged or replayed parameters){who}")
-            if time.monotonic() + GRANT_POLL_S >= job.deadline - GRACE:  # before job.left()
-                raise KVABIError(f"kvabi_grant: slot {remote.slot}: {why} (until "
-                                 f"pull_timeout_s passed){who}")
+            # a record is written a step after its request finished: read again, until the
+            # pull's own stages must stop (Job.left), then say why with this field
             time.sleep(GRANT_POLL_S)
+            now = time.monotonic()
+            left = job.deadline - GRACE - now
+            if left <= GRANT_POLL_S or job.commit.abandoned:
+                raise KVABIError(f"kvabi_grant: slot {remote.slot}: {why} (read for "
+                                 f"{now - t0:.1f} s, until pull_timeout_s){who}")
 
     def _use(self, nonce: bytes, req_id: str) -> None:
         """Remember a grant this request may use (its record names this request's tokens);
@@ -288,10 +310,12 @@ class Consumer:
                 self._log.warning("%s: could not tell producer rank %d that request %s is "
                                   "done: %s", self._label, i, job.req_id, e)
 
-    def _verify(self, p: PullWork, recs: dict, runs: dict) -> None:
+    def _verify(self, p: PullWork, recs: dict, runs: dict, held: dict) -> None:
         """Every pulled token's checksum, per KV head this rank holds, equals the one the
         producer rank it was read from computed for that global head.  ``runs``: per group,
-        which producer rank each local head came from (None: all from rank 0)."""
+        which producer rank each local head came from (None: all from rank 0); ``held``:
+        per group, the global heads each producer rank's layout holds (layouts its record
+        vouched for)."""
         bs, rbs = self._block_size, p.remote.block_size
         for g, grp in enumerate(self._groups):
             src = token_slots(p.remote.blocks[g], rbs, p.start, p.num_tokens)
@@ -305,7 +329,7 @@ class Consumer:
                 src_of[run.dst_first:run.dst_first + run.count] = run.source
             for j, h in enumerate(heads):
                 i = int(src_of[j])
-                theirs = _their_heads(p.remote, g, i)
+                theirs = held[g][i]
                 sums = recs[i].checksums[g]
                 if sums.shape[1] != len(theirs) or h not in theirs:
                     raise KVABIError(f"kvabi_grant: the producer rank {i} record sums "
@@ -336,28 +360,29 @@ def _check_record(rec: GrantRecord, remote, who: str = "") -> None:
                              f"for this grant{who}")
 
 
-def _check_claim(rec: GrantRecord, g: int, part: str, peer, message: str,
-                 rank: str = "") -> None:
+def _check_rank(rec: GrantRecord, remote, rank: int) -> None:
+    """The record at position ``rank`` of the parameters' grant tables was written by that
+    producer rank, of the size they list (the order and count of the producer's ranks,
+    which negotiation and the plans use, are the producer's)."""
+    if (rec.rank, rec.ranks) != (rank, remote.ranks):
+        field = f"kvabi_grants[{rank}]" if remote.ranks > 1 else "kvabi_grants"
+        raise KVABIError(f"{field}: the record there was written by producer rank "
+                         f"{rec.rank} of {rec.ranks}, the parameters list it as rank {rank} "
+                         f"of {remote.ranks}")
+
+
+def _check_claim(rec: GrantRecord, g: int, part: str, peer, rank: str = "") -> None:
+    """The handshake of ``part`` the parameters gave states what the producer's record
+    vouches for: layout, planes, scales and model (KVABIError naming the first field that
+    differs)."""
     claim = next((c for c in rec.parts[g] if c.name == part), None)
     field = f"kvabi_handshakes[{g}].{part}{rank}"
     if claim is None:
         raise KVABIError(f"{field}: the producer serves no such part")
-    if claim.layout != layout_fingerprint(peer.layout):
-        raise KVABIError(f"{field}: its layout is not the one the producer registered "
-                         "(fingerprint differs)")
-    if claim.planes != planes_digest(peer.handshake):
-        raise KVABIError(f"{field}: its planes (agent, addresses, sizes) are not the ones "
-                         "the producer registered")
-    if claim.handshake != handshake_digest(message):
-        raise KVABIError(f"{field}: its handshake (kv_scales, model or metadata) is not the "
-                         "one the producer published")
-
-
-def _their_heads(remote, g: int, rank: int) -> tuple:
-    """The global heads producer rank ``rank`` holds in group ``g`` (its layouts state
-    them; the grant record's part claims vouch for the layouts)."""
-    lays = next(v for name, v in remote.layouts[g].items() if not is_image(name))
-    return shard_of(lays[rank]).heads
+    given = part_claim(part, peer.handshake)
+    for attr, sub, what in PartClaim.FIELDS:
+        if getattr(claim, attr) != getattr(given, attr):
+            raise KVABIError(f"{field}{sub}: {what}")
 
 
 __all__ = ["Consumer", "GRANT_POLL_S", "NEGOTIATIONS", "USED_GRANTS"]

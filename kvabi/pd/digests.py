@@ -1,6 +1,6 @@
 """What a producer vouches for and a consumer checks (``specs/pd.md`` section 2): digests
-of a prompt, a layout, registered planes and a whole handshake message, and a checksum
-per token and KV head of the KV itself.
+of a prompt, a layout, registered planes, per-tensor scales and a model identity, and a
+checksum per token and KV head of the KV itself.
 
 Both sides compute the same functions over their own data: the producer over its cache
 and handshakes, the consumer over the handshakes it was given and the bytes that arrived
@@ -30,17 +30,25 @@ def layout_fingerprint(layout) -> bytes:
 
 
 def planes_digest(handshake) -> bytes:
-    """16 bytes identifying the agent and the (address, nbytes, device) of each plane a
-    parsed handshake lists (int64, little-endian)."""
+    """16 bytes identifying the agent, the memory type and the (address, nbytes, device) of
+    each plane a parsed handshake lists (int64, little-endian)."""
     rows = np.ascontiguousarray(handshake.planes, "<i8")
-    return _b2(handshake.agent_name.encode() + rows.tobytes())
+    return _b2(handshake.agent_name.encode() + b"\0" + handshake.memory.encode() + b"\0" +
+               rows.tobytes())
 
 
-def handshake_digest(message) -> bytes:
-    """16 bytes identifying a handshake message exactly as sent (its text, UTF-8): binds
-    every field of it, ``kv_scales`` and ``model`` included."""
-    text = message.encode() if isinstance(message, str) else bytes(message)
-    return _b2(text)
+def scales_digest(handshake) -> bytes:
+    """16 bytes identifying the per-layer ``kv_scales`` a parsed handshake states (float64,
+    little-endian), or that it states none."""
+    s = handshake.kv_scales
+    return _b2(b"none" if s is None else np.asarray(s, "<f8").tobytes())
+
+
+def model_digest(handshake) -> bytes:
+    """16 bytes identifying the model identity a parsed handshake states, or that it states
+    none."""
+    m = handshake.model
+    return _b2(b"none" if m is None else b"model:" + m.encode())
 
 
 def tokens_digest(token_ids) -> bytes:
@@ -65,5 +73,5 @@ def head_checksums(cache, slots) -> np.ndarray:
     return out
 
 
-__all__ = ["handshake_digest", "head_checksums", "layout_fingerprint", "planes_digest",
-           "tokens_digest"]
+__all__ = ["head_checksums", "layout_fingerprint", "model_digest", "planes_digest",
+           "scales_digest", "tokens_digest"]

@@ -19,7 +19,8 @@ import numpy as np
 
 from ..memory.cache import KVCache
 from ..util.errors import KVABIError
-from .record import EXPIRED, HEADER, RELEASED, GrantRecord, encode, table_layout
+from .record import (EXPIRED, HEADER, RELEASED, GrantRecord, encode, read_header,
+                     table_layout)
 
 #: :meth:`GrantTable.release`: the notification counted, other consumer ranks still read
 PENDING = "pending"
@@ -98,6 +99,14 @@ class GrantTable:
         if len(done) < want:
             return PENDING
         return self._close(slot, RELEASED)
+
+    def closed(self, slot: int, nonce: bytes) -> bool:
+        """Whether ``slot`` holds the record of grant ``nonce``, no longer live (a second
+        notification for a grant already released: e.g. the proxy's after the consumer's)."""
+        if not 0 <= slot < len(self._rows) or slot in self.live:
+            return False
+        head = read_header(self._rows[slot])
+        return head is not None and hmac.compare_digest(head[1], nonce)
 
     def expire(self, now: float | None = None) -> list[str]:
         """Requests whose grants passed their deadline (then expired)."""

@@ -252,7 +252,7 @@ def parser(prog: str = "kvabi proxy", p=None) -> argparse.ArgumentParser:
     return p
 
 
-def run(args) -> int:
+def run(args, prog: str = "kvabi proxy") -> int:
     """Run the proxy of parsed ``args`` until interrupted."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -260,8 +260,8 @@ def run(args) -> int:
 
     async def main():
         server = await proxy.serve(args.host, args.port)
-        log.info("kvabi proxy on %s:%d: prefill %s, decode %s", args.host, args.port,
-                 proxy.prefill, proxy.decode)
+        log.info("%s: prefill %s, decode %s, listening on %s:%d", prog, proxy.prefill,
+                 proxy.decode, args.host, args.port)
         async with server:
             await server.serve_forever()
 
@@ -273,7 +273,7 @@ def run(args) -> int:
 
 
 def main(argv=None, prog: str = "kvabi proxy") -> int:
-    return run(parser(prog).parse_args(argv))
+    return run(parser(prog).parse_args(argv), prog)
 
 
 if __name__ == "__main__":

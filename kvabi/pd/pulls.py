@@ -86,6 +86,8 @@ class Puller:
         self._jobs: dict[str, Job] = {}           # queued or running
         self._done: list[tuple[str, str | None]] = []  # (request id, None or the reason)
         self._threads: list[threading.Thread] = []
+        #: set when a pull ends (an engine's idle wait wakes on it)
+        self.ended = threading.Event()
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -106,9 +108,15 @@ class Puller:
         self._queue.put(job)
         return None
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a pull queued or running (None: none)."""
+        with self._lock:
+            return min((j.deadline for j in self._jobs.values()), default=None)
+
     def collect(self) -> list[tuple[str, str | None]]:
         """The pulls that ended since the last call, and those given up now (past their
         deadline): (request id, None when it succeeded, else the reason)."""
+        self.ended.clear()
         now = time.monotonic()
         late = []
         with self._lock:
@@ -142,6 +150,7 @@ class Puller:
             with self._lock:
                 if self._jobs.pop(job.req_id, None) is job:
                     self._done.append((job.req_id, reason))
+            self.ended.set()
 
     def stop(self, timeout: float = 5.0) -> None:
         for _ in self._threads:

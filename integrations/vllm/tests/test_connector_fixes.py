@@ -1,10 +1,10 @@
 """A refusal caused by how the two engines were started carries its fix
-(``kvabi_vllm.connector_fixes``), checked on the refusals kvabi itself raises."""
+(``kvabi_vllm.connector.fixes``), checked on the refusals kvabi itself raises."""
 import pytest
 
 from kvabi import KVABIError, KVSpec, Layout
 from kvabi.transfer import plan_transfer
-from kvabi_vllm.connector_fixes import fix_for, with_fix
+from kvabi_vllm.connector.fixes import fix_for, with_fix
 
 
 def refusal(src: KVSpec, dst: KVSpec) -> str:

@@ -9,8 +9,9 @@ import torch
 
 from kvabi import KVABIError
 from kvabi.probe import verify_layout
-from kvabi_vllm.connector_layout import (KT_V, KV_PACKED, KV_SPLIT, engine_writer, group_parts,
-                                         part_cache, split_kv)
+from kvabi.pd.parts import split_kv
+from kvabi_vllm.connector.cache_layouts import (KT_V, KV_PACKED, KV_SPLIT, engine_writer,
+                                                group_parts, part_cache)
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheLayout, KVCacheTensor,
                                         compute_layout_strides, create_kv_cache_views)
 
@@ -143,7 +144,7 @@ def test_kt_v_halves_place_keys_and_values_where_vllm_views_put_them(name):
     """The axis-form K and V layouts a TP peer reads address each element where CPU_ATTN's
     interior puts it (the independent formula), i.e. the bytes of the kv part's
     components."""
-    from kvabi_vllm.connector_layout import kt_v_halves
+    from kvabi_vllm.connector.cache_layouts import kt_v_halves
 
     views = vllm_views(name)
     halves = kt_v_halves(views, name=name)
@@ -162,21 +163,22 @@ def test_kt_v_halves_place_keys_and_values_where_vllm_views_put_them(name):
 
 def test_with_shard_states_the_ranks_heads_over_the_same_memory():
     from kvabi import KVCache, Shard
-    from kvabi_vllm.connector_layout import tp_shard_info, with_shard
+    from kvabi.pd import with_shard
+    from kvabi_vllm.connector.cache_layouts import tp_shard_info
 
     views = vllm_views("LBHNC", heads=1)
     (_, lay, off), = group_parts(views, interior=KV_PACKED)
     cache = part_cache(views, lay, off)
-    assert with_shard(cache, (0, 1, 1)) is cache  # TP 1: unchanged
-    got = with_shard(cache, (1, 2, 2))
+    assert with_shard(cache, 0, 1, 1) is cache  # TP 1: unchanged
+    got = with_shard(cache, 1, 2, 2)
     assert isinstance(got, KVCache) and got.layout.shard == Shard.tp(1, 2, 2)
     assert got[0].data_ptr() == cache[0].data_ptr()
     assert got.layout.fingerprint() != cache.layout.fingerprint()
     with pytest.raises(KVABIError, match="rank 0 of 2 holds 1 KV heads, the split of 4 "
                                          "gives it 2"):
-        with_shard(cache, (0, 2, 4))
+        with_shard(cache, 0, 2, 4)
     with pytest.raises(KVABIError, match="ranks: 3 KV heads cannot be split evenly over 2"):
-        with_shard(cache, (0, 2, 3))
+        with_shard(cache, 0, 2, 3)
 
     class _Model:
         def get_total_num_kv_heads(self):

@@ -12,10 +12,10 @@ from kvabi.transfer.handshake import make_handshake
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from kvabi_vllm.connector_config import ConnectorConfig
-from kvabi_vllm.connector_grants import table_layout
-from kvabi_vllm.connector_meta import KvabiHandshakeMetadata
-from kvabi_vllm.connector_scheduler import KvabiConnectorScheduler
+from kvabi.pd.record import table_layout
+from kvabi_vllm.connector.config import ConnectorConfig
+from kvabi_vllm.connector.meta import KvabiHandshakeMetadata
+from kvabi_vllm.connector.scheduler import KvabiConnectorScheduler
 
 BS = 16
 
@@ -32,8 +32,7 @@ GRANTS = _msg(table_layout(64, 4096))
 
 def _config(role, **kw):
     return ConnectorConfig(producer=role == "kv_producer", consumer=role == "kv_consumer",
-                           engine="e", block_size=BS, groups=(None,),
-                           need_back=np.array([1 << 40]), windows=(None,), model="m",
+                           engine="e", block_size=BS, groups=(None,), windows=(None,), model="m",
                            max_model_len=1024, **kw)
 
 
@@ -53,7 +52,7 @@ def _request(i, prompt, params, salt=None):
 
 
 def _remote(i, n, nonce=None):
-    return {"do_remote_prefill": True, "remote_num_tokens": n,
+    return {"kvabi_pd": [1, 0], "do_remote_prefill": True, "remote_num_tokens": n,
             "remote_block_ids": [list(range(1 + i % 200, 1 + i % 200 + -(-n // BS)))],
             "kvabi_handshakes": [{"kv": KV}], "kvabi_grants": GRANTS,
             "kvabi_grant": {"slot": i % 64, "nonce": nonce or f"{i:032x}"}}
@@ -79,14 +78,14 @@ def test_a_decode_scheduler_over_hundreds_of_requests():
         req = _request(i, prompt, params)
         count, async_load, meta = _step(s, req)
         if kind == "honest":
-            assert (count, async_load) == (n, True) and not meta.fails
-            (pull,) = meta.pulls
+            assert (count, async_load) == (n, True) and not meta.work.fails
+            (pull,) = meta.work.pulls
             assert pull.start == 0 and pull.num_tokens == n and pull.remote.num_tokens == n
         elif kind == "none":
-            assert (count, async_load) == (0, False) and not meta.fails and not meta.pulls
+            assert (count, async_load) == (0, False) and not meta.work.fails and not meta.work.pulls
         else:  # refused: an asynchronous load the worker reports failed, with the reason
-            assert async_load and count == n and not meta.pulls
-            (fail,) = meta.fails
+            assert async_load and count == n and not meta.work.pulls
+            (fail,) = meta.work.fails
             want = {"malformed": r"remote_block_ids\[0\]: must list",
                     "type": "kv_transfer_params: must be an object",
                     "short": "remote_num_tokens: .* exceeds this request's prompt"}[kind]
@@ -114,14 +113,14 @@ def test_a_prefill_scheduler_holds_at_most_max_held_and_frees_slots():
         meta = s.build_connector_meta(None)
         if hold:
             held.append(req.request_id)
-            (g,) = meta.grants
+            (g,) = meta.work.grants
             assert params["remote_block_ids"] == [[7, 8, 9]]  # 40 tokens of 16: 3 blocks
             assert params["kvabi_grant"] == {"slot": g.slot, "nonce": g.nonce.hex()}
             assert g.tokens != b"" and g.num_tokens == 40
             slots.add(g.slot)
         else:
             refused += 1
-            assert params is None and not meta.grants
+            assert params is None and not meta.work.grants
         if i % 40 == 39:  # decode engines read some: their blocks are freed
             done, held = held[:5], held[5:]
             s.update_connector_output(KVConnectorOutput(finished_sending=set(done)))
@@ -139,7 +138,7 @@ def test_a_host_tier_scheduler_is_bounded_and_keyed_by_salt(salted):
     first = _request(0, base, None, salt="a")
     assert s.request_finished(first, (list(range(1, 5)),))[0]
     meta = s.build_connector_meta(None)
-    assert len(meta.saves[0].keys) == 4  # 64 tokens + 1: four full blocks
+    assert len(meta.work.saves[0].keys) == 4  # 64 tokens + 1: four full blocks
     probe = _request(1, base + [5], None, salt="b" if salted else "a")
     count, _ = s.get_num_new_matched_tokens(probe, 0)
     assert count == (0 if salted else 64)
@@ -151,9 +150,9 @@ def test_a_host_tier_scheduler_is_bounded_and_keyed_by_salt(salted):
         s.get_num_new_matched_tokens(req, 0)
         s.request_finished(req, (list(range(1, 6)),))
         meta = s.build_connector_meta(None)
-        evicted += len(meta.evicts)
+        evicted += len(meta.work.evicts)
         if i % 5 == 0:
-            assert not meta.saves  # opted out
+            assert not meta.work.saves  # opted out
         assert s.table_sizes()["host_entries"] <= 32 and s.table_sizes()["entries"] == 0
     assert evicted > 0
 
@@ -179,5 +178,5 @@ def test_a_tensor_parallel_prefill_scheduler_sends_every_ranks_messages_in_rank_
     d = KvabiConnectorScheduler(_config("kv_consumer"))
     back = _request(1, list(range(40)), {**params, "do_remote_prefill": True})
     count, _, meta = _step(d, back)
-    (pull,) = meta.pulls
+    (pull,) = meta.work.pulls
     assert count == 40 and pull.remote.ranks == 2 and pull.remote.grants == tuple(grants)

@@ -1,4 +1,4 @@
-"""KvabiConnector's transfer figures (``kvabi_vllm.connector_stats``) without an engine: what
+"""KvabiConnector's transfer figures (``kvabi_vllm.connector.stats``) without an engine: what
 a pull and a refusal record, how intervals add up, the periodic log line's figures, and
 what Prometheus exports (through prometheus_client's own registry and text format).  The
 same figures through a real server's ``/metrics``: ``test_serving.py``."""
@@ -8,7 +8,7 @@ from types import SimpleNamespace as types_ns
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvabi_vllm.connector import KvabiConnector
-from kvabi_vllm.connector_stats import KvabiConnectorStats, KvabiPromMetrics, reason_of
+from kvabi_vllm.connector.stats import KvabiConnectorStats, KvabiPromMetrics, reason_of
 
 
 def test_a_refusal_is_counted_by_the_field_it_names():

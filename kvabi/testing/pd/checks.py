@@ -183,6 +183,8 @@ def _forgeries(a: dict, b: dict, prompt_len: int) -> list:
         ("a plane shifted", lambda p: _handshake(p, "kv", shift), ("kvabi_handshakes[0]",)),
         ("kv_scales the producer did not state", lambda p: _handshake(p, "kv", scales),
          ("kvabi_handshakes[0]",)),
+        ("a model the producer did not state", lambda p: _handshake(
+            p, "kv", lambda d: d.update(model="another-model")), ("kvabi_handshakes[0]",)),
         ("keys served as values", lambda p: p["kvabi_handshakes"][0].update(
             k=p["kvabi_handshakes"][0]["v"], v=p["kvabi_handshakes"][0]["k"]) or
          p["kvabi_handshakes"][0].pop("kv"), ("kvabi_handshakes[0]",)),
@@ -221,6 +223,18 @@ def consumer_forged(ctx: Context) -> CheckResult:
     o = next(iter(later.values()))
     if o.reason is not None:
         problems.append(f"the victim of the forgeries, read after them: {o.reason}")
+    if ctx.facts.num_kv_heads % 2 == 0:  # a TP-2 producer's ranks listed in swapped order
+        tp2 = ctx.peer("producer", tp=2)
+        prompt = ctx.prompts(1)[0]
+        (ans,) = tp2.prefill([prompt])
+        p = copy.deepcopy(ans)
+        p["kvabi_grants"] = p["kvabi_grants"][::-1]
+        p["kvabi_handshakes"] = [{k: v[::-1] for k, v in g.items()}
+                                 for g in p["kvabi_handshakes"]]
+        got = ctx.engine.decode([(ctx.rid("swapped-ranks"), prompt, p)])
+        bad = _refused(next(iter(got.values())), ("kvabi_grants[0]", "kvabi_handshakes[0]"))
+        if bad:
+            problems.append(f"a producer's ranks swapped: {bad}")
     return CheckResult("consumer.forged", tuple(problems), (f"{len(want)} forgeries",))
 
 

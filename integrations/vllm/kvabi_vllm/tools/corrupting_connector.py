@@ -9,7 +9,7 @@ import os
 import torch
 
 from kvabi_vllm.connector import KvabiConnector as _Base
-from kvabi_vllm.connector_worker import KvabiConnectorWorker
+from kvabi_vllm.connector.worker import KvabiConnectorWorker
 
 
 def _corrupt(req_id: str, cache, block: int) -> bool:

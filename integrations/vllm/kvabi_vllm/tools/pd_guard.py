@@ -84,7 +84,7 @@ def prefill(work: Path, model: str) -> None:
                 continue
             done.add(st.name)
             _write(work / f"state-{st.name.split('-', 1)[1]}.json", {
-                "held": len(worker._grants.live), "free_blocks": pool.get_num_free_blocks(),
+                "held": worker.table_sizes()["grants"], "free_blocks": pool.get_num_free_blocks(),
                 "total_blocks": total, "ignored": worker.ignored_notifications,
                 "scheduler": _scheduler_connector(llm).table_sizes(),
                 "worker": worker.table_sizes()})
@@ -217,7 +217,7 @@ def _attacks(params: dict, prompts: dict, victims: dict) -> list:
             remote_block_ids=[p["remote_block_ids"]]))),
         # (a truthy non-object stops in vLLM's own front end, before any connector)
         ("a-notobject", "a5", []),
-        ("a-null", "a6", edit("a6", lambda p: p["remote_block_ids"][0].__setitem__(0, 0))),
+        ("a-null", "a6", edit("a6", lambda p: p["remote_block_ids"][0].__setitem__(0, -1))),
         ("a-repeated", "a7", edit("a7", lambda p: p["remote_block_ids"][0].__setitem__(
             1, p["remote_block_ids"][0][0]))),
         ("a-short", "a8", edit("a8", lambda p: p["remote_block_ids"][0].pop())),

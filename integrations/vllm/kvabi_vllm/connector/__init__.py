@@ -8,22 +8,28 @@ kv_connector_module_path="kvabi_vllm.connector", kv_role=...)``:
   {"do_remote_decode": True}`` keeps its blocks when it finishes; its output's
   ``kv_transfer_params`` carry the block ids, this engine's kvabi handshakes (per KV cache
   group, one per *part*: the layout descriptor, the registered planes, the NIXL agent's
-  metadata) and a grant (:mod:`.connector_grants`): what it holds, published where the
-  decode engine reads it first.
+  metadata) and a grant: what it holds, published where the decode engine reads it first.
 - ``kv_consumer`` (decode engine): a request carrying those params, validated where it
-  enters (:mod:`.connector_params`), reads the grant, then the prompt's KV with one NIXL
-  READ per part off the engine's thread (:mod:`.connector_pulls`), planned by
-  ``kvabi.transfer`` from the two layouts (relayout included), and checks every token's
-  checksum; the last READ's notification (the grant's slot and nonce) frees the producer's
-  blocks.  A refusal fails that request alone (``specs/security.md`` section 5).
+  enters, reads the grant, then the prompt's KV with one NIXL READ per part off the
+  engine's thread, planned by ``kvabi.transfer`` from the two layouts (relayout included),
+  and checks every token's checksum; the last READ's notification (the grant's slot and
+  nonce) frees the producer's blocks.  A refusal fails that request alone
+  (``specs/security.md`` section 5).
 
-Parts (``connector_layout``): a cache whose K and V share one layout serves it as ``kv``;
+The protocol is kvabi's (``specs/pd.md``, :mod:`kvabi.pd`), the same any engine speaks; this
+package is vLLM's adapter over it: the front vLLM loads (this module), the scheduler side
+(:mod:`.scheduler`, over ``kvabi.pd.Front``), the worker side (:mod:`.worker`, over
+``kvabi.pd.CacheSide``), vLLM's cache as kvabi layouts (:mod:`.cache_layouts`), vLLM's
+metadata classes (:mod:`.meta`), configuration (:mod:`.config`), statistics (:mod:`.stats`)
+and the fixes its refusals suggest (:mod:`.fixes`).
+
+Parts (:mod:`.cache_layouts`): a cache whose K and V share one layout serves it as ``kv``;
 vLLM's CPU backend, whose keys are stored transposed, serves ``k`` and ``v``; every cache
 with one ``kv`` layout also serves its ``k`` and ``v`` halves, and a cache with dense
 block-heads an ``image`` (a block's bytes as one run) for peers of the very same format.
 The decode side reads the image if both serve the same, else ``kv``, else ``k`` and ``v``.
 - ``kv_role="kv_both"``: both of the above (two engines serving each other's prefills).
-- Tensor parallelism (:mod:`.connector_worker`): each worker's layouts state its shard of
+- Tensor parallelism (:mod:`.worker`): each worker's layouts state its shard of
   the model's KV heads; a producer of TP size M sends a list of M handshakes per part and
   M grant tables, each rank writing its own record of the one grant; each decode rank
   negotiates once per producer group and pulls its heads from the producer ranks holding
@@ -33,7 +39,7 @@ The decode side reads the image if both serve the same, else ``kv``, else ``k`` 
   saved, and a later request whose prompt starts with them loads them instead of computing.
   Sliding-window groups keep (and need) only the blocks inside the window.  A request
   with ``kv_transfer_params={"kvabi_host": False}`` neither loads nor saves
-  (:mod:`.connector_host`).  Timeouts and bounds: :mod:`.connector_config`.
+  (``kvabi.pd.host_index``).  Timeouts and bounds: :mod:`.config`.
 
 The layouts of the cache vLLM allocates are derived from its views (or taken from the kvabi
 attention-backend plugin) and checked against the engine's own cache write at start with
@@ -41,20 +47,20 @@ attention-backend plugin) and checked against the engine's own cache write at st
 
 The class vLLM loads is a thin front, the shape of vLLM's own NixlConnector: in the
 scheduler's process it forwards to a :class:`KvabiConnectorScheduler`, in the worker's to a
-:class:`KvabiConnectorWorker` (``connector_scheduler`` / ``connector_worker``; the other is
-None).  A subclass swaps either side through ``scheduler_class`` / ``worker_class``.
+:class:`KvabiConnectorWorker` (attributes ``connector_scheduler`` / ``connector_worker``; the
+other is None).  A subclass swaps either side through ``scheduler_class`` / ``worker_class``.
 """
 from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorRole, SupportsHMA)
 
-from .connector_config import ConnectorConfig
-from .connector_meta import KvabiHandshakeMetadata
-from .connector_scheduler import KvabiConnectorScheduler
-from .connector_stats import KvabiConnectorStats, KvabiPromMetrics
-from .connector_worker import KvabiConnectorWorker
-from .env import log_with_vllm
+from ..env import log_with_vllm
+from .config import ConnectorConfig
+from .meta import KvabiHandshakeMetadata
+from .scheduler import KvabiConnectorScheduler
+from .stats import KvabiConnectorStats, KvabiPromMetrics
+from .worker import KvabiConnectorWorker
 
 
 class KvabiConnector(KVConnectorBase_V1, SupportsHMA):

@@ -17,7 +17,7 @@ elements"; how the kernels split them is the attention backend's business:
   (``N`` before ``KV``), or a backend's own ``kvabi_kv_interior``.
 
 The connector checks the result against the engine's own cache write once at start
-(:func:`verify_group`), so a backend whose kernels write another order is refused before any
+(:func:`verify_part`), so a backend whose kernels write another order is refused before any
 byte moves.
 """
 from __future__ import annotations
@@ -255,31 +255,6 @@ def verify_part(cache: KVCache, write) -> bool:
     return True
 
 
-def split_kv(cache: KVCache):
-    """``[("k", cache), ("v", cache)]``: the keys and the values of a cache whose layout has
-    a ``KV`` axis in its memory order, each as a layout without one over the same memory
-    (the V planes start one ``KV`` stride in), so it can exchange K and V with a peer that
-    cannot hold both in one layout; None where ``KV`` is folded, packed or a plane axis."""
-    lay = cache.layout
-    if not lay.is_axis_form or "KV" not in lay.order or any("KV" in f for f in lay.folds) \
-            or lay.packing:
-        return None
-    order = tuple(a for a in lay.order if a != "KV")
-    ext = {a: lay.extent(a) for a in order}
-    out = []
-    for kv, part in enumerate(("k", "v")):
-        sub = Layout(order=order, sizes={a: lay.size(a) for a in order + lay.planes},
-                     dtype=lay.dtype, planes=lay.planes,
-                     extents=ext if lay.extents else None,
-                     strides={a: lay.stride(a) for a in order},
-                     name=f"{lay.name or 'custom'}.{part}")
-        shift = kv * lay.stride("KV") // lay.itemsize
-        planes = [p.as_strided(sub.plane_shape, sub.plane_strides, p.storage_offset() + shift)
-                  for p in cache]
-        out.append((part, KVCache.wrap(sub, planes)))
-    return out
-
-
 def kvabi_backend_part(tensors, vllm_config):
     """``("kv", KVCache, write)`` for a group served by the kvabi attention-backend plugin
     (``KVABI_VLLM_BACKEND``): the plugin's own byte-exact layout of vLLM's views, and a
@@ -287,10 +262,9 @@ def kvabi_backend_part(tensors, vllm_config):
     import kvabi
     from kvabi.util.tensors import convert
 
-    from . import layouts as vl
-    from .attention import kvabi_backend
-
-    from .kv_quant import FP8, quantize_spec
+    from .. import layouts as vl
+    from ..kv_quant import FP8, quantize_spec
+    from ..attention import kvabi_backend
 
     backend = kvabi_backend()
     cache_dtype = vllm_config.cache_config.cache_dtype
@@ -325,7 +299,7 @@ def kvabi_backend_part(tensors, vllm_config):
 def is_kvabi_backend(backend_cls) -> bool:
     """Whether ``backend_cls`` is the kvabi attention-backend plugin's class."""
     try:
-        from .attention import KvabiAttentionBackend
+        from ..attention import KvabiAttentionBackend
     except ImportError:
         return False
     return isinstance(backend_cls, type) and issubclass(backend_cls, KvabiAttentionBackend)
@@ -342,22 +316,3 @@ def tp_shard_info(vllm_config, num_kv_heads: int | None = None) -> tuple[int, in
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), heads
     except (AssertionError, ImportError, AttributeError):  # no TP group initialized
         return 0, 1, heads
-
-
-def with_shard(cache: KVCache, tp) -> KVCache:
-    """``cache`` over the same memory, its layout stating this rank's shard of the model's
-    KV heads (a peer of another TP size then knows which global head each byte holds);
-    unchanged at TP 1.  KVABIError when the cache holds another head count than the split
-    gives this rank."""
-    import attrs
-
-    from kvabi import Shard
-
-    rank, size, heads = tp
-    if size == 1:
-        return cache
-    shard = Shard.tp(rank, size, heads)
-    if len(shard.heads) != cache.layout.size("H"):
-        raise KVABIError(f"kv_caches: rank {rank} of {size} holds {cache.layout.size('H')} KV "
-                         f"heads, the split of {heads} gives it {len(shard.heads)}")
-    return KVCache.wrap(attrs.evolve(cache.layout, shard=shard), list(cache))

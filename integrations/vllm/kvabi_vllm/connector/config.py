@@ -1,4 +1,6 @@
-"""What both sides of KvabiConnector read from vLLM's configuration, once, at start.
+"""What both sides of KvabiConnector read from vLLM's configuration, once, at start: the
+engine's facts (block size, KV cache groups and their windows, the model, tensor
+parallelism) and the P/D settings (:class:`kvabi.pd.PDSettings`).
 
 ``kv_connector_extra_config`` keys (all optional):
 
@@ -26,22 +28,15 @@ import json
 import uuid
 
 import attrs
-import numpy as np
 
 from kvabi import KVABIError
 from kvabi.util.coerce import as_float, as_int
+from kvabi.pd import DEFAULTS as PD_DEFAULTS
+from kvabi.pd import PDSettings
 
-#: kv_connector_extra_config keys and their defaults
-DEFAULTS = {"host_blocks": 0, "nixl_host": "127.0.0.1", "pull_timeout_s": 30.0,
-            "hold_timeout_s": 120.0, "max_held": 256, "max_pulls": 64, "pull_threads": 4,
-            "max_peers": 16, "model_id": None}
-
-
-def window_blocks(spec, block_size: int) -> int | None:
-    """Blocks a sliding-window group needs before a block boundary (None: all of them):
-    the first token computed after it attends back ``window - 1`` tokens."""
-    w = getattr(spec, "sliding_window", None)
-    return None if not w else max(-(-(int(w) - 1) // block_size), 1)
+#: kv_connector_extra_config keys and their defaults (kvabi.pd's bounds, and where the NIXL
+#: agent listens, and the model identity the handshakes state)
+DEFAULTS = {**PD_DEFAULTS, "nixl_host": "127.0.0.1", "model_id": None}
 
 
 def _extra(extra: dict) -> dict:
@@ -75,7 +70,6 @@ class ConnectorConfig:
     engine: str              # this engine's id (names its NIXL agent)
     block_size: int
     groups: tuple            # vLLM's KVCacheGroupSpec per KV cache group
-    need_back: np.ndarray    # per group: blocks it needs before a position (full: all)
     windows: tuple           # per group: its sliding window (None: full attention)
     model: str               # what makes one engine's KV bytes differ from another's
     max_model_len: int
@@ -97,8 +91,6 @@ class ConnectorConfig:
         extra = _extra(dict(cfg.kv_connector_extra_config or {}))
         block_size = int(vllm_config.cache_config.block_size)
         groups = tuple(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else ()
-        need = np.array([window_blocks(g.kv_cache_spec, block_size) or 1 << 40
-                         for g in groups], np.int64)
         windows = tuple(getattr(g.kv_cache_spec, "sliding_window", None) or None
                         for g in groups)
         mc = vllm_config.model_config
@@ -111,9 +103,20 @@ class ConnectorConfig:
         return cls(producer=cfg.kv_role in ("kv_producer", "kv_both"),
                    consumer=cfg.kv_role in ("kv_consumer", "kv_both"),
                    engine=cfg.engine_id or uuid.uuid4().hex[:8], block_size=block_size,
-                   groups=groups, need_back=need, windows=windows, model=model,
+                   groups=groups, windows=windows, model=model,
                    max_model_len=int(getattr(mc, "max_model_len", 0) or 0), tp_size=tp,
                    num_kv_heads=total_kv_heads(vllm_config), **extra)
+
+    @property
+    def settings(self) -> PDSettings:
+        """The P/D settings (role and bounds) of this engine."""
+        role = {(True, True): "both", (True, False): "producer", (False, True): "consumer",
+                (False, False): "none"}[(self.producer, self.consumer)]
+        return PDSettings(role=role, pull_timeout_s=self.pull_timeout_s,
+                          hold_timeout_s=self.hold_timeout_s, max_held=self.max_held,
+                          max_pulls=self.max_pulls, pull_threads=self.pull_threads,
+                          max_peers=self.max_peers, host_blocks=self.host_blocks,
+                          nixl_host=self.nixl_host, model_id=self.model_id)
 
 
 #: configuration keys that say where a checkpoint sits, not what the model is
@@ -144,4 +147,4 @@ def total_kv_heads(vllm_config) -> int:
         return 0
 
 
-__all__ = ["ConnectorConfig", "DEFAULTS", "model_identity", "total_kv_heads", "window_blocks"]
+__all__ = ["ConnectorConfig", "DEFAULTS", "model_identity", "total_kv_heads"]
