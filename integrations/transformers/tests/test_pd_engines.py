@@ -226,3 +226,23 @@ def test_a_grant_nobody_reads_expires_and_frees_the_blocks(engines):
     wait_until(lambda: HELD + "expire0" not in alloc.block_table, "the grant expires",
                timeout=HOLD_TIMEOUT + 30)
     wait_until(lambda: idle(producer), "the producer holds nothing")
+
+
+def test_bfloat16_between_layouts_and_block_sizes_gives_the_decoders_own_tokens():
+    """In bfloat16 two engines computing the same KV (one backend) and holding it in other
+    layouts and block sizes: P/D tokens equal the decoder's own exactly, both ways (across
+    engine makes each rounds its own KV: integrations/pd/tests)."""
+    opts = {"pull_timeout_s": PULL_TIMEOUT, "hold_timeout_s": HOLD_TIMEOUT}
+    a = manager("reference", "vllm.LBHNC", 16, dtype="bfloat16", **opts)
+    b = manager("reference", "flashinfer.HND", 32, dtype="bfloat16", **opts)
+    try:
+        ps = prompts()
+        for producer, consumer, tag in ((a, b, "ab"), (b, a, "ba")):
+            pd = generate(consumer, ps, f"bf-{tag}-d", params=prefill(producer, ps, f"bf-{tag}-p"))
+            own = generate(consumer, ps, f"bf-{tag}-s")
+            assert all(o.error is None for o in pd.values())
+            assert tokens(pd, f"bf-{tag}-d", len(ps)) == tokens(own, f"bf-{tag}-s", len(ps)), tag
+        wait_until(lambda: idle(a) and idle(b), "both engines hold nothing")
+    finally:
+        for m in (a, b):
+            m.stop(block=True, timeout=30)

@@ -33,8 +33,15 @@ NOT_IDENTITY = ("_name_or_path", "transformers_version")
 
 def model_identity(config) -> str:
     """The model's identity in this engine's handshakes (a consumer refuses a producer
-    serving another model): ``config:`` and a digest of the model's configuration without
-    where it was loaded from, the digest vLLM's KvabiConnector states for one checkpoint."""
+    serving another model): ``config:`` and a digest of the model's configuration as its
+    checkpoint states it (not as loaded: ``dtype`` follows the engine's choice, and the dtype
+    is negotiated on its own), without where it was loaded from: the digest vLLM's
+    KvabiConnector states for one checkpoint."""
+    from pathlib import Path
+
+    path = getattr(config, "_name_or_path", "") or ""
+    if path and (Path(path) / "config.json").is_file():
+        config = type(config).from_pretrained(path)
     cfg = config.to_dict()
     for k in NOT_IDENTITY:
         cfg.pop(k, None)
@@ -163,6 +170,14 @@ class TransformersConnector:
     def busy(self) -> bool:
         """Whether requests wait for blocks or pulls (the loop must keep running)."""
         return bool(len(self.consumer))
+
+    def pulls(self, last: int = 64) -> list[dict]:
+        """The latest pulls' figures (request, seconds in all, in READs, to the grant record
+        checked, of the checksums; regions; bytes), oldest first."""
+        consumer = self.endpoint.cache_side.consumer
+        rows = list(consumer.pull_stats)[-last:] if consumer is not None else []
+        return [{"request": r, "seconds": s, "regions": n, "bytes": b, "read_s": rd,
+                 "grant_s": g, "checksum_s": c} for r, s, n, b, rd, g, c in rows]
 
     def part_layouts(self) -> list[dict[str, str]]:
         """Per KV cache group, each served part's layout name."""

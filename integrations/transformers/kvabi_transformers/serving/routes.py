@@ -151,7 +151,8 @@ def server_status(models) -> dict:
             item["pd"] = {"role": integ.pd.settings.role,
                           "parts": conn.part_layouts() if conn is not None else None,
                           "tables": conn.table_sizes() if conn is not None else None,
-                          "stats": dict(conn.stats) if conn is not None else None}
+                          "stats": dict(conn.stats) if conn is not None else None,
+                          "pulls": conn.pulls() if conn is not None else None}
         out.append(item)
     return {"models": out}
 

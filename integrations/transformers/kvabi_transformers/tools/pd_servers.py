@@ -114,27 +114,59 @@ def tails(logs: dict, chars: int = 3000) -> str:
                      for name, path in logs.items())
 
 
-def wait_healthy(urls: dict, procs: dict, logs: dict, timeout: float) -> None:
-    """Until every URL's ``/health`` answers 200; RuntimeError naming the server (and the
-    logs' tails) when a process exits or ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    todo = dict(urls)
-    while todo:
-        for name, p in procs.items():
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode} while waiting for "
-                                   f"{', '.join(todo)} to be healthy:\n{tails(logs)}")
-        for name, url in list(todo.items()):
-            try:
-                if call(url + "/health", timeout=5)[0] == 200:
-                    del todo[name]
-            except OSError:  # not listening yet
-                pass
-        if todo and time.monotonic() > deadline:
-            raise RuntimeError(f"{', '.join(todo)} not healthy (GET /health) within "
-                               f"{timeout:g} s:\n{tails(logs)}")
-        if todo:
-            time.sleep(1)
+#: what a server's log says when the port it was given was taken before it bound it (free
+#: ports are picked before a server takes minutes to start, on a machine others share)
+PORT_TAKEN = ("address already in use", "Errno 98")
+#: starts of one server on a taken port before giving up
+PORT_TRIES = 3
+
+
+def serve_all(starts: dict, logs: dict, timeout: float) -> tuple[dict, dict]:
+    """Start every ``starts[name](port) -> (argv, env)`` on a free port and wait until each
+    one's ``/health`` answers 200; one whose port was taken meanwhile is started again on
+    another.  ({name: base URL}, {name: Popen}); RuntimeError naming the server and showing
+    the logs' tails when one exits otherwise or ``timeout`` seconds pass (the started
+    processes are then stopped)."""
+    from kvabi.transfer.nixl import free_port
+
+    procs, urls, tries = {}, {}, dict.fromkeys(starts, 0)
+
+    def launch(name):
+        port = free_port()
+        argv, env = starts[name](port)
+        urls[name] = f"http://127.0.0.1:{port}"
+        procs[name] = start(argv, logs[name], env)
+        tries[name] += 1
+    try:
+        for name in starts:
+            launch(name)
+        deadline = time.monotonic() + timeout
+        todo = set(starts)
+        while todo:
+            for name in sorted(todo):
+                p = procs[name]
+                if p.poll() is not None:
+                    text = Path(logs[name]).read_text()[-2000:]
+                    if any(t in text for t in PORT_TAKEN) and tries[name] < PORT_TRIES:
+                        launch(name)
+                        continue
+                    raise RuntimeError(f"{name} exited with {p.returncode} while waiting for "
+                                       f"{', '.join(sorted(todo))} to be healthy:\n"
+                                       f"{tails(logs)}")
+                try:
+                    if call(urls[name] + "/health", timeout=5)[0] == 200:
+                        todo.discard(name)
+                except OSError:  # not listening yet
+                    pass
+            if todo and time.monotonic() > deadline:
+                raise RuntimeError(f"{', '.join(sorted(todo))} not healthy (GET /health) "
+                                   f"within {timeout:g} s:\n{tails(logs)}")
+            if todo:
+                time.sleep(1)
+    except BaseException:
+        stop(procs)
+        raise
+    return urls, procs
 
 
 def stop(procs: dict, timeout: float = 60.0) -> None:
@@ -153,32 +185,29 @@ def stop(procs: dict, timeout: float = 60.0) -> None:
 @contextlib.contextmanager
 def pd_servers(model, workdir, engines: dict, proxies: dict, *, vllm_python=None,
                start_timeout: float = START_TIMEOUT, proxy_timeout: float = 120.0):
-    """Start ``engines`` ({name: Engine}) serving ``model`` and ``proxies`` ({name:
-    (producer name, consumer name)}); yield {"urls": {name: base URL}, "logs": {name:
-    path}, "procs": {name: Popen}} once all are healthy; stop them all on exit."""
-    from kvabi.transfer.nixl import free_port
-
+    """Start ``engines`` ({name: Engine}) serving ``model``, then ``proxies`` ({name:
+    (producer name, consumer name)}) in front of them; yield {"urls": {name: base URL},
+    "logs": {name: path}, "procs": {name: Popen}} once all are healthy; stop them all on
+    exit."""
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    names = list(engines) + list(proxies)
-    ports = {n: free_port() for n in names}
-    urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
-    logs = {n: work / f"{n}.log" for n in names}
-    procs = {}
+    logs = {n: work / f"{n}.log" for n in list(engines) + list(proxies)}
+    urls, procs = serve_all(
+        {name: (lambda port, e=engine: command(e, model, port, vllm_python))
+         for name, engine in engines.items()}, logs, start_timeout)
     try:
-        for name, engine in engines.items():
-            argv, env = command(engine, model, ports[name], vllm_python)
-            procs[name] = start(argv, logs[name], env)
-        for name, (prefill, decode) in proxies.items():
-            procs[name] = start([sys.executable, "-m", "kvabi.pd.proxy", "--prefill",
-                                 urls[prefill], "--decode", urls[decode], "--port",
-                                 str(ports[name]), "--timeout", str(proxy_timeout)],
-                                logs[name], {})
-        wait_healthy(urls, procs, logs, start_timeout)
+        def proxy(prefill, decode):
+            return lambda port: ([sys.executable, "-m", "kvabi.pd.proxy", "--prefill",
+                                  urls[prefill], "--decode", urls[decode], "--port", str(port),
+                                  "--timeout", str(proxy_timeout)], {})
+        more, started = serve_all({name: proxy(*pair) for name, pair in proxies.items()},
+                                  logs, start_timeout)
+        urls.update(more)
+        procs.update(started)
         yield {"urls": urls, "logs": logs, "procs": procs}
     finally:
         stop(procs)
 
 
-__all__ = ["Engine", "MODEL", "call", "command", "kv_transfer_config", "pd_servers", "stop",
-           "wait_healthy"]
+__all__ = ["Engine", "MODEL", "call", "command", "kv_transfer_config", "pd_servers",
+           "serve_all", "stop"]
