@@ -12,7 +12,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 OWN := pyproject.toml $(wildcard backends/*/pyproject.toml) examples/thirdparty-backend/pyproject.toml
 
-.PHONY: setup setup-vllm run test test-core test-vllm thorough thorough-vllm lock drift clean
+.PHONY: setup setup-vllm run test test-core test-vllm test-pd thorough thorough-vllm lock drift clean
 
 setup: $(STAMP) $(VLLM_STAMP)
 setup-vllm: $(VLLM_STAMP)
@@ -32,8 +32,9 @@ run: setup
 	$(BIN)/kvabi conformance --all --quick
 	$(BIN)/kvabi-transformers demo  # generate_batch of a Gemma-4-like model on kvabi backends
 	$(VLLM_BIN)/kvabi-vllm demo  # vLLM's engine on kvabi backends, tokens vs vLLM's own
+	$(BIN)/kvabi-transformers pd-demo --vllm-python $(VLLM_BIN)/python  # vLLM <-> transformers P/D over HTTP
 
-test: test-core test-vllm
+test: test-core test-vllm test-pd
 
 test-core: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -41,6 +42,11 @@ test-core: $(STAMP)
 # vLLM's engine, scheduler and kernels on kvabi (its own environment; VLLM_* set by the tests).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q integrations/vllm/tests
+
+# P/D between engines of different makes, each served from its own environment: the tests
+# and the transformers server run here, vLLM's server from its environment.
+test-pd: $(STAMP) $(VLLM_STAMP)
+	KVABI_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q integrations/pd/tests
 
 # The long property and fuzz runs (e.g. 10,000 mutated layout descriptors): the `thorough`
 # Hypothesis profile over the hostile-input (descriptor, config, metadata), transfer-plan,

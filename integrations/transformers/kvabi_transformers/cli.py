@@ -1,4 +1,4 @@
-"""``kvabi-transformers demo|bench``."""
+"""``kvabi-transformers demo|bench|serve|pd-demo``."""
 from __future__ import annotations
 
 import argparse
@@ -18,14 +18,21 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="kvabi-transformers",
         description="kvabi inside Hugging Face transformers' continuous batching.")
-    p.add_argument("command", choices=("demo", "bench"),
+    p.add_argument("command", choices=("demo", "bench", "serve", "pd-demo"),
                    help="demo: generation on several backends; bench: prefill skip and "
-                        "per-step overhead (same as `kvabi bench transformers`)")
+                        "per-step overhead (same as `kvabi bench transformers`); serve: "
+                        "transformers serve on kvabi, with P/D (serve --help); pd-demo: one "
+                        "prompt prefilled by vLLM and decoded by transformers, and the "
+                        "reverse, over HTTP")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the command's arguments (--help)")
     ns = p.parse_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
     rest = argv[1:]
     if ns.command == "demo":
         from .tools.demo import main as run
+    elif ns.command == "serve":
+        from .serving.serve import main as run
+    elif ns.command == "pd-demo":
+        from .tools.pd_demo import main as run
     else:
         from .tools.bench import main as run
     return run(rest)

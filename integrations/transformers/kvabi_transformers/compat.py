@@ -47,6 +47,10 @@ CALLED = {
     f"{CB}.scheduler.FIFOScheduler.__init__": (
         "cache", "safety_margin", "max_requests_per_batch"),
     "transformers.AttentionInterface.register": (),
+    # P/D (kvabi_transformers.connector)
+    f"{CB}.cache.PagedAttentionCache.can_store_request_tokens": ("state", "request_len"),
+    f"{CB}.cache.PagedAttentionCache.free_blocks": ("request_id",),
+    f"{CB}.continuous_api.OutputRouter.fail_and_deliver": ("state", "error"),
 }
 
 #: methods kvabi-transformers overrides (or replaces on the model): transformers calls them
@@ -61,14 +65,36 @@ OVERRIDDEN = {
     f"{CB}.continuous_api.ContinuousBatchingManager._create_batch_processor": (),
     f"{CB}.continuous_api.ContinuousMixin.init_continuous_batching": (
         "generation_config", "continuous_batching_config", "workload_hints"),
+    f"{CB}.continuous_api.ContinuousBatchingManager.add_request": (
+        "input_ids", "request_id", "max_new_tokens", "streaming", "record_timestamps",
+        "eos_token_id", "**"),
+    f"{CB}.continuous_api.ContinuousBatchingManager.stop": (
+        "block", "timeout", "keep_for_next_session", "hard_stop"),
+    # P/D (kvabi_transformers.connector.hooks)
+    f"{CB}.cache.PagedAttentionCache.mark_complete_blocks": ("state", "complete_blocks"),
+    f"{CB}.scheduler.Scheduler.add_waiting_request": ("state",),
+    f"{CB}.scheduler.Scheduler.finish_request": ("request_id",),
+    f"{CB}.scheduler.Scheduler.set_request_cancellation": ("request_id",),
+    f"{CB}.scheduler.Scheduler.has_pending_requests": (),
+    f"{CB}.continuous_api.ContinuousBatchProcessor.prepare_next_batch": (),
+    f"{CB}.continuous_api.ContinuousBatchProcessor.fail_all_requests": ("error",),
+    f"{CB}.continuous_api.OutputRouter.deliver": ("output",),
+    f"{CB}.continuous_api.OutputRouter.deliver_batch": ("outputs",),
 }
+
+#: fields of a request's state the P/D connector reads or sets (resuming a request whose
+#: prompt KV was pulled, as transformers' prefix sharing resumes one)
+REQUEST_FIELDS = ("request_id", "initial_tokens", "generated_tokens", "position_offset",
+                  "remaining_prefill_tokens")
+#: request statuses the connector reads or sets
+REQUEST_STATUSES = ("PENDING", "PREFILLING", "DECODING", "FINISHED", "FAILED")
 
 #: attributes of the manager that kvabi-transformers reads, set by its ``__init__``
 MANAGER_ATTRIBUTES = (
     "model", "generation_config", "continuous_batching_config", "distributed_helper",
     "logit_processor", "input_queue", "cancel_queue", "output_router",
     "background_thread_status", "is_tp_driver", "batch_processor", "_original_attn_impl",
-    "_use_prefix_sharing")
+    "_use_prefix_sharing", "output_router")
 
 #: fields of ContinuousBatchingConfig kvabi-transformers sets or reads
 CONFIG_FIELDS = (
@@ -161,6 +187,7 @@ def internals_problems() -> list[str]:
     problems += _manager_attributes()
     problems += _config_fields()
     problems += _step_inputs()
+    problems += _request_state()
     if not problems:
         problems += bookkeeping_problems()
     return problems
@@ -293,6 +320,54 @@ def _step_inputs() -> list[str]:
     missing = [k for k in STEP_INPUTS if k not in keys]
     return [f"the step's forward keywords (PagedAttentionArgs) have no {', '.join(missing)}"] \
         if missing else []
+
+
+def _request_state() -> list[str]:
+    try:
+        state = _resolve(f"{CB}.requests.RequestState")
+        status = _resolve(f"{CB}.requests.RequestStatus")
+    except (ImportError, AttributeError):
+        return ["requests.RequestState or RequestStatus is gone"]
+    fields = {f.name for f in dataclasses.fields(state)} if dataclasses.is_dataclass(state) \
+        else set()
+    out = [f"RequestState has no {f}" for f in REQUEST_FIELDS if f not in fields]
+    out += [f"RequestStatus has no {s}" for s in REQUEST_STATUSES if not hasattr(status, s)]
+    return out
+
+
+#: what ``kvabi-transformers serve`` reaches into in transformers' server: callables and
+#: the parameters it passes or reads by name
+SERVING = {
+    "transformers.cli.serving.model_manager.ModelManager._load_model": ("model_id_and_revision",),
+    "transformers.cli.serving.server.build_server": (
+        "model_manager", "chat_handler", "completion_handler"),
+    "transformers.cli.serving.completion.CompletionHandler.handle_request": (
+        "body", "request_id"),
+    "transformers.cli.serving.chat_completion.ChatCompletionHandler.handle_request": (
+        "body", "request_id"),
+    "transformers.cli.serving.utils.CBWorkerDeadError": (),
+}
+
+
+def serving_problems() -> list[str]:
+    """What differs in transformers' server from what ``kvabi-transformers serve`` reaches
+    into (empty: all is as tested); its extras missing is one problem."""
+    try:
+        importlib.import_module("fastapi")
+        importlib.import_module("uvicorn")
+    except ImportError as e:
+        return [f"transformers serve needs its serving extras ({e.name} is missing: "
+                "pip install 'transformers[serving]')"]
+    problems = []
+    for path, names in SERVING.items():
+        params, err = _parameters(path)
+        if err and not path.endswith("Error"):
+            problems.append(err)
+            continue
+        missing = [n for n in names if n not in params and "**" not in params]
+        if missing:
+            problems.append(f"{_short(path)} takes no {', '.join(missing)}")
+    return problems
 
 
 def _short(path: str) -> str:

@@ -10,6 +10,7 @@ from kvabi.util.coerce import as_bool, as_int
 from kvabi.memory.planning import layout_page_bytes, parse_bytes, plan_memory
 
 from .compat import TransformersMismatch, ensure_transformers, slice_problems
+from .connector.settings import pd_options
 from .model_kv import model_kv
 
 #: Budget when neither ``memory`` nor the workload of ``generate_batch`` is known.
@@ -34,8 +35,11 @@ class Integration:
     """Everything ``use()`` decided about a model: backend, ModelKV, layer slots, layouts,
     block size, sinks, prefill skip.  Checked once; every run builds a Session from it."""
 
-    def __init__(self, model, backend, layout, block_size, kv_dtype, prefill_skip, memory):
+    def __init__(self, model, backend, layout, block_size, kv_dtype, prefill_skip, memory,
+                 pd=None):
         _check_model(model)
+        #: P/D options (``pd=``), None without P/D
+        self.pd = pd_options(pd)
         self.prefill_skip = as_bool(prefill_skip, "prefill_skip")
         self.backend = _backend(backend)
         config = model.config.get_text_config()
@@ -63,6 +67,8 @@ class Integration:
             self.plan_blocks()  # a budget that holds nothing fails here
         #: the Session of the latest step (its stats and timing), None before any
         self.session = None
+        #: weak reference to the latest continuous-batching manager (None before any)
+        self.manager = None
 
     def plan_blocks(self, workload_hints=None) -> int:
         """Blocks per KV group from kvabi's memory plan: of ``memory`` if given, else of
@@ -208,7 +214,7 @@ def _check_prefill_skip(model, mkv, model_type) -> None:
 
 
 def use(model, backend="reference", layout=None, *, block_size=None, kv_dtype=None,
-        prefill_skip=False, memory=None):
+        prefill_skip=False, memory=None, pd=None):
     """Serve ``model``'s continuous batching (``model.generate_batch``,
     ``model.init_continuous_batching``, ``model.generate(..., cache_implementation="paged")``)
     with a kvabi backend; returns ``model``.
@@ -221,6 +227,13 @@ def use(model, backend="reference", layout=None, *, block_size=None, kv_dtype=No
     that read another layer's cache never write.  ``prefill_skip`` runs the KV-shared
     suffix of layers only on the tokens whose logits are needed.
 
+    ``pd`` (None: off) makes the continuous-batching manager speak kvabi's P/D protocol
+    (``specs/pd.md``) over NIXL: a role name or a dict like vLLM's
+    ``--kv-transfer-config`` (``{"kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+    "kv_connector_extra_config": {...}}``, :mod:`kvabi_transformers.connector.settings`);
+    requests then take ``kv_transfer_params`` at ``add_request`` and finished producer
+    requests carry their answer as ``output.kv_transfer_params``.
+
     Raises :class:`kvabi.KVABIError` (UnsupportedError for what the backend refuses) here,
     not mid-generation, for any model, layout or option that cannot be served, and then
     leaves ``model`` as it was; :class:`~kvabi_transformers.compat.TransformersMismatch`
@@ -232,7 +245,7 @@ def use(model, backend="reference", layout=None, *, block_size=None, kv_dtype=No
 
     ensure_transformers()
     integration = Integration(model, backend, layout, block_size, kv_dtype, prefill_skip,
-                              memory)
+                              memory, pd)
     _register_attention()
     install(model, integration)
     return model

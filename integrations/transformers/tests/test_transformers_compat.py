@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from transformers.generation.continuous_batching import cache as tf_cache
 from transformers.generation.continuous_batching import continuous_api
@@ -44,8 +45,9 @@ def unchecked(monkeypatch):
 def test_tested_range_is_the_package_dependency_range():
     pyproject = Path(kvabi_transformers.__file__).parents[1] / "pyproject.toml"
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    (dep,) = [d for d in deps if re.match(r"transformers\b", d)]
-    assert SpecifierSet(dep.removeprefix("transformers")) == SpecifierSet(compat.TESTED)
+    (dep,) = [Requirement(d) for d in deps if re.match(r"transformers\b", d)]
+    assert dep.specifier == SpecifierSet(compat.TESTED)
+    assert dep.extras == {"serving"}  # kvabi-transformers serve runs transformers serve
 
 
 def test_the_installed_transformers_passes(unchecked):
@@ -98,16 +100,23 @@ def test_checked_once_per_process_and_version(unchecked, monkeypatch):
 
 def test_the_tables_describe_kvabi_transformers_own_overrides():
     """OVERRIDDEN states the parameters of kvabi-transformers' own overrides: what a
-    release is compared against."""
+    release is compared against (an override may add keyword-only parameters of its own,
+    e.g. add_request's kv_transfer_params)."""
+    from kvabi_transformers.connector.hooks import (KvabiOutputRouter, PDBatchProcessor,
+                                                    PDSchedulerMixin)
     from kvabi_transformers.manager import KvabiManager, KvabiPagedCache
 
     model = kvabi_transformers.use(model_of("llama"))
-    ours = {"PagedAttentionCache": KvabiPagedCache, "ContinuousBatchingManager": KvabiManager}
+    ours = {"PagedAttentionCache": KvabiPagedCache, "ContinuousBatchingManager": KvabiManager,
+            "Scheduler": PDSchedulerMixin, "ContinuousBatchProcessor": PDBatchProcessor,
+            "OutputRouter": KvabiOutputRouter}
     for path, names in compat.OVERRIDDEN.items():
         cls, method = path.split(".")[-2:]
         fn = model.init_continuous_batching if method == "init_continuous_batching" \
             else getattr(ours[cls], method)
-        params = [p for p in inspect.signature(fn).parameters if p != "self"]
+        params = ["**" if p.kind is p.VAR_KEYWORD else p.name
+                  for p in inspect.signature(fn).parameters.values()
+                  if p.name != "self" and p.kind is not p.KEYWORD_ONLY]
         assert tuple(params) == names, path
 
 
