@@ -268,14 +268,25 @@ _NOT_NUMBERS = {"str": np.full((3, 2, 64), "a"), "object": np.full((3, 2, 64), N
                 "bool": np.zeros((3, 2, 64), bool), "text": "abc", "bytes": b"abc"}
 
 
+def _claimed_spec(be, blocks: int = 8):
+    """A full-attention spec ``be`` claims (a plain float32 cache, else an int8 cache
+    quantized per token and head: a quantized-only backend claims no plain one)."""
+    for dtype, quant in (("float32", "none"), ("int8", "per_token_head")):
+        spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=64, dtype=dtype,
+                      quant=quant)
+        layout = Layout.preset(be.preferred_layouts(spec)[0], spec, blocks, 1)
+        if not be.refusals(spec, layout):
+            return spec, layout
+    raise AssertionError(f"{be.name} claims neither a float32 nor an int8 full spec")
+
+
 @pytest.mark.parametrize("name", [n for n in kvabi.backend_names()
                                   if kvabi.get_backend(n).available()[0]])
 def test_arrays_of_no_numbers_are_refused_by_their_field_in_every_framework(name):
     """key, value and query that hold no real numbers are refused naming the argument,
     before a framework converts them (jax raised TypeError, torch named ``array``)."""
     be = kvabi.get_backend(name)
-    spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=64, dtype="float32")
-    layout = Layout.preset(be.preferred_layouts(spec)[0], spec, 8, 1)
+    spec, layout = _claimed_spec(be)
     meta = CommonAttentionMetadata.from_lengths([3], [0], [[0, 1]], 16)
     plan = be.plan(meta, spec, layout, num_q_heads=2)
     cache = be.allocate(layout)
@@ -300,8 +311,7 @@ def test_a_backends_own_methods_get_their_arguments_checked_by_name(name):
     from kvabi import StepLimits
 
     be = type(kvabi.get_backend(name))()
-    spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=64, dtype="float32")
-    layout = Layout.preset(be.preferred_layouts(spec)[0], spec, 4, 1)
+    spec, layout = _claimed_spec(be, blocks=4)
     limits = StepLimits(max_tokens=4, max_reqs=2, max_seq_len=32)
     for field, call in (
             ("spec", lambda: be.capabilities("full")),
