@@ -262,22 +262,20 @@ def test_1x_backends_and_backends_running_their_own_boundary_are_refused(tmp_pat
         sys.path.remove(str(Path(__file__).parent / "plugins"))
 
 
+def _spec_served_by(be) -> KVSpec:
+    """A small full-attention spec ``be`` serves: float32, else an int8 per-tensor cache
+    (a backend of quantized caches only, such as example.torch_quant)."""
+    for kw in ({"dtype": "float32"}, {"dtype": "int8", "quant": "per_tensor"}):
+        spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=64, **kw)
+        if not be.refusals(spec):
+            return spec
+    raise AssertionError(f"{be.name} serves neither a float32 nor an int8 cache")
+
+
 _NOT_NUMBERS = {"str": np.full((3, 2, 64), "a"), "object": np.full((3, 2, 64), None, object),
                 "datetime": np.zeros((3, 2, 64), "datetime64[s]"),
                 "void": np.zeros((3, 2, 64), "V4"), "complex": np.zeros((3, 2, 64), complex),
                 "bool": np.zeros((3, 2, 64), bool), "text": "abc", "bytes": b"abc"}
-
-
-def _claimed_spec(be, blocks: int = 8):
-    """A full-attention spec ``be`` claims (a plain float32 cache, else an int8 cache
-    quantized per token and head: a quantized-only backend claims no plain one)."""
-    for dtype, quant in (("float32", "none"), ("int8", "per_token_head")):
-        spec = KVSpec("full", block_size=16, num_kv_heads=2, head_dim=64, dtype=dtype,
-                      quant=quant)
-        layout = Layout.preset(be.preferred_layouts(spec)[0], spec, blocks, 1)
-        if not be.refusals(spec, layout):
-            return spec, layout
-    raise AssertionError(f"{be.name} claims neither a float32 nor an int8 full spec")
 
 
 @pytest.mark.parametrize("name", [n for n in kvabi.backend_names()
@@ -286,7 +284,8 @@ def test_arrays_of_no_numbers_are_refused_by_their_field_in_every_framework(name
     """key, value and query that hold no real numbers are refused naming the argument,
     before a framework converts them (jax raised TypeError, torch named ``array``)."""
     be = kvabi.get_backend(name)
-    spec, layout = _claimed_spec(be)
+    spec = _spec_served_by(be)
+    layout = Layout.preset(be.preferred_layouts(spec)[0], spec, 8, 1)
     meta = CommonAttentionMetadata.from_lengths([3], [0], [[0, 1]], 16)
     plan = be.plan(meta, spec, layout, num_q_heads=2)
     cache = be.allocate(layout)
@@ -311,7 +310,8 @@ def test_a_backends_own_methods_get_their_arguments_checked_by_name(name):
     from kvabi import StepLimits
 
     be = type(kvabi.get_backend(name))()
-    spec, layout = _claimed_spec(be, blocks=4)
+    spec = _spec_served_by(be)
+    layout = Layout.preset(be.preferred_layouts(spec)[0], spec, 4, 1)
     limits = StepLimits(max_tokens=4, max_reqs=2, max_seq_len=32)
     for field, call in (
             ("spec", lambda: be.capabilities("full")),

@@ -1,6 +1,7 @@
 """Pulls off the engine's thread: a stuck pull is given up at its deadline while the
 others finish; a given-up pull's commit refuses (no byte lands after the engine gave up);
 the queue is bounded; errors come back as reasons, never as a dead thread."""
+import os
 import threading
 import time
 
@@ -8,7 +9,7 @@ import pytest
 
 from kvabi import KVABIError
 
-from kvabi.pd.pulls import Puller
+from kvabi.pd.pulls import Puller, on_any_core
 
 
 def _wait(puller, n, limit=60.0):
@@ -102,3 +103,48 @@ def test_an_abandoned_commit_refuses():
     with pytest.raises(KVABIError, match="given up after its deadline"):
         with c:
             pass
+
+
+def test_pull_threads_of_a_pinned_engine_run_on_any_core():
+    """An engine thread bound to one core (vLLM's CPU worker binds its main thread, and so
+    every thread it starts, to its OpenMP cores): the pull threads and a thread started
+    through ``on_any_core`` (NIXL's progress thread is started that way) may run on every
+    core the process may use, and so may the threads they start.  Bound beside the
+    engine's spinning threads, a first pull waited past its deadline."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity on this platform")
+    everything = os.sched_getaffinity(0)
+    if len(everything) < 2:
+        pytest.skip("one core: nothing to bind apart")
+    seen = {}
+
+    def engine():  # a thread of its own: pytest's thread keeps its cores
+        os.sched_setaffinity(0, {min(everything)})
+        seen["engine"] = os.sched_getaffinity(0)
+
+        def pull(job):
+            seen["pull"] = os.sched_getaffinity(0)
+
+        def agent():
+            inner = threading.Thread(target=lambda: seen.setdefault(
+                "progress", os.sched_getaffinity(0)))
+            inner.start()
+            inner.join()
+            return os.sched_getaffinity(0)
+
+        seen["agent"] = on_any_core(agent)
+        p = Puller(pull, max_jobs=1, timeout_s=30, threads=1)
+        try:
+            p.submit("r", "work")
+            seen["ended"] = _wait(p, 1)
+        finally:
+            p.stop()
+
+    t = threading.Thread(target=engine)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "waited 60 s for the pinned engine thread's pull"
+    assert seen.get("ended") == {"r": None}, f"the pull did not end well: {seen}"
+    assert seen["engine"] == {min(everything)}, "the engine thread was not pinned"
+    assert {k: seen[k] for k in ("pull", "agent", "progress")} == dict.fromkeys(
+        ("pull", "agent", "progress"), everything)

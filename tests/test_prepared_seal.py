@@ -74,7 +74,16 @@ def arrays(x, path="plan.prepared", seen=None):
             yield from arrays(getattr(x, f.name), f"{path}.{f.name}", seen)
 
 
-def setup(be, spec=SPEC, meta=META):
+def spec_for(be) -> KVSpec:
+    """SPEC, or its int8 per-tensor twin for a backend of quantized caches only."""
+    if not be.refusals(SPEC):
+        return SPEC
+    return KVSpec("full", block_size=4, num_kv_heads=2, head_dim=32, dtype="int8",
+                  quant="per_tensor")
+
+
+def setup(be, spec=None, meta=META):
+    spec = spec_for(be) if spec is None else spec
     layout = Layout.preset(be.preferred_layouts(spec)[0], spec, 6, 2)
     rng = np.random.default_rng(0)
     key = rng.standard_normal((meta.num_tokens, 2, 32)).astype(np.float32)
@@ -108,12 +117,13 @@ def _bytes(cache):
 def test_every_prepared_array_changed_after_plan_is_refused(name):
     be = BACKENDS[name]()
     layout, key = setup(be)
-    first = be.plan(META, SPEC, layout, num_q_heads=4)
+    spec = spec_for(be)
+    first = be.plan(META, spec, layout, num_q_heads=4)
     found = list(arrays(first.prepared))
     assert found or be.framework == "jax", f"{name}: no prepared arrays found"
     changed = 0
     for i, (path, _) in enumerate(found):
-        plan = be.plan(META, SPEC, layout, num_q_heads=4)  # a fresh plan per array
+        plan = be.plan(META, spec, layout, num_q_heads=4)  # a fresh plan per array
         cache = be.allocate(layout)
         before = _bytes(cache)
         if be.framework == "jax":
@@ -136,14 +146,15 @@ def test_every_prepared_array_changed_after_plan_is_refused(name):
 def test_an_unchanged_plan_serves_every_layer_again_and_again(name):
     be = BACKENDS[name]()
     layout, key = setup(be)
-    plan = be.plan(META, SPEC, layout, num_q_heads=4)
+    spec = spec_for(be)
+    plan = be.plan(META, spec, layout, num_q_heads=4)
     cache = be.allocate(layout)
     q = np.concatenate([key, key], 1)
     for _ in range(2):
         for layer in (0, 1):
             cache = be.write_kv(plan, cache, key=key, value=key, layer=layer)
             be.attention(plan, cache, query=q, layer=layer)
-            if be.capabilities(SPEC).sinks:  # per-call data made later (prepared_for)
+            if be.capabilities(spec).sinks:  # per-call data made later (prepared_for)
                 be.attention(plan, cache, query=q, layer=layer, sinks=np.zeros(4))
 
 

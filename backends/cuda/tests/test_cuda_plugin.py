@@ -104,3 +104,24 @@ def test_interpreter_can_be_forbidden():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120).stdout
     assert out.startswith("False") and "TRITON_INTERPRET=0" in out
+
+
+def test_the_interpreter_holds_after_every_plugin_loaded():
+    """Without a GPU and without TRITON_INTERPRET set, every kvabi plugin loaded first (as
+    any backend lookup does): Triton's own library functions are interpreted too, so the
+    kernels run.  A plugin that imported triton at load (transformers' continuous batching
+    imports torch._dynamo, which imports triton) left them compiled-mode functions, and
+    every cuda.triton attention on CPU failed inside the interpreter."""
+    if _cuda():
+        pytest.skip("a CUDA device compiles the kernels")
+    import os
+    import subprocess
+    import sys
+
+    code = ("import kvabi; kvabi.backend_names(); "
+            "from kvabi_cuda.runtime import triton_mode; mode = triton_mode()[0]; "
+            "import triton.language as tl; print(mode, type(tl.zeros).__name__)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.stdout.split() == ["interpret", "InterpretedFunction"], out.stdout + out.stderr
