@@ -77,7 +77,7 @@ def test_decode_and_prefill_wrappers_both_exercised():
     pre = make_step(query_lens=[1, 3], context_lens=[4, 2], seed=1)
     for step, want in ((dec, "decode"), (pre, "prefill")):
         plan = EMULATED.plan(step.meta, step.spec, step.layout(), num_q_heads=step.num_q_heads)
-        assert plan.prepared.planned[False][0]["wrapper"] == want
+        assert plan.prepared.planned[0]["wrapper"] == want
         compare(step, run_step(EMULATED, step), run_step(reference(), step))
 
 
