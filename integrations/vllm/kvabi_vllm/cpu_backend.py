@@ -60,11 +60,17 @@ FP8_MULTIPLE = 32
 PREFERRED = ("vllm.cpu", "vllm.cpu_kt", "vllm.LBHNC")
 
 
-def _ops():
-    """vLLM's op wrappers (importing vLLM loads its compiled library)."""
-    from vllm import _custom_ops
+_OPS = []
 
-    return _custom_ops
+
+def _ops():
+    """vLLM's op wrappers (importing vLLM loads its compiled library; once, then held:
+    this is called per layer)."""
+    if not _OPS:
+        from vllm import _custom_ops
+
+        _OPS.append(_custom_ops)
+    return _OPS[0]
 
 
 @attrs.frozen(eq=False)
@@ -126,6 +132,20 @@ class CpuVllmBackend(kvabi.Backend):
         # Scratch memory per thread and dtype, grown as needed and reused by every layer
         # and step: a fresh buffer per step would pay its page faults again every time.
         self._scratch = threading.local()
+        # Whether a layout's keys (and values) are in kernel order, per layout: a vLLM
+        # engine plans every step over the same layout object (layouts are unhashable).
+        self._orders: dict[int, tuple] = {}
+
+    def _order(self, layout) -> tuple[bool, bool]:
+        """(keys in kernel order, values too) of ``layout``, worked out once per layout."""
+        hit = self._orders.get(id(layout))
+        if hit is None or hit[0] is not layout:
+            if len(self._orders) >= 64:
+                self._orders.clear()
+            keys = keys_in_kernel_order(layout)
+            hit = self._orders[id(layout)] = (layout, keys,
+                                              keys and values_in_kernel_order(layout))
+        return hit[1], hit[2]
 
     def _buffer(self, numel: int, dtype):
         """A 1-D scratch tensor of at least ``numel`` elements of ``dtype`` (this thread's;
@@ -192,7 +212,7 @@ class CpuVllmBackend(kvabi.Backend):
         entries = meta.block_table[req, col].astype(np.int64) if total else np.zeros(0, np.int64)
         # Rows some query of the request sees, and rows all its queries see.
         some, every = pair_visibility(meta, spec, req, col)
-        native = keys_in_kernel_order(layout)
+        native, inplace = self._order(layout)
         if native:  # distinct blocks, each read by one or more (request, column) pairs
             entries, inv = np.unique(entries, return_inverse=True)
             inv = inv.reshape(-1)
@@ -234,7 +254,7 @@ class CpuVllmBackend(kvabi.Backend):
         return CpuVllmSteps(
             isa, native, int(qsl[-1]), qsl32, seq32, entries, table,
             rows_t if len(rows) else None, written_t, blk, off, slot64,
-            native and values_in_kernel_order(layout), partial,
+            inplace, partial,
             None if plan.sinks is None else torch.from_numpy(plan.sinks.astype(np.float32)),
             dt, _schedule(plan, isa, qsl32, seq32, dt))
 
@@ -285,16 +305,20 @@ class CpuVllmBackend(kvabi.Backend):
         e = len(p.entries)
         direct = out is not None and out.dtype == wdt and out.is_contiguous()
         result = out if direct else torch.empty((t_all, hq, d), dtype=wdt)
-        result[n:].zero_()  # padding tokens: unspecified by the ABI, zero here
+        # the real tokens' rows (no slice where there is no padding: this runs per layer)
+        real = result if n == t_all else result[:n]
+        if n < t_all:
+            result[n:].zero_()  # padding tokens: unspecified by the ABI, zero here
         s_aux = p.s_aux if sinks is plan.sinks else self._s_aux(sinks)
 
         def run(kc, vc, poisoned=None):
             if not (n and e):
-                result[:n].zero_()  # no request has a key: nothing to attend
+                real.zero_()  # no request has a key: nothing to attend
                 return
-            q = query[:n].to(wdt).contiguous()
+            q = query if n == t_all else query[:n]
+            q = (q if q.dtype == wdt else q.to(wdt)).contiguous()
             _ops().cpu_attention_with_kv_cache(
-                query=q, key_cache=kc, value_cache=vc, output=result[:n],
+                query=q, key_cache=kc, value_cache=vc, output=real,
                 query_start_loc=p.query_start_loc, seq_lens=p.seq_lens,
                 scale=plan.scale, causal=True, alibi_slopes=None,
                 sliding_window=spec.window if spec.kind == "sliding_window" else -1,
@@ -303,7 +327,7 @@ class CpuVllmBackend(kvabi.Backend):
                 k_scale=scales[0], v_scale=scales[1],
                 kv_cache_dtype=FP8.get(spec.dtype, "auto"))
             if poisoned is not None:  # what the poison they see gives those queries
-                result[:n][torch.from_numpy(poisoned)] = float("nan")
+                real[torch.from_numpy(poisoned)] = float("nan")
 
         kc = key_tiles(torch, kview)
         again = False
@@ -314,7 +338,7 @@ class CpuVllmBackend(kvabi.Backend):
             # with those rows zeroed (a NaN a query does see stays NaN there).
             # (one sum: NaN and inf reach it; a finite overflow only costs the copy)
             again = bool(n and e and p.hidden is not None) and \
-                not math.isfinite(result[:n].sum().item())
+                not math.isfinite(real.sum().item())
         if p.native and (not p.inplace or again):
             vc, rows = value_scratch(torch, kc, cdt,
                                      self._buffer(value_scratch_numel(kc), cdt))
@@ -350,14 +374,11 @@ def _poisoned(plan, rows):
 
 def _packed(arrays, dtype) -> list:
     """``arrays`` as contiguous views of one torch tensor of ``dtype`` (one copy)."""
-    flat = np.concatenate([np.asarray(a).astype(dtype, copy=False).reshape(-1)
-                           for a in arrays])
-    buf, out, at = torch.from_numpy(flat), [], 0
-    for a in arrays:
-        n = int(np.asarray(a).size)
-        out.append(buf[at:at + n].view(np.shape(a)))
-        at += n
-    return out
+    arrays = [np.asarray(a) for a in arrays]
+    flat = np.concatenate([a.astype(dtype, copy=False).reshape(-1) for a in arrays])
+    # one split (a C++ call) and a reshape only where 2-D: this runs once per step
+    parts = torch.from_numpy(flat).split([a.size for a in arrays])
+    return [t if a.ndim == 1 else t.view(a.shape) for t, a in zip(parts, arrays)]
 
 
 def _schedule(plan, isa: str, query_start_loc, seq_lens, dtype):

@@ -68,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
       help="kvabi backend of the prefill-skip runs (falls back to example.torch if absent)")
     a("--block-size", type=pos, default=DEFAULTS["block_size"], help="vLLM block size")
     a("--repeat", type=pos, default=DEFAULTS["repeat"], help="timed runs (median reported)")
+    a("--skip-prefill", action="store_true",
+      help="leave out the prefill-skip section (to time the throughput section alone, e.g. "
+           "on a model of a real layer count: --layers 32)")
     a("--skip-pd", action="store_true", help="leave out the P/D section")
     a("--skip-tax", action="store_true",
       help="leave out the connector-tax section (a configured connector, no transfer)")
@@ -198,7 +201,8 @@ def run(args, tick=lambda n=1: None) -> dict:
     out = {"repeat": args.repeat}
     with tempfile.TemporaryDirectory(prefix="kvabi-bench-vllm-") as tmp:
         out["throughput"] = throughput(args, Path(tmp), tick)
-        out["prefill_skip"] = prefill_skip(args, Path(tmp), tick)
+        if not args.skip_prefill:
+            out["prefill_skip"] = prefill_skip(args, Path(tmp), tick)
     quiet = (lambda *_: None) if args.json else print
     if not args.skip_pd:
         from . import bench_pd
@@ -220,7 +224,7 @@ def run(args, tick=lambda n=1: None) -> dict:
 
 
 def report(r) -> str:
-    t, p = r["throughput"], r["prefill_skip"]
+    t, p = r["throughput"], r.get("prefill_skip")
     m, b = t["model"], t["batch"]
     lines = [f"vLLM (in-process engine, CPU, float32), Llama-like random model: {m['layers']} "
              f"layers, hidden {m['hidden']}, head size {m['head_dim']}",
@@ -242,19 +246,21 @@ def report(r) -> str:
         lines.append(f"goal: kvabi over cpu.vllm within 1.05x of vLLM's own step time "
                      f"(vllm.cpu: vLLM's cache read in place); "
                      f"measured: {cpu['time_vs_vllm']:.2f}x")
-    pm, pb = p["model"], p["batch"]
-    lines += ["",
-              f"prefill skip: Gemma-3n-like random model, {pm['layers']} layers "
-              f"({pm['kv_shared_layers']} KV-shared), {pb['prompts']} prompts x "
-              f"{pb['prompt_len']} tokens, 1 new token; kvabi backend {p['backend']}",
-              f"prefill without skip: {p['full_s'] * 1e3:.0f} ms; with kvabi prefill_skip "
-              f"(kv_sharing_fast_prefill): {p['prefill_skip_s'] * 1e3:.0f} ms; tokens "
-              f"{'same' if p['tokens_match'] else 'differ'}; "
-              f"{p['tokens_dropped_per_run']} tokens skipped per run",
-              f"goal: >= 1.6x (limit 2x); measured: {p['speedup']:.2f}x",
-              f"vLLM's own CPU attention, same model and batch: {p['vllm_own']['full_s'] * 1e3:.0f}"
-              f" ms without, {p['vllm_own']['fast_prefill_s'] * 1e3:.0f} ms with its fast "
-              f"prefill ({p['vllm_own']['speedup']:.2f}x)"]
+    if p is not None:
+        pm, pb = p["model"], p["batch"]
+        lines += ["",
+                  f"prefill skip: Gemma-3n-like random model, {pm['layers']} layers "
+                  f"({pm['kv_shared_layers']} KV-shared), {pb['prompts']} prompts x "
+                  f"{pb['prompt_len']} tokens, 1 new token; kvabi backend {p['backend']}",
+                  f"prefill without skip: {p['full_s'] * 1e3:.0f} ms; with kvabi prefill_skip "
+                  f"(kv_sharing_fast_prefill): {p['prefill_skip_s'] * 1e3:.0f} ms; tokens "
+                  f"{'same' if p['tokens_match'] else 'differ'}; "
+                  f"{p['tokens_dropped_per_run']} tokens skipped per run",
+                  f"goal: >= 1.6x (limit 2x); measured: {p['speedup']:.2f}x",
+                  f"vLLM's own CPU attention, same model and batch: "
+                  f"{p['vllm_own']['full_s'] * 1e3:.0f}"
+                  f" ms without, {p['vllm_own']['fast_prefill_s'] * 1e3:.0f} ms with its fast "
+                  f"prefill ({p['vllm_own']['speedup']:.2f}x)"]
     if "pd" in r and hasattr(r["pd"], "get") and r["pd"].get("report"):
         lines += ["", r["pd"]["report"]]
     if "tax" in r:
