@@ -516,3 +516,29 @@ def test_disconnect_forgets_the_peer():
     finally:
         a.close()
         b.close()
+
+
+def test_an_agent_whose_picked_port_was_taken_meanwhile_picks_another(monkeypatch):
+    """A port picked free may be taken by another process before NIXL binds it (servers
+    starting at once): the agent picks again; a port the caller gave is refused, naming it."""
+    import socket
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    real, picks = kv_nixl.free_port, []
+
+    def pick(host="127.0.0.1"):
+        picks.append(port if not picks else real(host))
+        return picks[-1]
+    monkeypatch.setattr(kv_nixl, "free_port", pick)
+    try:
+        agent = kv_nixl.NixlAgent("retry-port")
+        assert len(picks) == 2 and agent.port == picks[1] != port
+        agent.close()
+        with pytest.raises(KVABIError, match=rf"^nixl: could not create agent 'given-port' "
+                                             rf"listening on 127\.0\.0\.1:{port}: "):
+            kv_nixl.NixlAgent("given-port", port=port)
+    finally:
+        taken.close()

@@ -69,6 +69,10 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+#: agents created on a port picked for them before giving up when each was taken meanwhile
+BIND_TRIES = 5
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now (for tests and examples)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -195,13 +199,22 @@ class NixlAgent:
         port = None if port is None else check_port(port, "port")
         agent_cls, config_cls = nixl_api()
         self.name, self.host = name, host
-        self.port = free_port(host) if port is None else port
-        cfg = config_cls(enable_prog_thread=True, enable_listen_thread=True,
-                         listen_port=self.port, backends=list(backends))
-        try:
-            self._agent = create_agent(agent_cls, name, cfg)
-        except Exception as e:  # noqa: BLE001 - nixl raises plain exceptions
-            raise KVABIError(f"nixl: could not create agent {name!r}: {e}") from None
+        # A free port is free when picked, not when NIXL binds it: another process
+        # starting at the same time may take it first.  A port of our own picking is picked
+        # again then; a port the caller gave is the caller's to fix.
+        for attempt in range(1 if port is not None else BIND_TRIES):
+            self.port = free_port(host) if port is None else port
+            cfg = config_cls(enable_prog_thread=True, enable_listen_thread=True,
+                             listen_port=self.port, backends=list(backends))
+            try:
+                self._agent = create_agent(agent_cls, name, cfg)
+                break
+            except Exception as e:  # noqa: BLE001 - nixl raises plain exceptions
+                if (port is None and attempt + 1 < BIND_TRIES
+                        and "bind" in str(e).lower()):
+                    continue
+                raise KVABIError(f"nixl: could not create agent {name!r} listening on "
+                                 f"{host}:{self.port}: {e}") from None
         self._regs = []  # (cache, descs, rows [n, 3] address/nbytes/device, memory)
         # staging buffers of staged pulls, per (memory type, device, thread): (buffer,
         # descs); threads pulling at once never share one

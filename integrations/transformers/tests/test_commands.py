@@ -1,4 +1,5 @@
-"""The demo and `kvabi bench transformers` run end to end (tiny sizes) and report."""
+"""The demo, `kvabi bench transformers` and `kvabi bench transformers-pd` run end to end (tiny
+sizes) and report."""
 import json
 import subprocess
 import sys
@@ -60,3 +61,26 @@ def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "kvabi_transformers.cli", "demo", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--backends" in out.stdout
+
+
+def test_pd_bench_step_cost_json(capsys):
+    """`kvabi bench transformers-pd` (without --vllm-python: the per-step part only) is a
+    registered suite, reports both sides' times, their ratio against the 1.05x goal, and the
+    connector's own time per loop iteration it measured."""
+    from kvabi.backend.registry import plugin_manager
+    import kvabi_transformers.tools.bench_pd as bench_pd
+
+    suites = {}
+    for d in plugin_manager().hook.kvabi_bench_suites():
+        suites.update(d)
+    assert suites["transformers-pd"] is bench_pd.main
+    rc = bench_pd.main(["--json", "--prompts", "2", "--prompt-len", "16", "--new-tokens", "4",
+                        "--repeat", "1", "--backend", "reference"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r) == {"step"}  # no per-request part without --vllm-python
+    s = r["step"]
+    assert s["off_s"] > 0 and s["on_s"] > 0 and s["goal"] == 1.05
+    assert s["ratio"] == pytest.approx(s["on_s"] / s["off_s"])
+    assert s["connector_steps"] > 0 and s["connector_us_per_step"] > 0
+

@@ -24,7 +24,7 @@ def kv_values(cache, slots) -> dict:
     for name in lay.component_names:
         per_layer = []
         for layer in range(lay.num_layers):
-            v = to_numpy(cache.component_view(name, layer))  # [B, N, H, E]
+            v = to_numpy(cache.component_view(layer, name))  # [B, N, H, E]
             b = slots // bs if v.shape[0] > 1 else np.zeros_like(slots)
             n = slots % bs if v.shape[1] > 1 else np.zeros_like(slots)
             x = np.ascontiguousarray(v[b, n])  # [tokens, H or 1, E]

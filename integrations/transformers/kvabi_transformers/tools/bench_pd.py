@@ -133,7 +133,9 @@ def per_request(a, progress=print) -> dict:
         urls, logs = run["urls"], run["logs"]
         for name, via in (("cross-engine (vLLM -> transformers)", "vt"),
                           ("within one engine (transformers -> transformers)", "tt")):
-            before = len(call(urls["t"] + "/kvabi/status")[1]["models"][0]["pd"]["pulls"])
+            # None until the server's first request starts its batching manager
+            before = len(call(urls["t"] + "/kvabi/status")[1]["models"][0]["pd"]["pulls"]
+                         or [])
             seen = len(logs["t"].read_text())
             rows = []
             for p in [prompts[0]] + prompts:  # the first: connect and negotiate (not counted)

@@ -70,7 +70,6 @@ def main(argv=None) -> int:
                                            "t2v": ("transformers", "vllm")},
                     vllm_python=a.vllm_python) as run:
         urls, logs = run["urls"], run["logs"]
-        status = call(urls["transformers"] + "/kvabi/status", timeout=60)[1]
         for direction, (prefill, decode) in (("v2t", ("vllm", "transformers")),
                                              ("t2v", ("transformers", "vllm"))):
             got, text = complete(urls[direction], PROMPT, a.tokens)
@@ -80,6 +79,9 @@ def main(argv=None) -> int:
             print(f"  prefilled by {prefill}, decoded by {decode} (through the proxy): "
                   f"{got}\n    {'equal to' if same else 'DIFFERENT FROM'} {decode}'s own "
                   f"tokens {own}; text {text!r}")
+        # after the requests: transformers starts its batching manager (and the P/D
+        # connector whose parts this reports) with the first request
+        status = call(urls["transformers"] + "/kvabi/status", timeout=60)[1]
         t = status["models"][0]
         print(f"  transformers serves {t['backend']} layouts {t['layouts']}, "
               f"{t['block_size']}-token blocks; P/D parts {t['pd']['parts']}")

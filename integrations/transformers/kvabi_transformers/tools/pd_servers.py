@@ -110,8 +110,13 @@ def call(url: str, body=None, *, timeout: float = 120.0) -> tuple[int, object]:
 
 
 def tails(logs: dict, chars: int = 3000) -> str:
-    return "\n".join(f"== {name} ({path})\n{Path(path).read_text()[-chars:]}"
-                     for name, path in logs.items())
+    """The last ``chars`` of each log; a log not written yet (a proxy that was not started
+    because a server before it failed) is said to be so, so the failure's report is not
+    lost to a FileNotFoundError."""
+    def tail(path):
+        path = Path(path)
+        return path.read_text()[-chars:] if path.exists() else "(not started: no log)"
+    return "\n".join(f"== {name} ({path})\n{tail(path)}" for name, path in logs.items())
 
 
 #: what a server's log says when the port it was given was taken before it bound it (free
