@@ -214,7 +214,9 @@ def test_a_prefill_server_holding_a_grant_nobody_reads_stays_idle(pd):
     time.sleep(window)
     holding = _cpu_seconds(pid) - c0
     assert guard_proxy.kv_usage(pd["prefill"]) > 0, "the grant was released meanwhile"
-    assert holding <= 5 * max(idle, 0.05 * window), \
+    # the spin this catches cost ~1.2 cores; a held grant's own polling measures 0.2-0.3
+    # cores on a loaded 2-core host, so half a core separates the two with room
+    assert holding <= max(5 * idle, 0.5 * window), \
         f"holding a grant: {holding / window:.2f} cores; idle: {idle / window:.2f} cores"
     # the grant freed the way the proxy frees one it does not hand over
     from kvabi.pd.release import GrantReleaser
