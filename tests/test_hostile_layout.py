@@ -38,6 +38,10 @@ def make(**over):
     (dict(packing=True), "packing"),
     (dict(packing=2.0), "packing"),
     (dict(folds="HD"), "folds"),
+    # an empty fold or one of one axis (the thorough fuzz found [[]] raising IndexError)
+    (dict(folds=[[]]), "folds"),
+    (dict(folds=[["H"]]), "folds"),
+    (dict(folds=[[], ["H", "D"]]), "folds"),
     (dict(name=5), "name"),
     (dict(dtype=["float32"]), "dtype"),
 ])

@@ -95,8 +95,8 @@ def axis_geometry(lay) -> AxisGeometry:
                 f"must be an int >= {natural} (the bytes the strides reach)", nbytes)
     nplanes = math.prod(sizes[a] for a in lay.planes)
     checked_bytes(nplanes * nbytes, "sizes", f"the bytes of all {nplanes} planes")
+    _check_folds(lay, stride, extent)  # before the folds are used to group axes
     groups = _view_groups(lay)
-    _check_folds(lay, stride, extent)
     h_group = next(i for i, g in enumerate(groups) if "H" in g)
     if lay.packing is not None:
         e = math.prod(extent(a) for a in groups[h_group])
